@@ -1,0 +1,193 @@
+"""The decoder, from scratch: Llama and Qwen2 families (RMSNorm, RoPE, GQA, SwiGLU).
+
+``forward(input_ids, positions, attn)`` takes a flat batch of T tokens and an attention
+context; it never changes shape between prefill and decode. The attention context decides
+where K/V live (a contiguous cache in phase 01, the paged pool in the engine); the ops
+object decides whether the small fused ops run as PyTorch or Triton.
+
+Weights are stored fused (q|k|v in one matrix, gate|up in another) so each layer makes
+four matrix products; ``load_weights`` takes Hugging Face names and places them.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .ops import TorchOps, rope_cos_sin
+
+
+class AttentionContext(Protocol):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (RoPE applied) -> [T, Hq, D]; stores k/v first."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
+        T = x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(q, k, positions, cos_sin)
+        o = attn.attend(self.layer, q, k, v, self.scale)  # [T, Hq, D]
+        return self.ops.linear(o.reshape(T, self.q_size), self.o_proj.weight, None)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)  # [T, 2I]
+        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight, None)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ops) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
+
+    def forward(self, x, residual, positions, cos_sin, attn):
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, cos_sin, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Decoder(nn.Module):
+    """A causal LM. ``forward`` returns final hidden states [T, H];
+    ``compute_logits`` turns the rows you need into fp32 logits [N, V]."""
+
+    def __init__(self, cfg: ModelConfig, ops=None, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops or TorchOps()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.ops)
+        if cfg.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer(
+            "cos_sin",
+            rope_cos_sin(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling),
+            persistent=False,
+        )
+
+    def _apply(self, fn, recurse=True):
+        # .to(bf16) must not round the RoPE table: rebuild it in fp32 on its new device
+        super()._apply(fn, recurse)
+        if self.cos_sin.dtype != torch.float32:
+            cfg = self.cfg
+            self.cos_sin = rope_cos_sin(
+                cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling, self.cos_sin.device
+            )
+        return self
+
+    def set_ops(self, ops) -> None:
+        """Swap the implementation of the small ops (PyTorch reference or Triton) everywhere."""
+        self.ops = ops
+        for m in self.modules():
+            if hasattr(m, "ops"):
+                m.ops = ops
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        # input_ids, positions: [T]
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.cos_sin, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.ops.linear(hidden, weight, None).float()
+
+    # ----------------------------------------------------------------------------- weights
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        """Place Hugging Face-named tensors (``model.layers.3.self_attn.q_proj.weight``…).
+
+        Every parameter must be covered exactly; shape mismatches and missing or unknown
+        names raise an error that names the checkpoint and the tensor.
+        """
+        params = dict(self.named_parameters())
+        loaded: dict[str, int] = {}  # fused parameter -> number of shards placed
+        qs, ks = self.cfg.q_size, self.cfg.kv_size
+        inter = self.cfg.intermediate_size
+        shard_slices = {
+            "q_proj": ("qkv_proj", 0, qs), "k_proj": ("qkv_proj", qs, ks), "v_proj": ("qkv_proj", qs + ks, ks),
+            "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter),
+        }
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, rows = name, None
+            for shard, (fused, start, size) in shard_slices.items():
+                if f".{shard}." in name:
+                    target, rows = name.replace(shard, fused), (start, size)
+                    break
+            if target not in params:
+                raise ValueError(f"{source}: unexpected tensor {hf_name!r} for a {self.cfg.architecture} model")
+            param = params[target]
+            dest = param.data if rows is None else param.data.narrow(0, rows[0], rows[1])
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor.to(dest.dtype))
+            loaded[target] = loaded.get(target, 0) + 1
+        expected_shards = {n: (3 if "qkv_proj.weight" in n or "qkv_proj.bias" in n else 2 if "gate_up" in n else 1) for n in params}
+        missing = [n for n in params if loaded.get(n, 0) < expected_shards[n]]
+        if missing:
+            raise ValueError(f"{source}: missing weights for {missing[:5]}{' …' if len(missing) > 5 else ''}")
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights (for shapes with no checkpoint here): normal(0, std) matrices, norms at 1."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
