@@ -1,0 +1,421 @@
+"""Batched next-token sampling on the device.
+
+One ``Sampler.sample`` call per engine step turns ``logits[B, V]`` into B token ids with
+one device->host sync (the final read of the packed results). The pipeline, per row:
+
+    min_tokens ban -> repetition/presence/frequency penalties      ("penalised logits")
+      -> temperature -> top-k -> top-p -> min-p -> softmax          ("sampling probs")
+      -> exponential race: argmax(probs / q), q ~ Exp(1) per token
+
+Rows with ``temperature == 0`` take the argmax of the penalised logits.
+
+Randomness. ``argmax(p_i / q_i)`` with i.i.d. ``q_i ~ Exp(1)`` draws i with probability
+``p_i`` (the exponential race), and needs no host sync, unlike ``torch.multinomial``.
+For a seeded row, ``q_i = -log(u)`` where ``u`` is a counter-based hash of
+``(seed, step = len(output_token_ids), token id i)``: the draw depends on nothing else
+in the batch, so the same seed gives the same text whatever it is batched with. Unseeded
+rows draw ``q`` from a ``torch.Generator`` owned by the sampler.
+
+Logprobs (like vLLM's default) describe the model's distribution, not the sampling one:
+``log_softmax`` of the penalised logits, before temperature, top-k, top-p and min-p.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from pageserve.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash
+_TOKEN_MUL = 0xD6E8FEB86659FD93
+_UNIFORM_BITS = 23  # u = (k + 0.5) / 2**23 is exact in fp32 and strictly inside (0, 1)
+
+
+def _signed64(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(x: Tensor, s: int) -> Tensor:
+    """Logical right shift of an int64 tensor (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64_tensor(x: Tensor) -> Tensor:
+    """splitmix64 finaliser on int64 tensors; multiplication wraps like uint64."""
+    x = (x ^ _srl(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * _signed64(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def seeded_uniform(seed: int, step: int, token: int) -> float:
+    """The uniform in (0, 1) that seeded sampling uses for ``token`` at output ``step``.
+
+    Plain-Python definition; ``Sampler`` computes the same numbers vectorised on device.
+    """
+    row = _mix64((seed & _MASK64) + _GOLDEN * (step + 1))
+    h = _mix64(row + _TOKEN_MUL * (token + 1))
+    return ((h >> (64 - _UNIFORM_BITS)) + 0.5) / (1 << _UNIFORM_BITS)
+
+
+def seeded_uniform_tensor(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
+    """``seeded_uniform`` for every token: seeds, steps int64 [S] -> fp32 [S, vocab_size]."""
+    row = _mix64_tensor(seeds + steps.add(1).mul(_signed64(_GOLDEN)))  # [S]
+    tokens = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)
+    h = _mix64_tensor(row[:, None] + tokens.mul(_signed64(_TOKEN_MUL))[None, :])  # [S, V]
+    return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
+
+
+@dataclass
+class SamplerOutput:
+    """The result of one sampling step for B rows.
+
+    ``logprobs``: None unless some row asked for logprobs; then one float per row (the
+    sampled token's logprob under the penalised, pre-temperature distribution).
+    ``top_logprobs``: None unless some row asked for ``logprobs >= 1``; then one list
+    per row, ``params.logprobs`` long (empty for rows that did not ask), of
+    ``(token_id, logprob)`` sorted by decreasing logprob.
+    """
+
+    token_ids: list[int]
+    token_ids_gpu: Tensor  # [B] long, on the sampler's device
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+# rows of the per-step float parameter pack
+_TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(7)
+
+
+class Sampler:
+    """Samples B next tokens from ``logits[B, V]`` under per-row ``SamplingParams``.
+
+    ``vocab_size`` columns are used (padding columns of the LM head beyond it are
+    ignored). ``eos_token_ids`` are banned, together with each row's
+    ``stop_token_ids``, while a row has fewer than ``min_tokens`` output tokens
+    (eos only unless ``ignore_eos``). ``seed`` seeds the generator of unseeded rows.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    # ----------------------------------------------------------------- public
+    def sample(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        seeds: list[int | None],
+    ) -> SamplerOutput:
+        """Sample one token per row. ``logits``: [B, >= vocab_size] on the device.
+
+        ``seeds[i]`` is row i's seed (already derived with ``child_seed`` for n > 1);
+        its random draw depends only on (seed, len(output_token_ids[i]), token id).
+        """
+        logits = logits[:, : self.vocab_size]
+        if self._all_plain_greedy(params, output_token_ids):
+            token_ids_gpu = logits.argmax(dim=-1)
+            return SamplerOutput(token_ids_gpu.tolist(), token_ids_gpu)
+
+        penalised, probs, greedy_rows = self._process(
+            logits, params, prompt_token_ids, output_token_ids
+        )
+        B = logits.shape[0]
+        if probs is None:  # every row greedy
+            token_ids_gpu = penalised.argmax(dim=-1)
+        else:
+            q = self._exponential_noise(probs, seeds, output_token_ids)
+            token_ids_gpu = probs.div_(q).argmax(dim=-1)
+            if greedy_rows:
+                is_greedy = torch.zeros(B, dtype=torch.bool)
+                is_greedy[greedy_rows] = True
+                is_greedy = self._to_device(is_greedy)
+                token_ids_gpu = torch.where(is_greedy, penalised.argmax(dim=-1), token_ids_gpu)
+
+        want_logprobs = any(p.logprobs is not None for p in params)
+        if not want_logprobs:
+            return SamplerOutput(token_ids_gpu.tolist(), token_ids_gpu)
+
+        # pack ids, sampled logprobs and top-k into one fp32 tensor: one sync.
+        # Token ids < 2**24 are exact in fp32.
+        logp = penalised.log_softmax(dim=-1)  # [B, V]
+        parts = [token_ids_gpu.float()[:, None], logp.gather(1, token_ids_gpu[:, None])]
+        k_max = max((p.logprobs or 0) for p in params)
+        if k_max:
+            top_v, top_i = logp.topk(min(k_max, self.vocab_size), dim=-1)
+            parts += [top_v, top_i.float()]
+        host = torch.cat(parts, dim=1).tolist()  # the one device->host sync
+        token_ids = [int(r[0]) for r in host]
+        logprobs = [r[1] for r in host]
+        top_logprobs = None
+        if k_max:
+            k_max = min(k_max, self.vocab_size)
+            top_logprobs = []
+            for p, r in zip(params, host):
+                k = min(p.logprobs or 0, k_max)
+                top_logprobs.append(
+                    [(int(r[2 + k_max + j]), r[2 + j]) for j in range(k)]
+                )
+        return SamplerOutput(token_ids, token_ids_gpu, logprobs, top_logprobs)
+
+    def probs(
+        self,
+        logits: Tensor,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+    ) -> Tensor:
+        """The distribution each row draws from, [B, V] normalised; one-hot for greedy rows."""
+        logits = logits[:, : self.vocab_size]
+        penalised, probs, greedy_rows = self._process(
+            logits, params, prompt_token_ids, output_token_ids
+        )
+        if probs is None:
+            probs = torch.zeros_like(penalised)
+        else:
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        if greedy_rows:
+            rows = torch.tensor(greedy_rows, device=probs.device)
+            one_hot = torch.zeros_like(probs[rows])
+            one_hot.scatter_(1, penalised[rows].argmax(dim=-1, keepdim=True), 1.0)
+            probs[rows] = one_hot
+        return probs
+
+    # ---------------------------------------------------------------- helpers
+    def _all_plain_greedy(self, params, output_token_ids) -> bool:
+        for p, out in zip(params, output_token_ids):
+            if (
+                p.temperature != 0
+                or p.logprobs is not None
+                or p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0
+                or p.frequency_penalty != 0.0
+                or len(out) < p.min_tokens
+            ):
+                return False
+        return True
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t.to(self.device)
+
+    def _banned_tokens(self, p: SamplingParams, n_out: int) -> list[int]:
+        if n_out >= p.min_tokens:
+            return []
+        banned = list(p.stop_token_ids)
+        if not p.ignore_eos:
+            banned += self.eos_token_ids
+        return [t for t in banned if t < self.vocab_size]
+
+    def _process(self, logits, params, prompt_token_ids, output_token_ids):
+        """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows)."""
+        B, V = logits.shape
+        logits = logits.float()
+        table = torch.tensor(
+            [
+                [
+                    p.temperature if p.temperature > 0 else 1.0,
+                    p.top_k if p.top_k > 0 else V,
+                    p.top_p if p.top_p < 1.0 else 2.0,  # 2.0: can never trim
+                    p.min_p,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                ]
+                for p in params
+            ],
+            dtype=torch.float32,
+        ).T.contiguous()  # [7, B]
+        table = self._to_device(table)
+
+        # min_tokens: ban eos / stop tokens
+        ban_rows, ban_ids = [], []
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            banned = self._banned_tokens(p, len(out))
+            ban_rows += [i] * len(banned)
+            ban_ids += banned
+        if ban_rows:
+            logits = logits.clone()
+            idx = self._to_device(torch.tensor([ban_rows, ban_ids], dtype=torch.int64))
+            logits[idx[0], idx[1]] = float("-inf")
+
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        if pen_rows:
+            logits = self._apply_penalties(
+                logits, table, pen_rows, params, prompt_token_ids, output_token_ids
+            )
+
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
+        if len(greedy_rows) == B:
+            return logits, None, greedy_rows
+
+        x = logits / table[_TEMP][:, None]  # [B, V]
+        need_top_k = any(p.top_k > 0 for p in params)
+        need_top_p = any(p.top_p < 1.0 for p in params)
+        if need_top_k or need_top_p:
+            sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
+            if need_top_k:
+                rank = torch.arange(V, device=x.device)
+                sorted_x = sorted_x.masked_fill(rank[None, :] >= table[_TOP_K][:, None], float("-inf"))
+            if need_top_p:
+                p_sorted = sorted_x.softmax(dim=-1)
+                mass_before = p_sorted.cumsum(dim=-1) - p_sorted
+                sorted_x = sorted_x.masked_fill(mass_before >= table[_TOP_P][:, None], float("-inf"))
+            x = torch.empty_like(x).scatter_(1, order, sorted_x)
+        probs = x.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return logits, probs, greedy_rows
+
+    def _apply_penalties(self, logits, table, rows, params, prompt_token_ids, output_token_ids):
+        V = logits.shape[1]
+
+        def padded(lists):  # pad with V: an extra column that is dropped after scatter
+            width = max(1, max(len(t) for t in lists))
+            return self._to_device(
+                torch.tensor([t + [V] * (width - len(t)) for t in lists], dtype=torch.int64)
+            )
+
+        rows_t = self._to_device(torch.tensor(rows, dtype=torch.int64))
+        sub = logits.index_select(0, rows_t)  # [P, V]
+        t = table.index_select(1, rows_t)  # [7, P]
+        out_ids = padded([output_token_ids[i] for i in rows])
+        counts = torch.zeros(len(rows), V + 1, device=logits.device)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+        counts = counts[:, :V]
+        if any(params[i].repetition_penalty != 1.0 for i in rows):
+            seen = torch.zeros(len(rows), V + 1, device=logits.device)
+            seen.scatter_(1, padded([prompt_token_ids[i] for i in rows]), 1.0)
+            seen = (seen[:, :V] > 0) | (counts > 0)
+            rep = t[_REP][:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - t[_FREQ][:, None] * counts - t[_PRES][:, None] * (counts > 0).float()
+        return logits.index_copy(0, rows_t, sub)
+
+    def _exponential_noise(self, probs, seeds, output_token_ids) -> Tensor:
+        """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest."""
+        B, V = probs.shape
+        seeded = [i for i, s in enumerate(seeds) if s is not None]
+        q = torch.empty_like(probs)
+        if len(seeded) < B:
+            q.exponential_(generator=self.generator)
+            q.clamp_min_(1e-30)  # a zero would turn p / q into inf (or nan for p == 0)
+        if seeded:
+            packed = self._to_device(
+                torch.tensor(
+                    [
+                        seeded,
+                        [_signed64(seeds[i]) for i in seeded],
+                        [len(output_token_ids[i]) for i in seeded],
+                    ],
+                    dtype=torch.int64,
+                )
+            )
+            noise = seeded_uniform_tensor(packed[1], packed[2], V).log_().neg_()
+            if len(seeded) == B:
+                q = noise
+            else:
+                q[packed[0]] = noise
+        return q
+
+
+# --------------------------------------------------------------- reference
+def sample_reference(
+    logits: Tensor,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    seeds: list[int | None],
+    eos_token_ids: Sequence[int] = (),
+    generator: torch.Generator | None = None,
+) -> tuple[SamplerOutput, Tensor]:
+    """Row-by-row plain version of ``Sampler.sample``, for tests.
+
+    Returns ``(output, probs)`` where ``probs[B, V]`` is the normalised distribution
+    each row draws from (one-hot for greedy rows). Seeded rows use ``seeded_uniform``
+    token by token, so they pick the same tokens as ``Sampler``; unseeded rows use
+    ``torch.multinomial``.
+    """
+    B, V = logits.shape
+    token_ids, logprobs, top_logprobs, all_probs = [], [], [], []
+    for i in range(B):
+        p, prompt, out = params[i], prompt_token_ids[i], output_token_ids[i]
+        row = logits[i].float().clone()
+        if len(out) < p.min_tokens:
+            for t in list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)):
+                if t < V:
+                    row[t] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            for t in set(prompt) | set(out):
+                row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+        for t, c in Counter(out).items():
+            row[t] -= p.frequency_penalty * c + p.presence_penalty
+        logp = torch.log_softmax(row, dim=-1)
+
+        if p.temperature == 0:
+            token = int(row.argmax())
+            probs = torch.zeros(V)
+            probs[token] = 1.0
+        else:
+            x = row / p.temperature
+            if p.top_k > 0:
+                sorted_x, order = x.sort(descending=True)
+                x = torch.full_like(x, float("-inf"))
+                x[order[: p.top_k]] = sorted_x[: p.top_k]
+            if p.top_p < 1.0:
+                sorted_x, order = x.sort(descending=True)
+                sp = sorted_x.softmax(-1)
+                kept, mass = [], 0.0
+                for j in range(V):
+                    if mass >= p.top_p:
+                        break
+                    kept.append(int(order[j]))
+                    mass += float(sp[j])
+                y = torch.full_like(x, float("-inf"))
+                y[kept] = x[kept]
+                x = y
+            probs = x.softmax(-1)
+            if p.min_p > 0:
+                probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
+            probs = probs / probs.sum()
+            if seeds[i] is not None:
+                step = len(out)
+                q = torch.tensor([-math.log(seeded_uniform(seeds[i], step, t)) for t in range(V)])
+                token = int((probs / q).argmax())
+            else:
+                token = int(torch.multinomial(probs, 1, generator=generator))
+        token_ids.append(token)
+        all_probs.append(probs)
+        logprobs.append(float(logp[token]))
+        k = p.logprobs or 0
+        top_v, top_i = logp.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        top_logprobs.append(list(zip(top_i.tolist(), top_v.tolist())))
+    out = SamplerOutput(
+        token_ids,
+        torch.tensor(token_ids, device=logits.device),
+        logprobs if any(p.logprobs is not None for p in params) else None,
+        top_logprobs if any((p.logprobs or 0) > 0 for p in params) else None,
+    )
+    return out, torch.stack(all_probs)
