@@ -1,0 +1,337 @@
+import math
+
+import pytest
+import torch
+
+from pageserve.sampler import (
+    Sampler,
+    sample_reference,
+    seeded_uniform,
+    seeded_uniform_tensor,
+)
+from pageserve.sampling_params import SamplingParams, child_seed
+
+V = 96
+
+
+def rand_logits(B, V=V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, V, generator=g) * 3
+
+
+def token_lists(B, length, seed=1, V=V):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (length,), generator=g).tolist() for _ in range(B)]
+
+
+# --------------------------------------------------------------- params
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("n", 0),
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("frequency_penalty", -2.5),
+        ("seed", 1.5),
+        ("max_tokens", 0),
+        ("min_tokens", -1),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("logprobs", -1),
+        ("ignore_eos", "yes"),
+    ],
+)
+def test_invalid_params_raise_clear_errors(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens_is_rejected():
+    with pytest.raises(ValueError, match="min_tokens.*max_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+    SamplingParams(min_tokens=10, max_tokens=None)
+
+
+def test_stop_is_normalised_to_a_list_and_top_k_zero_means_off():
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams().stop == []
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+    assert SamplingParams(top_k=0).top_k == -1
+
+
+def test_child_seed_keeps_index_zero_and_gives_distinct_children():
+    assert child_seed(42, 0) == 42
+    assert child_seed(None, 3) is None
+    kids = {child_seed(42, i) for i in range(100)}
+    assert len(kids) == 100
+    assert child_seed(42, 1) != child_seed(43, 1)
+
+
+# ------------------------------------------------------------ the hash
+def test_vectorised_hash_matches_python_definition():
+    seeds = [0, 1, 12345, -7, 2**63 - 1, 2**64 - 5]
+    steps = [0, 3, 1000, 5, 0, 9]
+    from pageserve.sampler import _signed64
+
+    got = seeded_uniform_tensor(
+        torch.tensor([_signed64(s) for s in seeds]), torch.tensor(steps), 40
+    )
+    want = torch.tensor([[seeded_uniform(s, st, t) for t in range(40)] for s, st in zip(seeds, steps)])
+    assert torch.equal(got, want.float())
+    assert got.min() > 0 and got.max() < 1
+    # well spread: mean of many uniforms near 1/2, and no two rows alike
+    assert abs(got.mean().item() - 0.5) < 0.05
+    assert len({tuple(r) for r in got.tolist()}) == len(seeds)
+
+
+# -------------------------------------------------------------- greedy
+def test_all_greedy_batch_is_argmax():
+    logits = rand_logits(5)
+    s = Sampler(V, "cpu")
+    out = s.sample(logits, [SamplingParams(temperature=0)] * 5, [[1]] * 5, [[]] * 5, [None] * 5)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    assert out.token_ids_gpu.dtype == torch.long
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_padding_columns_beyond_vocab_are_never_sampled():
+    logits = rand_logits(3, V + 8)
+    logits[:, V:] = 100.0
+    s = Sampler(V, "cpu", seed=0)
+    params = [SamplingParams(temperature=0), SamplingParams(seed=1), SamplingParams()]
+    for _ in range(5):
+        out = s.sample(logits, params, [[1]] * 3, [[]] * 3, [None, 1, None])
+        assert max(out.token_ids) < V
+
+
+def test_top_k_1_equals_greedy():
+    logits = rand_logits(6)
+    s = Sampler(V, "cpu", seed=0)
+    params = [SamplingParams(temperature=1.5, top_k=1)] * 6
+    out = s.sample(logits, params, [[1]] * 6, [[]] * 6, [None, 1, None, 2, None, 3])
+    assert out.token_ids == logits.argmax(-1).tolist()
+
+
+def test_temperature_zero_rows_are_argmax_in_mixed_batch():
+    logits = rand_logits(8)
+    s = Sampler(V, "cpu", seed=0)
+    params = [SamplingParams(temperature=0 if i % 2 else 5.0) for i in range(8)]
+    outs = [s.sample(logits, params, [[1]] * 8, [[]] * 8, [None] * 8).token_ids for _ in range(10)]
+    argmax = logits.argmax(-1).tolist()
+    for out in outs:
+        assert [out[i] for i in range(1, 8, 2)] == [argmax[i] for i in range(1, 8, 2)]
+    # the hot rows really sample (not argmax every time)
+    assert any(out[0] != argmax[0] for out in outs)
+
+
+# ---------------------------------------------------------------- seeds
+def test_same_seed_same_tokens_whatever_else_is_in_the_batch():
+    logits = rand_logits(7)
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=777)
+    alone = Sampler(V, "cpu", seed=0).sample(logits[3:4], [target], [[5]], [[1, 2]], [777])
+    others = [SamplingParams(temperature=0.7, top_k=5, repetition_penalty=1.2, logprobs=2)] * 6
+    params = others[:3] + [target] + others[3:]
+    seeds = [None, 5, None, 777, 9, None, None]
+    crowd = Sampler(V, "cpu", seed=123).sample(
+        logits, params, [[5]] * 7, [[1, 2], [], [3], [1, 2], [4, 4, 4], [], [0]], seeds
+    )
+    assert crowd.token_ids[3] == alone.token_ids[0]
+
+
+def test_seeded_draw_changes_with_step_and_seed():
+    logits = rand_logits(1).expand(64, V).contiguous() * 0  # uniform distribution
+    s = Sampler(V, "cpu")
+    by_seed = s.sample(logits, [SamplingParams()] * 64, [[1]] * 64, [[]] * 64, list(range(64)))
+    assert len(set(by_seed.token_ids)) > 20
+    by_step = [
+        s.sample(logits[:1], [SamplingParams()], [[1]], [[0] * step], [5]).token_ids[0]
+        for step in range(32)
+    ]
+    assert len(set(by_step)) > 10
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.0),
+        dict(temperature=0.6, top_k=7),
+        dict(temperature=1.3, top_p=0.8),
+        dict(temperature=0.9, min_p=0.05),
+        dict(temperature=1.0, top_k=20, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+             presence_penalty=0.5, frequency_penalty=0.3),
+    ],
+)
+def test_seeded_sampling_picks_the_reference_tokens(kw):
+    B = 6
+    logits = rand_logits(B, seed=11)
+    params = [SamplingParams(**kw)] * B
+    prompts, outs = token_lists(B, 10, seed=2), token_lists(B, 4, seed=3)
+    seeds = [10 * i + 1 for i in range(B)]
+    got = Sampler(V, "cpu").sample(logits, params, prompts, outs, seeds)
+    want, _ = sample_reference(logits, params, prompts, outs, seeds)
+    assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_samples_follow_the_softmax_distribution(seeded):
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6)
+    n = 6000
+    s = Sampler(6, "cpu", seed=0)
+    params = [SamplingParams(temperature=1.0)] * n
+    seeds = list(range(n)) if seeded else [None] * n
+    out = s.sample(logits.expand(n, 6), params, [[0]] * n, [[]] * n, seeds)
+    freq = torch.bincount(out.token_ids_gpu, minlength=6).float() / n
+    assert (freq - logits.softmax(-1)[0]).abs().max() < 0.025
+
+
+# -------------------------------------------------------------- filters
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(top_k=5),
+        dict(top_p=0.7),
+        dict(min_p=0.1),
+        dict(temperature=0.5, top_k=10, top_p=0.9, min_p=0.05),
+        dict(temperature=2.0, top_p=0.3),
+    ],
+)
+def test_filtered_probabilities_match_reference(kw):
+    B = 5
+    logits = rand_logits(B, seed=4)
+    params = [SamplingParams(**kw)] * (B - 1) + [SamplingParams(temperature=0.8)]
+    prompts, outs = [[1]] * B, [[]] * B
+    got = Sampler(V, "cpu").probs(logits, params, prompts, outs)
+    _, want = sample_reference(logits, params, prompts, outs, [None] * B)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    s = Sampler(4, "cpu")
+    for top_p, kept in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.99, 4)]:
+        probs = s.probs(logits, [SamplingParams(top_p=top_p)], [[0]], [[]])[0]
+        assert (probs > 0).sum().item() == kept, top_p
+
+
+def test_min_p_filters_low_probability_tokens():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = Sampler(4, "cpu").probs(logits, [SamplingParams(min_p=0.2)], [[0]], [[]])[0]
+    # threshold = 0.2 * 0.5 = 0.1: 0.05 goes, the rest is renormalised
+    torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+
+
+def test_rows_with_filters_off_are_unaffected_by_filtered_rows():
+    logits = rand_logits(3)
+    params = [SamplingParams(top_k=3), SamplingParams(temperature=0.7), SamplingParams(top_p=0.2)]
+    probs = Sampler(V, "cpu").probs(logits, params, [[1]] * 3, [[]] * 3)
+    torch.testing.assert_close(probs[1], (logits[1] / 0.7).softmax(-1))
+    assert (probs[0] > 0).sum() == 3
+
+
+# ------------------------------------------------------------ penalties
+def test_repetition_penalty_matches_reference():
+    B = 4
+    logits = rand_logits(B, seed=5)
+    params = [SamplingParams(temperature=1.0, repetition_penalty=r) for r in (1.0, 1.1, 1.5, 0.8)]
+    prompts, outs = token_lists(B, 30, seed=6), token_lists(B, 12, seed=7)
+    got = Sampler(V, "cpu").probs(logits, params, prompts, outs)
+    _, want = sample_reference(logits, params, prompts, outs, [None] * B)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    p = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    probs = Sampler(4, "cpu").probs(logits, [p], [[0]], [[1]])  # 0 from prompt, 1 from output
+    want = torch.tensor([1.0, -4.0, 1.0, 0.5]).softmax(-1)
+    torch.testing.assert_close(probs[0], want)
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 4)
+    p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
+    probs = Sampler(4, "cpu").probs(logits, [p], [[3, 3, 3]], [[0, 0, 1]])
+    want = torch.tensor([-(0.5 + 0.5), -(0.5 + 0.25), 0.0, 0.0]).softmax(-1)
+    torch.testing.assert_close(probs[0], want)
+
+
+def test_presence_frequency_penalties_match_reference_in_mixed_batch():
+    B = 4
+    logits = rand_logits(B, seed=8)
+    params = [
+        SamplingParams(presence_penalty=1.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(frequency_penalty=-0.7, repetition_penalty=1.2),
+        SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0, top_k=30),
+    ]
+    prompts, outs = token_lists(B, 20, seed=9), [[], [1, 1], [2, 2, 3], [4] * 9 + [5]]
+    got = Sampler(V, "cpu").probs(logits, params, prompts, outs)
+    _, want = sample_reference(logits, params, prompts, outs, [None] * B)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_greedy_rows_with_penalties_take_argmax_of_penalised_logits():
+    logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
+    p = SamplingParams(temperature=0, presence_penalty=1.0)
+    out = Sampler(4, "cpu").sample(logits, [p], [[]], [[0]], [None])
+    assert out.token_ids == [1]
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    logits = torch.tensor([[9.0, 8.0, 7.0, 0.0]])
+    s = Sampler(4, "cpu", eos_token_ids=[0])
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    assert s.sample(logits, [p], [[]], [[3]], [None]).token_ids == [2]
+    assert s.sample(logits, [p], [[]], [[3, 3]], [None]).token_ids == [0]
+    p2 = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert s.sample(logits, [p2], [[]], [[3]], [None]).token_ids == [0]
+
+
+# ------------------------------------------------------------- logprobs
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    B = 4
+    logits = rand_logits(B, seed=12)
+    params = [
+        SamplingParams(temperature=0.3, top_k=4, logprobs=0),
+        SamplingParams(temperature=0, logprobs=0),
+        SamplingParams(temperature=2.0, top_p=0.5, min_p=0.1, logprobs=0, seed=3),
+        SamplingParams(temperature=1.0),
+    ]
+    out = Sampler(V, "cpu", seed=0).sample(logits, params, [[1]] * B, [[]] * B, [None] * B)
+    raw = logits.log_softmax(-1)
+    want = [raw[i, t].item() for i, t in enumerate(out.token_ids)]
+    assert out.logprobs == pytest.approx(want, abs=1e-5)
+    assert out.top_logprobs is None
+
+
+def test_logprobs_include_penalties_but_not_temperature():
+    logits = rand_logits(1, seed=13)
+    p = SamplingParams(temperature=0.5, repetition_penalty=1.5, logprobs=1, seed=0)
+    out = Sampler(V, "cpu").sample(logits, [p], [[3, 4]], [[5]], [0])
+    ref, _ = sample_reference(logits, [p], [[3, 4]], [[5]], [0])
+    assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert out.top_logprobs[0][0][0] == ref.top_logprobs[0][0][0]
+
+
+def test_top_logprobs_sorted_and_k_long():
+    B = 3
+    logits = rand_logits(B, seed=14)
+    params = [SamplingParams(logprobs=5), SamplingParams(logprobs=None), SamplingParams(logprobs=2)]
+    out = Sampler(V, "cpu", seed=0).sample(logits, params, [[1]] * B, [[]] * B, [1, 2, 3])
+    assert [len(t) for t in out.top_logprobs] == [5, 0, 2]
+    raw = logits.log_softmax(-1)
+    for i, tops in enumerate(out.top_logprobs):
+        values = [v for _, v in tops]
+        assert values == sorted(values, reverse=True)
+        ids = [t for t, _ in tops]
+        assert ids == raw[i].topk(len(ids)).indices.tolist()
+        for t, v in tops:
+            assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
