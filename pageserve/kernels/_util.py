@@ -1,0 +1,94 @@
+"""Shared helpers for the kernel wrappers: argument checks and launch sizing.
+
+The checks raise ``ValueError`` naming the argument, so a wrong shape or stride fails in
+Python with a readable message instead of as a wrong answer or an illegal address.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int = 0) -> int:
+    if torch.cuda.is_available() and not interpreting():
+        return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return 4  # the interpreter: keep grids small
+
+
+def sm_count_for(t: torch.Tensor) -> int:
+    return num_sms(t.device.index or 0) if t.is_cuda else num_sms(0)
+
+
+def dot_precision(dtype: torch.dtype):
+    """fp32 dots in full precision (Triton defaults to tf32 on the GPU); others: default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def check_device(**tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got { {k: str(t.device) for k, t in tensors.items()} }")
+    dev = next(iter(devices))
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {dev}); on the CPU set TRITON_INTERPRET=1 "
+            "before importing triton, or use pageserve.ops.TorchOps"
+        )
+
+
+def check(name: str, t: torch.Tensor, *, ndim: int | None = None, shape: tuple | None = None,
+          dtype: torch.dtype | tuple | None = None, last_contiguous: bool = True) -> None:
+    """Validate one argument. ``shape`` entries of None are free."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if len(shape) != t.dim() or any(s is not None and s != ts for s, ts in zip(shape, t.shape)):
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            raise ValueError(f"{name}: dtype {t.dtype} not in {[str(d) for d in allowed]}")
+    if last_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {t.stride()}")
+
+
+# ---------------------------------------------------------------------------- in-kernel helpers
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """The CPU interpreter stores bf16 as uint16 and its tl.dot multiplies the raw integers:
+    there, bf16 dot operands are upcast to fp32 first (rounding is unchanged: the products
+    of bf16 values are exact in fp32)."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+@triton.jit
+def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """tl.dot(a, b) accumulating in fp32; see ``dot_upcast`` for UPCAST."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PREC)

@@ -1,0 +1,42 @@
+"""Fused SiLU(gate) * up over the fused gate|up projection output.
+
+Reference: ``TorchOps.silu_and_mul``. The kernel computes in fp32 and rounds once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..ops import TorchOps
+from ._util import KERNEL_DTYPES, check, check_device, cdiv
+
+silu_and_mul_reference = TorchOps().silu_and_mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up: [T, 2I] -> [T, I]."""
+    check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
+    check_device(gate_up=gate_up)
+    T, I2 = gate_up.shape
+    if I2 % 2:
+        raise ValueError(f"gate_up: last dim must be even (gate|up), got {I2}")
+    I = I2 // 2
+    out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device) if out is None else out
+    check("out", out, shape=(T, I), dtype=gate_up.dtype)
+    if T == 0:
+        return out
+    BLOCK = 1024 if I >= 1024 else 128
+    _silu_and_mul_kernel[(T, cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,177 @@
+"""Paged attention for decode: one query token per sequence, split-K over the context.
+
+Reference: ``pageserve.attention.paged_attention_reference`` with one query per sequence.
+
+Layout of the work: program (b, h, s) takes sequence b, KV head h and split s. It loads
+the query rows of all ``group = Hq // Hkv`` heads that share KV head h (padded to 16 rows
+for ``tl.dot``), so each K/V tile is read once for the whole group. Split s covers tokens
+``[s * per, min((s + 1) * per, seq_len))`` with ``per = round_up(ceil(seq_len / S), BLOCK_N)``
+computed on the device from ``seq_lens[b]``: a long sequence spreads over all S splits, a
+short one uses the first few, and the rest exit at once. Each split writes its normalised
+partial output and log-sum-exp; a second kernel merges the splits.
+
+The grid ``(B, Hkv, S)`` and S depend only on tensor shapes (B, Hkv, block_tables.shape[1])
+and the SM count, never on host copies of the lengths, and nothing syncs the host: both
+launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets zeros.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import AttentionMetadata, paged_attention_reference
+from ._util import KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
+
+__all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
+
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 128  # never split a context into pieces shorter than this
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    per = (seq_len + NUM_SPLITS - 1) // NUM_SPLITS
+    per = tl.maximum((per + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    return per, s * per
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + per, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    heads = h * GROUP + g  # query heads of this KV head
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < end
+        page = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
+        slot = tok % PAGE
+        kvmask = tmask[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + (page * stride_kb + slot * stride_ks + h * stride_kh)[:, None] + d[None, :],
+                    mask=kvmask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
+                    mask=kvmask, other=0.0)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        scores = tl.where(tmask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    # partials: o [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, contiguous
+    row = (b * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + s  # [BLOCK_G]
+    tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(part_lse_ptr + row, lse, mask=gmask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    per, _unused = _split_bounds(seq_len, 0, NUM_SPLITS, BLOCK_N)
+    n_valid = (seq_len + per - 1) // per  # 0 when seq_len == 0
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < n_valid
+    dmask = d < HEAD_DIM
+    row = (b * tl.num_programs(1) + hq) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=smask, other=-1.0e30)
+    w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)  # [BLOCK_S]
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    merged = tl.sum(o * w[:, None], axis=0) / tl.maximum(total, 1e-30)  # zeros when no split ran
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, sms: int) -> int:
+    """Splits per sequence, from shapes only: enough programs to fill the GPU about four
+    times over, no piece shorter than MIN_SPLIT_TOKENS at the largest context the block
+    table can hold."""
+    want = cdiv(4 * sms, max(1, batch * num_kv_heads))
+    cap = max(1, cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
+) -> torch.Tensor:
+    """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
+    seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
+    block_tables: [B, max_blocks] int32. Returns [B, Hq, D]."""
+    check("q", q, ndim=3, dtype=KERNEL_DTYPES)
+    B, Hq, D = q.shape
+    check("k_cache", k_cache, ndim=4, dtype=q.dtype)
+    _, page, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
+    check("v_cache", v_cache, shape=tuple(k_cache.shape), dtype=q.dtype)
+    if Hq % Hkv:
+        raise ValueError(f"num query heads {Hq} must be a multiple of num kv heads {Hkv}")
+    check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
+    check("block_tables", block_tables, shape=(B, None), dtype=torch.int32)
+    check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables)
+    if not seq_lens.is_contiguous():
+        raise ValueError("seq_lens must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    check("out", out, shape=(B, Hq, D), dtype=q.dtype)
+    if B == 0:
+        return out
+    group = Hq // Hkv
+    S = num_splits or decode_num_splits(B, Hkv, block_tables.shape[1], page, sm_count_for(q))
+    BLOCK_N = block_n or 64
+    BLOCK_D = max(16, next_pow2(D))
+    part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(B, Hkv, S)](
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), float(scale) * LOG2E,
+        GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(B, Hq)](
+        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),
+        HEAD_DIM=D, NUM_SPLITS=S, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=2,
+    )
+    return out

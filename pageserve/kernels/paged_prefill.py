@@ -1,0 +1,145 @@
+"""Paged attention for prefill chunks (and mixed batches) over a cached prefix.
+
+Reference: ``pageserve.attention.paged_attention_reference``.
+
+The batch is flattened: sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``,
+its last ``q_len`` positions, so query j of the chunk sits at position ``seq_len - q_len + j``
+and sees keys ``0..that position`` (causal in the chunk, full over the prefix). K/V are read
+straight from the paged cache through the block table; nothing is gathered.
+
+Program (m, b, h) takes BLOCK_M rows of sequence b: ``Q_TOK = BLOCK_M // group`` query tokens
+times the ``group`` query heads that share KV head h, flattened as row = token * group + head.
+One K/V tile thus serves the whole group. Key tiles stop at the last position the block
+needs. The grid depends on ``max_query_len`` (this kernel runs eagerly, outside CUDA graphs).
+A decode is a chunk of length 1, so mixed batches need no special case.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..attention import AttentionMetadata, paged_attention_reference
+from ._util import KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
+
+__all__ = ["paged_prefill_attention", "paged_attention_reference"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, Q_TOK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = (tl.load(qsl_ptr + b + 1) - q_start).to(tl.int32)
+    first_tok = mb * Q_TOK
+    if first_tok >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    prefix = seq_len - q_len
+
+    r = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    tok = first_tok + r // GROUP  # token within the chunk
+    head = h * GROUP + r % GROUP
+    rmask = (r < Q_TOK * GROUP) & (tok < q_len)
+    dmask = d < HEAD_DIM
+    qmask = rmask[:, None] & dmask[None, :]
+    q_rows = q_start + tok
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    q_pos = prefix + tok  # [BLOCK_M]
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # keys up to the last position any row of this block can see
+    kv_end = tl.minimum(seq_len, prefix + tl.minimum(first_tok + Q_TOK, q_len))
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kmask = kpos < kv_end
+        page = tl.load(bt_row + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
+        slot = kpos % PAGE
+        kvmask = kmask[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + (page * stride_kb + slot * stride_ks + h * stride_kh)[:, None] + d[None, :],
+                    mask=kvmask, other=0.0)
+        v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
+                    mask=kvmask, other=0.0)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # l_i == 0 only if seq_len == 0: zeros
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=qmask)
+
+
+def prefill_block_m(group: int) -> int:
+    return max(64, next_pow2(group))
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+) -> torch.Tensor:
+    """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
+    Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
+    ``meta.query_start_loc_cpu`` is present, as in the reference."""
+    check("q", q, ndim=3, dtype=KERNEL_DTYPES)
+    T, Hq, D = q.shape
+    check("k_cache", k_cache, ndim=4, dtype=q.dtype)
+    _, page, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
+    check("v_cache", v_cache, shape=tuple(k_cache.shape), dtype=q.dtype)
+    if Hq % Hkv:
+        raise ValueError(f"num query heads {Hq} must be a multiple of num kv heads {Hkv}")
+    B = meta.seq_lens.shape[0]
+    check("seq_lens", meta.seq_lens, shape=(B,), dtype=torch.int32)
+    check("query_start_loc", meta.query_start_loc, shape=(B + 1,), dtype=torch.int32)
+    check("block_tables", meta.block_tables, shape=(B, None), dtype=torch.int32)
+    check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=meta.seq_lens,
+                 query_start_loc=meta.query_start_loc, block_tables=meta.block_tables)
+    if not (meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()):
+        raise ValueError("seq_lens and query_start_loc must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    check("out", out, shape=(T, Hq, D), dtype=q.dtype)
+    if meta.query_start_loc_cpu is not None and meta.query_start_loc_cpu[-1] < T:
+        out[meta.query_start_loc_cpu[-1]:].zero_()
+    if B == 0 or T == 0 or meta.max_query_len == 0:
+        return out
+    group = Hq // Hkv
+    BLOCK_M = block_m or prefill_block_m(group)
+    if BLOCK_M < group:
+        raise ValueError(f"block_m {BLOCK_M} smaller than the GQA group {group}")
+    q_tok = BLOCK_M // group
+    BLOCK_N = block_n or 64
+    grid = (cdiv(meta.max_query_len, q_tok), B, Hkv)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0), float(scale) * LOG2E,
+        GROUP=group, HEAD_DIM=D, PAGE=page, Q_TOK=q_tok,
+        BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8, num_stages=2,
+    )
+    return out
