@@ -119,7 +119,8 @@ def _workload_hints(workload: Workload):
     )
 
 
-@torch.inference_mode()
+# No inference_mode here: the CB loop updates, from its own thread, tensors made in this one.
+@torch.no_grad()
 def hf_generate_batch(
     model,
     workload: Workload,
