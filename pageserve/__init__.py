@@ -1,0 +1,19 @@
+"""pageserve: a paged-KV LLM serving engine written from scratch in PyTorch + Triton."""
+from .config import EngineConfig
+from .sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM pulls in the engine (and torch models); import it on first use
+    if name == "LLM":
+        from .llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from .engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'pageserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams"]

@@ -1,0 +1,123 @@
+"""The offline API: ``LLM(model, **engine_config_fields).generate(prompts, params)``."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """Batch generation over the paged engine.
+
+    ``LLM("smollm2-135m-instruct", max_num_seqs=64, enable_prefix_caching=True)``: every
+    keyword is an ``EngineConfig`` field. ``generate`` and ``chat`` return one
+    ``RequestOutput`` per prompt, in input order.
+    """
+
+    def __init__(self, model: str = "smollm2-135m-instruct", *, loaded: Any = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineConfig.field_names()
+        if unknown:
+            raise TypeError(f"LLM got unknown options {sorted(unknown)}; valid: {sorted(EngineConfig.field_names())}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = LLMEngine(self.config, loaded, stream_outputs=False)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_model(cls, model, tokenizer=None, **kwargs: Any) -> "LLM":
+        """An ``LLM`` over an already-built ``Decoder`` (random-weight models, tests)."""
+        from types import SimpleNamespace
+
+        loaded = SimpleNamespace(model=model, config=model.cfg, tokenizer=tokenizer, source="in-memory")
+        return cls(kwargs.pop("model", "in-memory"), loaded=loaded, **kwargs)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.engine.get_stats()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.engine.block_manager.hit_rate
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.engine.scheduler.num_preemptions
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); results in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.config.model!r} has no tokenizer, so no chat template")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.engine
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)  # leave the engine as it was
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        pbar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            remaining = len(ids)
+            while remaining:
+                for out in engine.step():
+                    i = order.get(out.request_id)
+                    if i is not None and out.finished and results[i] is None:
+                        results[i] = out
+                        remaining -= 1
+                        if pbar is not None:
+                            pbar.update(1)
+        except BaseException:
+            engine.abort_request([rid for rid, r in zip(ids, results) if r is None])
+            raise
+        finally:
+            if pbar is not None:
+                pbar.close()
+        return results  # type: ignore[return-value]

@@ -1,0 +1,230 @@
+"""Runs one engine step on the device: flatten the batch, one model forward, sample.
+
+Per step the host builds every device input as numpy arrays (``prepare_inputs``), packs
+them into one int64 buffer and copies it to the device once (pinned, non-blocking on
+CUDA); the only device->host sync is the sampler reading the sampled token ids. A CUDA
+graph runner can take over ``prepare_inputs``' output and copy it into static buffers.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import AttentionMetadata, PagedAttention
+from .config import EngineConfig
+from .model import Decoder
+from .ops import TorchOps
+from .scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not given
+
+
+def select_ops(use_triton: bool | None, device: torch.device):
+    """Triton kernels when asked (or by default on CUDA), else the PyTorch reference."""
+    want = use_triton if use_triton is not None else device.type == "cuda"
+    if want:
+        try:
+            from .kernels import TritonOps
+
+            return TritonOps()
+        except Exception as e:  # a missing or broken kernels package must not stop the engine
+            warnings.warn(f"Triton ops unavailable ({type(e).__name__}: {e}); using the PyTorch reference ops")
+    return TorchOps()
+
+
+@dataclass
+class StepInputs:
+    """A step's flattened batch as host arrays (T tokens of B sequences, S of which sample)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [B+1] int64
+    seq_lens: np.ndarray  # [B] int64, context length after this step
+    block_tables: np.ndarray  # [B, max_blocks] int64
+    logits_indices: np.ndarray  # [S] int64, row of each sampling sequence's last token
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class ModelRunner:
+    """Owns the model, the paged KV cache, the ops choice and the sampler."""
+
+    def __init__(self, model: Decoder, config: EngineConfig, sampler=None, eos_token_ids=()) -> None:
+        self.model = model
+        self.config = config
+        self.cfg = model.cfg
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.block_size = config.block_size
+        self.ops = select_ops(config.use_triton, self.device)
+        model.set_ops(self.ops)
+        model.eval()
+        self.num_blocks = config.num_blocks or self._num_blocks_from_memory()
+        cfg = self.cfg
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            cfg.num_layers, 2, self.num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        if sampler is None:
+            from .sampler import Sampler
+
+            sampler = Sampler(cfg.vocab_size, self.device, eos_token_ids=eos_token_ids, seed=config.seed)
+        self.sampler = sampler
+        self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
+        self._copy_done: torch.cuda.Event | None = None
+
+    # ------------------------------------------------------------------ KV pool size
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.cfg
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elsize
+
+    def activation_margin_bytes(self) -> int:
+        """A generous bound on the memory one step needs beyond weights and KV cache."""
+        cfg, c = self.cfg, self.config
+        elsize = torch.empty((), dtype=self.dtype).element_size()
+        T = c.max_num_batched_tokens
+        per_token = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * (cfg.q_size + 2 * cfg.kv_size)
+        acts = 2 * T * per_token * elsize
+        logits = 4 * min(c.max_num_seqs, T) * cfg.vocab_size * 4  # fp32 logits + sampler temporaries
+        return acts + logits + (512 << 20)
+
+    def _num_blocks_from_memory(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free) - self.activation_margin_bytes()
+            where = (
+                f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB, "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            )
+        else:
+            budget, where = CPU_KV_CACHE_BYTES, "the fixed CPU budget"
+        n = budget // self.bytes_per_block
+        if n < 1:
+            raise ValueError(
+                f"no memory left for the KV cache ({where}); raise gpu_memory_utilization, "
+                f"lower max_num_batched_tokens, or pass num_blocks"
+            )
+        logger.info("KV cache: %d blocks of %d tokens from %s", n, self.block_size, where)
+        return int(n)
+
+    # ------------------------------------------------------------------ the step
+    def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """Flatten ``batch`` into host arrays: O(B) Python work plus list slicing for prompt chunks."""
+        seqs = batch.seqs
+        B = len(seqs)
+        bs = self.block_size
+        n = np.asarray(batch.num_new_tokens, dtype=np.int64)  # [B]
+        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=B)
+        cu = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(n, out=cu[1:])
+        T = int(cu[-1])
+
+        if T == B:  # every sequence computes one token (decodes): its token at num_computed
+            ids = [s.token_at(s.num_computed_tokens) for s in seqs]
+        else:
+            ids = []
+            for s, k in zip(seqs, batch.num_new_tokens):
+                st = s.num_computed_tokens
+                ids.extend(s.token_slice(st, st + k))
+        input_ids = np.asarray(ids, dtype=np.int64)
+
+        positions = np.arange(T, dtype=np.int64) + np.repeat(starts - cu[:-1], n)
+        seq_lens = starts + n
+
+        nblocks = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=B)
+        max_blocks = int(nblocks.max())
+        flat = np.fromiter(
+            itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=int(nblocks.sum())
+        )
+        block_tables = np.zeros((B, max_blocks), dtype=np.int64)
+        block_tables[np.arange(max_blocks)[None, :] < nblocks[:, None]] = flat
+
+        seq_idx = np.repeat(np.arange(B), n)
+        slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
+        logits_indices = cu[1:][np.asarray(batch.samples, dtype=bool)] - 1
+        return StepInputs(
+            input_ids, positions, slot_mapping, cu, seq_lens, block_tables, logits_indices,
+            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()),
+        )
+
+    def to_device(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """One host->device copy of every per-step input. Returns (input_ids, positions, meta, logits_indices)."""
+        T, B, S = x.num_tokens, x.seq_lens.shape[0], x.logits_indices.shape[0]
+        parts = [x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.logits_indices,
+                 x.block_tables.reshape(-1)]
+        host = torch.from_numpy(np.concatenate(parts))
+        if self.device.type == "cuda":
+            if self._pinned is None or self._pinned.numel() < host.numel():
+                if self._copy_done is not None:
+                    self._copy_done.synchronize()
+                self._pinned = torch.empty(max(host.numel(), 1 << 16) * 2, dtype=torch.int64, pin_memory=True)
+                self._copy_done = torch.cuda.Event()
+            elif self._copy_done is not None:
+                self._copy_done.synchronize()  # the previous step's copy has left the staging buffer
+            staged = self._pinned[: host.numel()]
+            staged.copy_(host)
+            dev = staged.to(self.device, non_blocking=True)
+            self._copy_done.record()
+        else:
+            dev = host
+        o = 0
+
+        def take(k: int) -> torch.Tensor:
+            nonlocal o
+            o += k
+            return dev[o - k : o]
+
+        input_ids, positions, slot_mapping = take(T), take(T), take(T)
+        qsl, seq_lens, logits_indices = take(B + 1), take(B), take(S)
+        block_tables = take(x.block_tables.size).view(B, -1)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl.to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32),
+            block_tables=block_tables.to(torch.int32),
+            max_query_len=x.max_query_len,
+            max_seq_len=x.max_seq_len,
+            query_start_loc_cpu=x.query_start_loc.tolist(),
+            seq_lens_cpu=x.seq_lens.tolist(),
+        )
+        return input_ids, positions, meta, logits_indices
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch):
+        """Run the model once over every scheduled token; sample for the sequences whose
+        chunk reaches their last token. Returns a ``SamplerOutput`` (rows in batch order of
+        the sampling sequences), or None when no sequence samples this step."""
+        x = self.prepare_inputs(batch)
+        input_ids, positions, meta, logits_indices = self.to_device(x)
+        hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, meta, self.ops))  # [T, H]
+        S = x.logits_indices.shape[0]
+        if S == 0:
+            return None
+        if S < x.num_tokens:
+            hidden = hidden[logits_indices]  # [S, H]
+        logits = self.model.compute_logits(hidden)  # [S, V] fp32
+        seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        return self.sampler.sample(
+            logits,
+            [s.params for s in seqs],
+            [s.prompt_token_ids for s in seqs],
+            [s.output_token_ids for s in seqs],
+            [s.seed for s in seqs],
+        )

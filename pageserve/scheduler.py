@@ -1,0 +1,167 @@
+"""Which sequences run in the next step, and how many tokens each.
+
+One rule covers everything: a scheduled sequence computes ``num_new_tokens`` more of its
+tokens, ``num_computed_tokens -> num_computed_tokens + num_new_tokens <= num_tokens``, and
+the step's total stays within ``max_num_batched_tokens``. Running sequences go first
+(decodes and unfinished prompt chunks, oldest first), then waiting ones are admitted in
+arrival order. When the pool runs out of blocks the newest running sequences are
+preempted: their blocks are freed and they go back to the front of the waiting queue to
+be recomputed (the prefix cache may restore part of them).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work. ``seqs[i]`` computes ``num_new_tokens[i]`` tokens starting at its
+    ``num_computed_tokens``; ``samples[i]`` says whether that reaches its last token (so the
+    step samples a token for it)."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_prefill_tokens: int = 0  # tokens of prompt chunks and recomputation (not plain decodes)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        return [s for s, smp in zip(self.seqs, self.samples) if smp]
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_new)
+        self.samples.append(seq.num_computed_tokens + num_new == seq.num_tokens)
+        self.num_batched_tokens += num_new
+        if not (num_new == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1):
+            self.num_prefill_tokens += num_new
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queues
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ the step
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        running = self.running
+
+        # running sequences: decodes and unfinished prompt chunks, oldest first
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # nothing to compute (should not happen); keep it for later
+                i += 1
+                continue
+            while not bm.allocate_slots(seq, num_new):
+                victim = running.pop()  # the newest; never one already scheduled (those are < i)
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.add(seq, num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq preempted itself: it was the last running one
+
+        # waiting sequences, in order, unless this step already had to preempt
+        waiting = self.waiting
+        while waiting and not batch.preempted and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0]
+            hits = bm.get_computed_blocks(seq)
+            num_hit = len(hits) * bm.block_size
+            num_new = seq.num_tokens - num_hit
+            if num_new > budget:
+                # without chunked prefill a prompt runs whole; one longer than the whole
+                # budget (only a recomputed preempted sequence) is chunked all the same
+                whole_fits_some_step = num_new <= self.max_num_batched_tokens
+                if not self.enable_chunked_prefill and (whole_fits_some_step or budget < self.max_num_batched_tokens):
+                    break
+                num_new = budget
+            if not bm.allocate_slots(seq, num_new, hits):
+                break
+            waiting.popleft()
+            seq.num_computed_tokens = num_hit
+            seq.num_cached_tokens = num_hit
+            seq.status = SequenceStatus.RUNNING
+            running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)  # preempted newest-first, so older ones end up in front
+
+    def update_after_step(self, batch: ScheduledBatch) -> None:
+        """The step ran: the scheduled tokens are in the cache; publish newly full blocks."""
+        bm = self.block_manager
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+        if bm.enable_prefix_caching:
+            for seq in batch.seqs:
+                bm.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark ``seq`` finished and free its blocks; it leaves ``running`` at the next
+        :meth:`remove_finished` (or ``waiting`` right away)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def remove_finished(self) -> None:
+        self.running = [s for s in self.running if not s.is_finished]

@@ -1,0 +1,114 @@
+"""A request's sequence: plain counters with derived properties.
+
+The one scheduling rule: each step a sequence's ``num_computed_tokens`` (tokens whose K/V
+are in the cache) catches up with its ``num_tokens`` (prompt + generated) under the
+step's token budget. A prompt chunk, a prefix-cache hit, a decode and a recompute after
+preemption are all that same move; a sequence samples a new token exactly when a step
+brings ``num_computed_tokens`` up to ``num_tokens``.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One generated continuation of a prompt (a request with ``n > 1`` owns n of them).
+
+    Invariants: ``0 <= num_cached_tokens <= num_computed_tokens <= num_tokens``; while
+    running, ``block_table`` holds ``ceil(num_computed_tokens / block_size)`` blocks or
+    more (blocks for a scheduled chunk are allocated before the step runs).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: "SamplingParams",
+        index: int = 0,
+        seed: int | None = None,
+        arrival_time: float = 0.0,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache (last admission)
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of the full blocks of the tokens, computed lazily
+        self.num_registered_blocks = 0  # leading blocks of block_table already published in the prefix cache
+
+        self.logprobs: list[dict[int, float]] | None = None
+        self.cumulative_logprob = 0.0
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.token_times: list[float] = []  # when each output token was appended
+        self.num_preemptions = 0
+        self.detokenizer: Any = None  # IncrementalDetokenizer when text is produced incrementally
+        self.text = ""
+
+    # ------------------------------------------------------------------ derived counts
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def is_prefill(self) -> bool:
+        """True until the whole prompt is in the cache."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def token_at(self, i: int) -> int:
+        p = self.num_prompt_tokens
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt + output without concatenating the two lists."""
+        p = self.num_prompt_tokens
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, status={self.status.value}, "
+            f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
