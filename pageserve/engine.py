@@ -200,7 +200,7 @@ class LLMEngine:
         sched = self.scheduler
         batch = sched.schedule()
         if batch.is_empty:
-            if sched.has_unfinished():
+            if sched.has_unfinished() and not batch.preempted:
                 # Cannot happen while max_model_len fits the pool; say so rather than spin.
                 raise RuntimeError(
                     f"scheduler made no progress with {len(sched.waiting)} waiting and "

@@ -106,9 +106,9 @@ class Scheduler:
                 continue
             break  # seq preempted itself: it was the last running one
 
-        # waiting sequences, in order, unless this step already had to preempt
+        # waiting sequences, in order, unless this step had to preempt running ones
         waiting = self.waiting
-        while waiting and not batch.preempted and budget > 0 and len(running) < self.max_num_seqs:
+        while waiting and (not batch.preempted or batch.is_empty) and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
             hits = bm.get_computed_blocks(seq)
             num_hit = len(hits) * bm.block_size
