@@ -1,0 +1,202 @@
+"""Random inputs and kernel-vs-reference checks, shared by tests/test_kernels.py and bench.py.
+
+Every check draws fresh random inputs, poisons the kernel's output with NaN, runs the
+kernel and its plain-PyTorch reference (in float64 on upcast inputs), and returns the
+relative error ||out - ref|| / ||ref|| (inf if any element is NaN, i.e. unwritten).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..attention import AttentionMetadata, paged_attention_reference, write_kv_reference
+from ..ops import TorchOps, rope_cos_sin
+from .activation import silu_and_mul
+from .gemv import gemv
+from .kv_write import write_kv
+from .norm import add_rms_norm, rms_norm
+from .paged_decode import paged_decode_attention
+from .paged_prefill import paged_prefill_attention
+from .rotary import rotary
+from ._util import cdiv
+
+# ||out - ref|| / ||ref|| limits (METHOD.md): fp32 arithmetic far under 1e-3; half types
+# carry one rounding of the output and of the softmax probabilities (~4e-3)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any() or torch.isinf(out).any():
+        return math.inf
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def _rand(shape, dtype, device, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device="cpu", dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def random_paged_batch(
+    q_lens: list[int], ctx_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, device, gen: torch.Generator, pad_tokens: int = 0, spare_blocks: int = 3,
+    extra_table_cols: int = 1,
+):
+    """A flattened batch over a random paged KV cache.
+
+    Sequence i has ``ctx_lens[i]`` tokens of context after this step, the last ``q_lens[i]``
+    of them new. Blocks are a random permutation of the pool (so tables jump around), the
+    table has spare columns holding valid ids, ``pad_tokens`` query rows at the end belong to
+    no sequence (slot -1). Returns (q, k_new, v_new, k_cache, v_cache, meta)."""
+    assert len(q_lens) == len(ctx_lens) and all(0 <= q <= c for q, c in zip(q_lens, ctx_lens))
+    B = len(ctx_lens)
+    need = [cdiv(c, block_size) for c in ctx_lens]
+    width = max(need + [1]) + extra_table_cols
+    num_blocks = sum(need) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(0, num_blocks, (B, width), generator=gen, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[used:used + n].int()
+        used += n
+    qsl = [0]
+    for q in q_lens:
+        qsl.append(qsl[-1] + q)
+    T = qsl[-1] + pad_tokens
+    slots = []
+    for i, (q, c) in enumerate(zip(q_lens, ctx_lens)):
+        for pos in range(c - q, c):
+            slots.append(int(table[i, pos // block_size]) * block_size + pos % block_size)
+    slots += [-1] * pad_tokens
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = _rand(cache_shape, dtype, device, gen)
+    v_cache = _rand(cache_shape, dtype, device, gen)
+    q = _rand((T, num_heads, head_dim), dtype, device, gen)
+    k_new = _rand((T, num_kv_heads, head_dim), dtype, device, gen)
+    v_new = _rand((T, num_kv_heads, head_dim), dtype, device, gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        block_tables=table.to(device),
+        max_query_len=max(q_lens + [0]),
+        max_seq_len=max(ctx_lens + [0]),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(ctx_lens),
+    )
+    return q, k_new, v_new, k_cache, v_cache, meta
+
+
+def attention_reference(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    return paged_attention_reference(q.double(), k_cache.double(), v_cache.double(), meta, scale)
+
+
+# ------------------------------------------------------------------------------ checks
+def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                 num_splits=None, extra_table_cols=1) -> float:
+    B = len(ctx_lens)
+    q_lens = [1 if c > 0 else 0 for c in ctx_lens]
+    q, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
+                                               dtype, device, gen, extra_table_cols=extra_table_cols)
+    # decode: one query row per sequence, padding rows (seq_len 0) included
+    q = _rand((B, num_heads, head_dim), dtype, device, gen)
+    meta.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
+    meta.query_start_loc_cpu = list(range(B + 1))
+    meta.max_query_len = 1
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, scale, out=out,
+                                        num_splits=num_splits)
+    return rel_err(out, attention_reference(q, kc, vc, meta, scale))
+
+
+def check_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                  pad_tokens=0) -> float:
+    q, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
+                                               dtype, device, gen, pad_tokens=pad_tokens)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, kc, vc, meta, scale, out=out)
+    return rel_err(out, attention_reference(q, kc, vc, meta, scale))
+
+
+def check_write_kv(q_lens, ctx_lens, num_kv_heads, head_dim, block_size, dtype, device, gen, pad_tokens=2) -> float:
+    """0.0 when the kernel's cache equals the reference's bit for bit (untouched slots included)."""
+    _, k, v, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, 1, num_kv_heads, head_dim, block_size,
+                                               dtype, device, gen, pad_tokens=pad_tokens)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    write_kv(k, v, kc, vc, meta.slot_mapping)
+    write_kv_reference(k, v, kc_ref, vc_ref, meta.slot_mapping)
+    return max(rel_err(kc, kc_ref), rel_err(vc, vc_ref))
+
+
+def check_rms_norm(T, H, dtype, device, gen) -> float:
+    x = _rand((T, H), dtype, device, gen)
+    w = _rand((H,), dtype, device, gen, 0.5) + 1
+    out = torch.full_like(x, float("nan"))
+    rms_norm(x, w, 1e-6, out=out)
+    return rel_err(out, TorchOps().rms_norm(x.double(), w.double(), 1e-6))
+
+
+def check_add_rms_norm(T, H, dtype, device, gen) -> float:
+    x, r = _rand((T, H), dtype, device, gen), _rand((T, H), dtype, device, gen)
+    w = _rand((H,), dtype, device, gen, 0.5) + 1
+    out, res_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    add_rms_norm(x, r, w, 1e-6, out=out, residual_out=res_out)
+    ref_out, ref_res = TorchOps().add_rms_norm(x.double(), r.double(), w.double(), 1e-6)
+    return max(rel_err(out, ref_out), rel_err(res_out, ref_res))
+
+
+def check_silu_and_mul(T, I, dtype, device, gen) -> float:
+    gu = _rand((T, 2 * I), dtype, device, gen, 2.0)
+    out = torch.full((T, I), float("nan"), dtype=dtype, device=device)
+    silu_and_mul(gu, out=out)
+    return rel_err(out, TorchOps().silu_and_mul(gu.double()))
+
+
+def check_rotary(T, num_heads, num_kv_heads, head_dim, dtype, device, gen, inplace=False, max_pos=4096) -> float:
+    # q, k as strided views of a fused qkv row, as the model produces them
+    qkv = _rand((T, (num_heads + 2 * num_kv_heads) * head_dim), dtype, device, gen)
+    q = qkv[:, : num_heads * head_dim].view(T, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim: (num_heads + num_kv_heads) * head_dim].view(T, num_kv_heads, head_dim)
+    pos = torch.randint(0, max_pos, (T,), generator=gen).to(device)
+    cs = rope_cos_sin(head_dim, max_pos, 1_000_000.0, None).to(device)
+    ref_q, ref_k = TorchOps().rotary(q.double(), k.double(), pos, cs.double())
+    if inplace:
+        qo, ko = rotary(q, k, pos, cs, inplace=True)
+        assert qo.data_ptr() == q.data_ptr()
+    else:
+        qo, ko = rotary(q, k, pos, cs)
+    return max(rel_err(qo, ref_q), rel_err(ko, ref_k))
+
+
+def check_gemv(M, N, K, dtype, device, gen, bias=True, config=None) -> float:
+    x = _rand((M, K), dtype, device, gen)
+    w = _rand((N, K), dtype, device, gen, K ** -0.5)
+    b = _rand((N,), dtype, device, gen) if bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    gemv(x, w, b, config=config, out=out)
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    return rel_err(out, ref)
+
+
+def full_size_checks(dtype, device, gen) -> dict:
+    """The GPU checks at the 3B shapes, one name -> thunk returning a relative error."""
+    Hq, Hkv, D, bs = 16, 2, 128, 16
+    return {
+        "paged_decode_attn": lambda: check_decode([2048] * 60 + [1, 17, 0, 4000], Hq, Hkv, D, bs, dtype, device, gen),
+        "paged_decode_attn_gqa1": lambda: check_decode([33, 500, 0, 1], 8, 8, 64, 32, dtype, device, gen),
+        "paged_prefill_attn": lambda: check_prefill([512, 1, 77, 1, 300], [512, 900, 1077, 1, 4000],
+                                                    Hq, Hkv, D, bs, dtype, device, gen, pad_tokens=3),
+        "write_kv": lambda: check_write_kv([512, 1, 77], [512, 900, 1077], Hkv, D, bs, dtype, device, gen),
+        "rms_norm": lambda: check_rms_norm(64, 2048, dtype, device, gen),
+        "add_rms_norm": lambda: check_add_rms_norm(64, 2048, dtype, device, gen),
+        "silu_and_mul": lambda: check_silu_and_mul(64, 11008, dtype, device, gen),
+        "rotary": lambda: check_rotary(64, Hq, Hkv, D, dtype, device, gen),
+        "gemv_m1": lambda: check_gemv(1, 2560, 2048, dtype, device, gen),
+        "gemv_m1_down": lambda: check_gemv(1, 2048, 11008, dtype, device, gen, bias=False),
+        "gemv_m4": lambda: check_gemv(4, 2560, 2048, dtype, device, gen),
+        "gemv_m8": lambda: check_gemv(8, 2048, 11008, dtype, device, gen, bias=False),
+    }

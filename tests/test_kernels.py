@@ -1,0 +1,217 @@
+"""Every Triton kernel against its plain-PyTorch reference on fresh random inputs.
+
+CPU: the kernels run on Triton's interpreter (TRITON_INTERPRET=1, set below before triton is
+imported, and again by pageserve.kernels itself) on small shapes in fp32 and bf16.
+CUDA: the same tests on larger shapes in fp32, fp16 and bf16, plus CUDA-graph capture.
+Outputs are poisoned with NaN first; a NaN left anywhere fails the check (rel_err = inf).
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pageserve.kernels import TritonOps, checks  # noqa: E402
+from pageserve.kernels.checks import TOLERANCE  # noqa: E402
+from pageserve.kernels.gemv import GemvConfig  # noqa: E402
+from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if CUDA else [torch.float32, torch.bfloat16]
+BIG = 8 if CUDA else 1  # context-length multiplier on the GPU
+
+
+@pytest.fixture
+def gen(request):
+    # a fresh, distinct stream per test case
+    return torch.Generator().manual_seed(hash(request.node.name) % (2**31))
+
+
+def _ok(err, dtype):
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+# (Hq, Hkv, head_dim, block_size): GQA ratios 1, 2, 8 and Qwen2.5-0.5B's 7; head_dim 64, 128
+ATTN_SHAPES = [(4, 4, 64, 16), (8, 4, 128, 16), (16, 2, 128, 16), (14, 2, 64, 32)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "hq%d-hkv%d-d%d-bs%d" % s)
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_attention_matches_reference_across_block_boundaries_and_padding_rows(shape, dtype, num_splits, gen):
+    Hq, Hkv, D, bs = shape
+    # 0 = padding row (must come out zero), 1 token, exactly one/two blocks, partial last block
+    ctx = [0, 1, bs, 2 * bs + 1, 3 * bs - 1 + 40 * (BIG - 1)]
+    err = checks.check_decode(ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, num_splits=num_splits)
+    _ok(err, dtype)
+
+
+def test_decode_attention_ignores_spare_block_table_columns(gen):
+    # a wide table (as an engine sized for long contexts allocates) changes only the split count
+    err = checks.check_decode([5, 40], 8, 2, 64, 16, torch.float32, DEVICE, gen, extra_table_cols=20)
+    _ok(err, torch.float32)
+
+
+def test_decode_split_count_depends_only_on_shapes():
+    assert decode_num_splits(64, 2, 128, 16, 132) == decode_num_splits(64, 2, 128, 16, 132)
+    assert decode_num_splits(1, 2, 1, 16, 132) == 1  # one block of context: nothing to split
+    assert 1 <= decode_num_splits(1, 2, 4096, 16, 132) <= 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "hq%d-hkv%d-d%d-bs%d" % s)
+def test_prefill_attention_chunks_over_cached_prefixes_mixed_with_decodes(shape, dtype, gen):
+    Hq, Hkv, D, bs = shape
+    # a fresh prompt, a chunk over a prefix ending mid-block, decodes, an empty sequence
+    q_lens = [3 + 20 * (BIG - 1), 1, 2 * bs + 3, 1, 0]
+    ctx = [3 + 20 * (BIG - 1), bs + 4, 2 * bs + 3 + bs - 5, 1, 0]
+    err = checks.check_prefill(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, pad_tokens=2)
+    _ok(err, dtype)
+
+
+def test_prefill_attention_long_chunk_spans_several_query_blocks(gen):
+    # q_len over one program's query tokens (BLOCK_M // group) with a prefix
+    err = checks.check_prefill([70, 9], [100, 9], 8, 2, 64, 16, torch.float32, DEVICE, gen)
+    _ok(err, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hkv,d,bs", [(2, 128, 16), (1, 64, 32), (4, 64, 16)])
+def test_write_kv_stores_every_token_and_skips_padding_slots(hkv, d, bs, dtype, gen):
+    assert checks.check_write_kv([5, 1, 2 * bs + 1], [5, bs + 3, 2 * bs + 1], hkv, d, bs, dtype, DEVICE, gen) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 200), (3, 2048)])
+def test_rms_norm_matches_reference(T, H, dtype, gen):
+    _ok(checks.check_rms_norm(T, H, dtype, DEVICE, gen), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 64), (5, 200), (3, 2048)])
+def test_add_rms_norm_matches_reference_and_returns_the_sum(T, H, dtype, gen):
+    _ok(checks.check_add_rms_norm(T, H, dtype, DEVICE, gen), dtype)
+
+
+def test_add_rms_norm_in_place_on_the_residual(gen):
+    from pageserve.kernels import add_rms_norm
+    from pageserve.ops import TorchOps
+
+    x, r = (torch.randn(4, 96, generator=gen).to(DEVICE) for _ in range(2))
+    w = torch.rand(96, generator=gen).to(DEVICE) + 0.5
+    ref_out, ref_res = TorchOps().add_rms_norm(x, r.clone(), w, 1e-6)
+    out, res = add_rms_norm(x, r, w, 1e-6, residual_out=r)
+    assert res.data_ptr() == r.data_ptr()
+    torch.testing.assert_close(res, ref_res)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 64), (4, 300), (2, 11008 if CUDA else 1500)])
+def test_silu_and_mul_matches_reference(T, I, dtype, gen):
+    _ok(checks.check_silu_and_mul(T, I, dtype, DEVICE, gen), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 128), (14, 2, 64), (4, 4, 64)])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rotary_on_strided_qkv_views_matches_reference(hq, hkv, d, dtype, inplace, gen):
+    _ok(checks.check_rotary(5, hq, hkv, d, dtype, DEVICE, gen, inplace=inplace), dtype)
+
+
+GEMV_SHAPES = [(1, 40, 96), (1, 33, 1000), (3, 50, 300), (8, 17, 64)]
+if CUDA:
+    GEMV_SHAPES += [(1, 2560, 2048), (1, 2048, 11008), (2, 22016, 2048), (8, 2048, 2048)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", GEMV_SHAPES)
+@pytest.mark.parametrize("config", [None, GemvConfig(block_n=16, block_k=64, split_k=3)], ids=["auto", "split3"])
+def test_gemv_matches_linear_with_and_without_split_k(M, N, K, dtype, config, gen):
+    _ok(checks.check_gemv(M, N, K, dtype, DEVICE, gen, bias=(N % 2 == 0), config=config), dtype)
+
+
+def test_wrappers_reject_bad_arguments_with_named_errors():
+    from pageserve.kernels import gemv, rms_norm, write_kv
+
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, torch.ones(32, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        gemv(x, torch.randn(8, 64, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(torch.randn(64, 2, device=DEVICE).t(), torch.ones(64, device=DEVICE), 1e-6)
+    k = torch.randn(3, 2, 64, device=DEVICE)
+    cache = torch.zeros(4, 16, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(k, k, cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE))
+
+
+def _tiny_decoder(ops):
+    from pageserve.config import ModelConfig
+    from pageserve.model import Decoder
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=128, intermediate_size=192, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True, tie_word_embeddings=True,
+                      max_position_embeddings=256)
+    model = Decoder(cfg, ops=ops).to(DEVICE)
+    model.init_dummy_weights(seed=1, std=0.1)
+    return model, cfg
+
+
+def test_triton_ops_drive_the_decoder_like_torch_ops_through_prefill_and_decode(gen):
+    from pageserve.attention import PagedAttention
+    from pageserve.ops import TorchOps
+
+    model, cfg = _tiny_decoder(TorchOps())
+    bs, nb = 16, 8
+    prompt_lens = [7, 20]
+    q, _, _, _, _, meta = checks.random_paged_batch(prompt_lens, prompt_lens, 1, cfg.num_kv_heads, cfg.head_dim,
+                                                    bs, torch.float32, DEVICE, gen, spare_blocks=nb)
+    num_blocks = int(meta.block_tables.max()) + 1
+    ids = torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen).to(DEVICE)
+    pos = torch.cat([torch.arange(n) for n in prompt_lens]).to(DEVICE)
+    # decode step: one more token each
+    dmeta = checks.random_paged_batch([1, 1], [8, 21], 1, cfg.num_kv_heads, cfg.head_dim, bs, torch.float32,
+                                      DEVICE, gen)[-1]
+    dmeta.block_tables = meta.block_tables.clone()
+    dmeta.slot_mapping = torch.tensor([int(meta.block_tables[i, p // bs]) * bs + p % bs for i, p in enumerate([7, 20])],
+                                      device=DEVICE)
+    d_ids = torch.randint(0, cfg.vocab_size, (2,), generator=gen).to(DEVICE)
+    d_pos = torch.tensor([7, 20], device=DEVICE)
+    results = []
+    for ops in (TorchOps(), TritonOps()):
+        model.set_ops(ops)
+        cache = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
+        h1 = model(ids, pos, PagedAttention(cache, meta, ops))
+        h2 = model(d_ids, d_pos, PagedAttention(cache, dmeta, ops))
+        results.append((h1, h2, model.compute_logits(h2)))
+    for got, ref in zip(results[1], results[0]):
+        assert checks.rel_err(got, ref) < 1e-4
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(gen):
+    Hq, Hkv, D, bs = 16, 2, 128, 16
+    ctx = [100, 700, 1, 0]
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1, 1, 1, 0], ctx, Hq, Hkv, D, bs, torch.bfloat16, DEVICE, gen,
+                                                      extra_table_cols=4)
+    q = q.new_empty(4, Hq, D).normal_()
+    out = torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, D**-0.5, out=out)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, D**-0.5, out=out)
+    new_lens = [101, 700 + 3 * bs, 0, 5]  # grows past the blocks used at capture, padding row moves
+    meta.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+    meta.seq_lens_cpu = new_lens
+    meta.query_start_loc = torch.arange(5, dtype=torch.int32, device=DEVICE)
+    meta.query_start_loc_cpu = list(range(5))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _ok(checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, D**-0.5)), torch.bfloat16)
