@@ -335,3 +335,21 @@ def test_top_logprobs_sorted_and_k_long():
         assert ids == raw[i].topk(len(ids)).indices.tolist()
         for t, v in tops:
             assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_sampler_matches_cpu_for_seeded_and_greedy_rows():
+    B = 8
+    logits = rand_logits(B, seed=21)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i) if i % 3 else SamplingParams(temperature=0)
+        for i in range(B)
+    ]
+    params[1] = SamplingParams(temperature=1.0, top_k=10, repetition_penalty=1.2, logprobs=3, seed=1)
+    prompts, outs = token_lists(B, 12, seed=22), token_lists(B, 5, seed=23)
+    seeds = [p.seed for p in params]
+    cpu = Sampler(V, "cpu").sample(logits, params, prompts, outs, seeds)
+    gpu = Sampler(V, "cuda").sample(logits.cuda(), params, prompts, outs, seeds)
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.token_ids_gpu.is_cuda
+    assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
