@@ -1,0 +1,130 @@
+"""Decode steps replayed from CUDA graphs.
+
+One graph per batch-size bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, … up to ``max_bs``),
+all sharing one memory pool, captured largest first. Every per-step input lives in a static
+device buffer that is refreshed with ``copy_`` before replay:
+
+    input_ids, positions, slot_mapping   [max_bs]
+    seq_lens                             [max_bs]
+    block_tables                         [max_bs, max_blocks_per_seq]
+    query_start_loc                      [max_bs + 1]  (= arange: one token per sequence)
+
+A batch of ``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V
+is not written) and seq_len 0 (attention writes zeros for them), so they touch nothing real.
+Prefill and batches larger than ``max_bs`` run eagerly.
+
+Where graphs are unavailable (the CPU) ``capture=False`` keeps the same static buffers and
+padding but runs the model eagerly on them: CI checks the bookkeeping with the same code.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .attention import AttentionMetadata, PagedAttention
+
+
+def bucket_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 64, 16)) + list(range(64, 256, 32)) + list(range(256, 8192, 64))
+    sizes = [s for s in sizes if s < max_bs] + [max_bs]
+    return sorted(set(sizes))
+
+
+class CUDAGraphRunner:
+    def __init__(
+        self,
+        model,
+        kv_cache: torch.Tensor,
+        max_bs: int,
+        max_blocks_per_seq: int,
+        capture: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.capture_enabled = (self.device.type == "cuda") if capture is None else capture
+        self.max_bs = max_bs
+        self.buckets = bucket_sizes(max_bs)
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        self.input_ids = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=i64, device=dev)
+        self.slot_mapping = torch.full((max_bs,), -1, dtype=i64, device=dev)
+        self.seq_lens = torch.zeros(max_bs, dtype=i32, device=dev)
+        self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=i32, device=dev)
+        self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=dev)
+        self.hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=kv_cache.dtype, device=dev)
+        self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+
+    def _context(self, bs: int) -> PagedAttention:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+        return PagedAttention(self.kv_cache, meta, self.model.ops)
+
+    def _forward(self, bs: int) -> None:
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared memory pool."""
+        if not self.capture_enabled:
+            return
+        self._reset_padding(self.max_bs)
+        for bs in reversed(self.buckets):
+            self._forward(bs)  # warm up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(bs)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _reset_padding(self, upto: int) -> None:
+        self.slot_mapping[:upto].fill_(-1)
+        self.seq_lens[:upto].fill_(0)
+
+    def can_run(self, num_seqs: int, decode_only: bool) -> bool:
+        return decode_only and 0 < num_seqs <= self.max_bs
+
+    @torch.inference_mode()
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode step for bs sequences (one token each) -> hidden [bs, H] (a view of a
+        static buffer: read it before the next call)."""
+        bs = input_ids.shape[0]
+        padded = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        self.input_ids[:bs].copy_(input_ids, non_blocking=True)
+        self.positions[:bs].copy_(positions, non_blocking=True)
+        self.slot_mapping[:bs].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
+        nb = block_tables.shape[1]
+        self.block_tables[:bs, :nb].copy_(block_tables, non_blocking=True)
+        if padded > bs:
+            self._reset_padding_range(bs, padded)
+        if padded in self.graphs:
+            self.graphs[padded].replay()
+        else:
+            self._forward(padded)
+        return self.hidden[:bs]
+
+    def _reset_padding_range(self, lo: int, hi: int) -> None:
+        self.input_ids[lo:hi].zero_()
+        self.positions[lo:hi].zero_()
+        self.slot_mapping[lo:hi].fill_(-1)
+        self.seq_lens[lo:hi].fill_(0)
