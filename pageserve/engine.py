@@ -313,7 +313,8 @@ class LLMEngine:
         for seq in req.seqs:
             text = seq.text
             if not seq.is_finished and seq.detokenizer is not None and not safe:
-                text = seq.detokenizer.text
+                det = seq.detokenizer  # stable text only: a held-back tail may yet be a stop string
+                text = det.text[: len(det.text) - len(det.pending_text())]
             want_lp = seq.params.logprobs is not None
             outs.append(
                 CompletionOutput(

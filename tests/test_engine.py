@@ -1,0 +1,377 @@
+"""The engine end to end on the CPU (fp32).
+
+A tiny random-weight Qwen2 checks the engine against a naive one-sequence-at-a-time loop
+in a second; the real SmolLM2-135M-Instruct checks batched greedy generation against
+Hugging Face ``generate`` run one prompt at a time, under every scheduling regime.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pageserve.attention import AttentionMetadata, PagedAttention
+from pageserve.config import EngineConfig, ModelConfig
+from pageserve.engine import LLMEngine
+from pageserve.llm import LLM
+from pageserve.model import Decoder
+from pageserve.sampling_params import SamplingParams
+
+GEN_LEN = 24
+
+
+# ----------------------------------------------------------------------------- helpers
+def pool_is_free(engine: LLMEngine) -> bool:
+    bm = engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and all(b.ref_cnt == 0 for b in bm.blocks)
+
+
+def run_engine(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+# ----------------------------------------------------------------------------- tiny model
+@pytest.fixture(scope="module")
+def tiny() -> Decoder:
+    cfg = ModelConfig(
+        architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, attention_bias=True,
+        eos_token_ids=[0],
+    )
+    model = Decoder(cfg)
+    model.init_dummy_weights(seed=1, std=0.3)  # large std: peaked logits, distinct continuations
+    return model.eval()
+
+
+def naive_greedy(model: Decoder, prompt: list[int], n: int) -> list[int]:
+    """Full recompute of the whole sequence for every token: no KV reuse, one sequence."""
+    cfg, toks = model.cfg, list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            T, bs = len(toks), 16
+            nb = -(-T // bs)
+            kv = torch.zeros(cfg.num_layers, 2, nb, bs, cfg.num_kv_heads, cfg.head_dim)
+            meta = AttentionMetadata(
+                torch.arange(T), torch.tensor([0, T], dtype=torch.int32), torch.tensor([T], dtype=torch.int32),
+                torch.arange(nb, dtype=torch.int32)[None], T, T, [0, T], [T],
+            )
+            h = model(torch.tensor(toks), torch.arange(T), PagedAttention(kv, meta, model.ops))
+            toks.append(int(model.compute_logits(h[-1:]).argmax()))
+    return toks[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = [1, 3, 15, 16, 17, 31, 33, 40, 47, 59, 5, 64]
+    return [torch.randint(1, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny_expected(tiny, tiny_prompts) -> list[list[int]]:
+    return [naive_greedy(tiny, p, 20) for p in tiny_prompts]
+
+
+def tiny_engine(model, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 256)
+    return LLMEngine.from_model(model, EngineConfig(model="tiny", device="cpu", dtype="float32", **kw))
+
+
+GREEDY20 = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"max_num_batched_tokens": 16},
+        {"max_num_batched_tokens": 7, "max_num_seqs": 3},
+        {"num_blocks": 9},
+        {"enable_prefix_caching": True, "num_blocks": 12, "max_num_batched_tokens": 20},
+        {"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "num_blocks": 8},
+    ],
+    ids=["plain", "chunk16", "chunk7-seqs3", "tiny-pool", "prefix-cache-tiny-pool", "no-chunking"],
+)
+def test_tiny_model_batched_matches_naive_loop(tiny, tiny_prompts, tiny_expected, kw):
+    engine = tiny_engine(tiny, **kw)
+    assert run_engine(engine, tiny_prompts, GREEDY20) == tiny_expected
+    assert pool_is_free(engine)
+    if "num_blocks" in kw:
+        assert engine.get_stats()["num_preemptions"] > 0
+
+
+def test_bad_requests_are_rejected_and_engine_goes_on(tiny, tiny_prompts, tiny_expected):
+    engine = tiny_engine(tiny, num_blocks=8)  # 128 token slots: max_model_len is capped to 128
+    assert engine.max_model_len == 128
+    engine.add_request("ok", tiny_prompts[2], GREEDY20)
+    bad = [
+        ("empty", [], GREEDY20, "empty"),
+        ("long", [5] * 200, GREEDY20, "max_model_len"),
+        ("ok", [5, 6], GREEDY20, "already in use"),
+        ("vocab", [5, 999], GREEDY20, "outside the vocabulary"),
+        ("params", [5], {"temperature": 0}, "SamplingParams"),
+        ("text", "hello", GREEDY20, "no tokenizer"),
+    ]
+    for rid, prompt, params, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(rid, prompt, params)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    assert engine.num_unfinished_requests == 1
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["ok"]
+    assert outs[-1].outputs[0].token_ids == tiny_expected[2]
+    assert pool_is_free(engine)
+
+
+def test_prompt_longer_than_budget_rejected_without_chunked_prefill(tiny):
+    engine = tiny_engine(tiny, enable_chunked_prefill=False, max_num_batched_tokens=32)
+    with pytest.raises(ValueError, match="chunked prefill is off"):
+        engine.add_request("a", list(range(1, 40)), GREEDY20)
+
+
+def test_abort_frees_blocks_and_reports_abort(tiny, tiny_prompts):
+    engine = tiny_engine(tiny)
+    engine.add_request("a", tiny_prompts[7], GREEDY20)
+    engine.add_request("b", tiny_prompts[8], GREEDY20)
+    engine.step()
+    engine.step()
+    (out,) = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert len(out.outputs[0].token_ids) == 2
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pool_is_free(engine)
+
+
+def test_failing_request_finishes_with_error_and_others_complete(tiny, tiny_prompts, tiny_expected, monkeypatch):
+    engine = tiny_engine(tiny)
+    original = engine._append_token
+
+    def flaky(seq, tok, now, lp, top):
+        if seq.request_id == "r1" and seq.num_output_tokens == 3:
+            raise RuntimeError("boom")
+        return original(seq, tok, now, lp, top)
+
+    monkeypatch.setattr(engine, "_append_token", flaky)
+    for i, p in enumerate(tiny_prompts[:4]):
+        engine.add_request(f"r{i}", p, GREEDY20)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done["r1"].outputs[0].finish_reason == "error"
+    for i in (0, 2, 3):
+        assert done[f"r{i}"].outputs[0].token_ids == tiny_expected[i]
+        assert done[f"r{i}"].outputs[0].finish_reason == "length"
+    assert pool_is_free(engine)
+
+
+def test_stop_token_ids_eos_and_max_tokens_finish_reasons(tiny, tiny_prompts, tiny_expected):
+    expected = tiny_expected[9]
+    stop_tok = expected[5]
+    first = expected.index(stop_tok)
+    engine = tiny_engine(tiny)
+    engine.add_request("stop", tiny_prompts[9], SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok], ignore_eos=True))
+    engine.add_request("len", tiny_prompts[9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out.outputs[0]
+    assert done["stop"].finish_reason == "stop" and done["stop"].stop_reason == stop_tok
+    assert done["stop"].token_ids == expected[: first + 1]  # the stop token is kept in the ids
+    assert done["len"].finish_reason == "length" and done["len"].token_ids == expected[:4]
+
+
+def test_eos_stops_unless_ignored_and_min_tokens_delays_it(tiny, tiny_prompts, tiny_expected):
+    prompt, expected = tiny_prompts[9], tiny_expected[9]
+    eos = expected[3]
+    tiny.cfg.eos_token_ids = [eos]  # engines read the model config's eos at construction
+    try:
+        engine = tiny_engine(tiny)
+        params = SamplingParams(temperature=0, max_tokens=20)
+        (ids,) = run_engine(engine, [prompt], params)
+        assert ids == expected[: expected.index(eos) + 1]
+        (ids,) = run_engine(tiny_engine(tiny), [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+        assert ids == expected
+        (ids,) = run_engine(tiny_engine(tiny), [prompt], SamplingParams(temperature=0, max_tokens=20, min_tokens=10))
+        assert len(ids) >= 10 and eos not in ids[:10]
+    finally:
+        tiny.cfg.eos_token_ids = [0]
+
+
+def test_n_completions_use_child_seeds(tiny, tiny_prompts):
+    p = tiny_prompts[4]
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256)
+    sp = SamplingParams(n=3, temperature=1.0, seed=123, max_tokens=12, ignore_eos=True)
+    (out,) = llm.generate([p], sp, use_tqdm=False)
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    ids = [tuple(o.token_ids) for o in out.outputs]
+    assert len(set(ids)) == 3 and all(len(t) == 12 for t in ids)
+    (single,) = llm.generate([p], SamplingParams(temperature=1.0, seed=123, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert tuple(single.outputs[0].token_ids) == ids[0]  # child_seed(s, 0) == s
+    (again,) = llm.generate([p], sp, use_tqdm=False)
+    assert [tuple(o.token_ids) for o in again.outputs] == ids
+
+
+def test_generate_keeps_input_order_and_has_empty_text_without_tokenizer(tiny, tiny_prompts, tiny_expected):
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256, max_num_batched_tokens=32)
+    outs = llm.generate(tiny_prompts, GREEDY20, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == tiny_prompts
+    assert [o.outputs[0].token_ids for o in outs] == tiny_expected
+    assert all(o.outputs[0].text == "" and o.finished for o in outs)
+    with pytest.raises(ValueError, match="3 prompts but 2"):
+        llm.generate(tiny_prompts[:3], [GREEDY20, GREEDY20], use_tqdm=False)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([tiny_prompts[0], []], GREEDY20, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and pool_is_free(llm.engine)
+
+
+def test_metrics_and_logprobs_are_reported(tiny, tiny_prompts):
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256)
+    (out,) = llm.generate([tiny_prompts[6]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)
+    c, m = out.outputs[0], out.metrics
+    assert m.ttft is not None and m.ttft >= 0 and m.finish_time >= m.first_token_time
+    assert len(m.inter_token_latencies) == 5
+    assert len(c.logprobs) == 6 and all(t in lp and len(lp) >= 2 for t, lp in zip(c.token_ids, c.logprobs))
+    assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+    stats = llm.get_stats()
+    assert stats["prompt_tokens"] == len(tiny_prompts[6]) and stats["generated_tokens"] == 6
+
+
+def test_prefix_cache_stats_count_hits_and_skip_prefill(tiny, tiny_prompts, tiny_expected):
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256, enable_prefix_caching=True)
+    first = llm.generate(tiny_prompts, GREEDY20, use_tqdm=False)
+    computed_once = llm.get_stats()["prefill_tokens_computed"]
+    second = llm.generate(tiny_prompts, GREEDY20, use_tqdm=False)
+    stats = llm.get_stats()
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in second] == tiny_expected
+    assert stats["prefix_cache_hit_tokens"] > 0 and 0 < stats["prefix_cache_hit_rate"] < 1
+    assert stats["prefill_tokens_computed"] - computed_once < computed_once
+    assert sum(o.metrics.num_cached_tokens for o in second) == stats["prefix_cache_hit_tokens"]
+
+
+# ----------------------------------------------------------------------------- SmolLM2 vs HF
+@pytest.fixture(scope="module")
+def smol(request):
+    try:
+        return request.getfixturevalue("smollm2")
+    except pytest.FixtureLookupError:
+        from pageserve.loader import load_model
+
+        return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_twin(smol):
+    from pageserve.hf_reference import build_hf_model
+
+    return build_hf_model(smol.model)
+
+
+SYSTEM = (
+    "You are a careful assistant for a small bakery. Answer briefly and politely, and always "
+    "mention the opening hours: Monday to Saturday, seven in the morning to six in the evening."
+)
+QUESTIONS = [
+    "What time do you open?", "Do you sell sourdough bread?", "Can I order a birthday cake for Friday?",
+    "Are your croissants made with butter?", "Is there parking nearby?", "Do you have gluten free options?",
+    "What is your most popular pastry?", "Can I pay by card?",
+]
+RAW = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a village at the edge of a great forest, there lived a",
+    "1, 2, 3, 4,",
+    "The three primary colors are",
+    "Photosynthesis is the process by which green plants and some other organisms use sunlight to "
+    "synthesize foods from carbon dioxide and water. Photosynthesis in plants generally involves",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "Translate to French: good morning, my friend. ->",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_prompts(smol) -> list[list[int]]:
+    tok = smol.tokenizer
+    chats = [tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS]
+    raw = [tok.encode(t) for t in RAW]
+    prompts = [p for pair in zip(chats, raw) for p in pair]  # mixed lengths, shared prefixes interleaved
+    assert len(prompts) == 16
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def hf_expected(smol, hf_twin, smol_prompts) -> list[list[int]]:
+    from pageserve.hf_reference import hf_generate
+
+    return [hf_generate(hf_twin, p, GEN_LEN, smol.eos_token_ids) for p in smol_prompts]
+
+
+def smol_llm(smol, **kw) -> LLM:
+    kw.setdefault("num_blocks", 256)
+    return LLM("smollm2-135m-instruct", loaded=smol, device="cpu", dtype="float32", **kw)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=GEN_LEN)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"max_num_batched_tokens": 16}, {"num_blocks": 20}, {"enable_prefix_caching": True, "max_num_batched_tokens": 128}],
+    ids=["normal-budget", "16-token-chunks", "preempting-pool", "prefix-caching"],
+)
+def test_smollm2_batched_greedy_matches_hf_one_at_a_time(smol, smol_prompts, hf_expected, kw):
+    llm = smol_llm(smol, **kw)
+    outs = llm.generate(smol_prompts, GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (g, e) in enumerate(zip(got, hf_expected)):
+        assert g == e, f"prompt {i} ({len(smol_prompts[i])} tokens) diverges from HF"
+    stats = llm.get_stats()
+    if kw.get("num_blocks") == 20:
+        assert stats["num_preemptions"] > 0
+        assert stats["prefill_tokens_computed"] > stats["prompt_tokens"]  # recomputation happened
+    if kw.get("enable_prefix_caching"):
+        assert stats["prefix_cache_hit_tokens"] > 0
+        assert stats["prefill_tokens_computed"] < stats["prompt_tokens"]
+    assert pool_is_free(llm.engine)
+
+
+def test_smollm2_stop_string_is_cut_from_text(smol, smol_prompts, hf_expected):
+    llm = smol_llm(smol)
+    prompt = smol_prompts[1]
+    (full,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    text = full.outputs[0].text
+    assert text == smol.tokenizer.decode(hf_expected[1])
+    words = text.split()
+    stop = " ".join(words[2:4])
+    assert stop and stop in text
+    (cut,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=GEN_LEN, stop=[stop]), use_tqdm=False)
+    c = cut.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: text.index(stop)]
+    assert pool_is_free(llm.engine)
+
+
+def test_smollm2_chat_and_streaming_text_match_a_whole_decode(smol):
+    llm = smol_llm(smol)
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    (out,) = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.text and c.text == smol.tokenizer.decode(c.token_ids)
+    # the streaming engine returns growing stable text whose last value is the same text
+    engine = LLMEngine(llm.config, smol, stream_outputs=True)
+    engine.add_request("s", smol.tokenizer.apply_chat_template(msgs), SamplingParams(temperature=0, max_tokens=12))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert texts[-1] == c.text
