@@ -269,11 +269,12 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True) -> dict:
     return r
 
 
-def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1, 4, 8)) -> dict:
+def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1, 4, 8),
+                   decode_batch: int = 64, decode_context: int = 2048) -> dict:
     """All timings (CUDA only). Failures are recorded as ``<part>_error`` and skipped."""
     figures: dict = {}
     parts = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
-             ("decode_attn", lambda: bench_decode_attention(dtype=dtype)),
+             ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]
     parts += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv)) for m in gemv_batches]
     for part, fn in parts:
@@ -292,6 +293,21 @@ def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1
                 figures[k.removesuffix("_gbps") + "_read_frac"] = figures[k] / read
     if "matmul_bf16_tflops" in figures and "paged_prefill_attn_tflops" in figures:
         figures["paged_prefill_attn_mma_frac"] = figures["paged_prefill_attn_tflops"] / figures["matmul_bf16_tflops"]
+    return figures
+
+
+def summary_figures(check_results: dict, bench_results: dict, dtype=torch.bfloat16) -> dict:
+    """The record's figures: ``<kernel>_rel_err`` in ``dtype`` (and ``<kernel>_<dtype>_rel_err`` for
+    every dtype checked), ``checks_failed``, then every timing figure."""
+    dn = DTYPE_NAMES[dtype]
+    figures = {}
+    for k, v in check_results.items():
+        if k.endswith("_rel_err"):
+            figures[k] = v
+            if k.endswith(f"_{dn}_rel_err"):
+                figures[k.removesuffix(f"_{dn}_rel_err") + "_rel_err"] = v
+    figures["checks_failed"] = sum(1 for k, v in check_results.items() if k.endswith("_pass") and not v)
+    figures.update({k: v for k, v in bench_results.items() if isinstance(v, (int, float))})
     return figures
 
 
