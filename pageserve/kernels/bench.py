@@ -198,9 +198,26 @@ def bench_decode_attention(batch=64, ctx=2048, dtype=torch.bfloat16, block_size=
     with torch.cuda.graph(graph):
         paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, scale, out=out)
     tg = _ms(graph.replay)
-    return {"paged_decode_attn_ms": t, "paged_decode_attn_gbps": _gbps(nbytes, t),
-            "paged_decode_attn_graph_ms": tg, "paged_decode_attn_graph_gbps": _gbps(nbytes, tg),
-            "paged_decode_attn_splits": splits}
+    r = {"paged_decode_attn_ms": t, "paged_decode_attn_gbps": _gbps(nbytes, t),
+         "paged_decode_attn_graph_ms": tg, "paged_decode_attn_graph_gbps": _gbps(nbytes, tg),
+         "paged_decode_attn_splits": splits}
+    # a small sweep, to show whether the defaults (BLOCK_N 64, 4 warps, auto splits) leave speed behind
+    best = (t, f"block_n=64 num_warps=4 splits={splits}")
+    for bn in (32, 64, 128):
+        for nw in (4, 8):
+            for sp in sorted({splits, 2 * splits, max(1, splits // 2)}):
+                try:
+                    ts = _ms(lambda: paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, scale,
+                                                            out=out, num_splits=sp, block_n=bn, num_warps=nw),
+                             warmup=5, rep=20)
+                except Exception as e:
+                    r[f"paged_decode_attn_sweep_error_{bn}_{nw}_{sp}"] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+                if ts < best[0]:
+                    best = (ts, f"block_n={bn} num_warps={nw} splits={sp}")
+    r["paged_decode_attn_best_ms"], r["paged_decode_attn_best_config"] = best
+    r["paged_decode_attn_best_gbps"] = _gbps(nbytes, best[0])
+    return r
 
 
 def bench_prefill_attention(dtype=torch.bfloat16) -> dict:
@@ -364,7 +381,7 @@ def main(argv=None) -> int:
             frac = row["frac_of_read"]
             print(f"  {row['kernel']:32s} {row['gbps']:8.0f} GB/s  {'' if frac is None else f'{frac:6.1%}'}")
         for k, v in bench.items():
-            if k.endswith(("_vs_cublas", "_stack_m1_ms", "_bw_frac", "_tflops", "_mma_frac", "_error")):
+            if k.endswith(("_vs_cublas", "_stack_m1_ms", "_bw_frac", "_tflops", "_mma_frac", "_error", "_config")):
                 print(f"  {k:40s} {v}")
     print(f"\nwrote {path}")
     return 0
