@@ -259,6 +259,20 @@ def synchronize(device: str | torch.device | None = None) -> None:
             torch.cuda.synchronize(device)
 
 
+def free_device_memory() -> None:
+    """Return freed tensors' memory to the device, so the next engine can size its KV pool.
+
+    Delete your references first (``del llm``); this collects the cycles and empties
+    PyTorch's CUDA cache.
+    """
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 # --------------------------------------------------------------------------- pageserve
 
 
@@ -286,6 +300,8 @@ def request_row(out, tag: str = "") -> dict[str, Any]:
     """TTFT, inter-token gaps and cached tokens of one finished ``RequestOutput``."""
     m = getattr(out, "metrics", None)
     row: dict[str, Any] = {"tag": tag, "ttft_s": None, "itl_s": [], "num_cached_tokens": 0}
+    if getattr(out, "outputs", None):
+        row["token_ids"] = list(out.outputs[0].token_ids)
     if m is None:
         return row
     arrival = _metric(m, "arrival_time")
@@ -306,17 +322,46 @@ def request_row(out, tag: str = "") -> dict[str, Any]:
     return row
 
 
+# Gauges describe the engine now; everything else in get_stats() is a running counter.
+_GAUGES = {"num_running", "num_waiting", "prefix_cache_hit_rate", "num_blocks", "num_free_blocks", "block_size", "max_model_len"}
+
+
 def engine_stats(llm) -> dict[str, float]:
-    """The engine's counters as plain numbers (prefix-cache hits, prefill tokens, preemptions)."""
+    """The engine's counters as plain numbers (``LLMEngine.get_stats()``)."""
     engine = getattr(llm, "engine", llm)
-    for attr in ("stats", "get_stats"):
-        s = getattr(engine, attr, None)
-        if s is None:
-            continue
-        s = s() if callable(s) else s
-        d = s if isinstance(s, dict) else getattr(s, "__dict__", {})
-        return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {}
+    get = getattr(engine, "get_stats", None)
+    stats = get() if callable(get) else {}
+    return {k: float(v) for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What one run added to the engine's counters, plus the derived figures.
+
+    ``prefix_hit_rate``: prompt tokens found in the prefix cache / prompt tokens looked up.
+    ``prefill_tokens_saved_frac``: 1 - prefill tokens computed / prompt tokens admitted
+    (prefix hits save work; recomputation after a preemption costs it again).
+    """
+    d = {k: v - before.get(k, 0.0) for k, v in after.items() if k not in _GAUGES}
+    queried, hit = d.get("prefix_cache_queried_tokens", 0.0), d.get("prefix_cache_hit_tokens", 0.0)
+    d["prefix_hit_rate"] = hit / queried if queried else 0.0
+    prompt, computed = d.get("prompt_tokens", 0.0), d.get("prefill_tokens_computed", 0.0)
+    d["prefill_tokens_saved_frac"] = 1.0 - computed / prompt if prompt else 0.0
+    return d
+
+
+def prompt_vocab_size(llm) -> int:
+    """Token ids a random prompt may use: the model's vocabulary, capped by the tokenizer's
+    (padded embedding rows have no text, and the engine detokenizes every output)."""
+    engine = getattr(llm, "engine", llm)
+    vocab = engine.model_config.vocab_size
+    tok = getattr(engine, "tokenizer", None)
+    hf = getattr(tok, "hf", tok)
+    if hf is not None:
+        try:
+            vocab = min(vocab, len(hf))
+        except TypeError:
+            pass
+    return vocab
 
 
 def warmup(llm, vocab_size: int, prompt_len: int = 16, output_len: int = 4, num_requests: int = 2) -> None:
@@ -345,8 +390,7 @@ def run_pageserve(llm, workload: Workload, clock: Clock = time.perf_counter, nam
     after = engine_stats(llm)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     rows = [request_row(o, r.tag) for o, r in zip(outputs, workload.requests)]
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    return make_result(name or f"pageserve/{workload.name}", workload.prompt_tokens, output_tokens, wall, rows, delta)
+    return make_result(name or f"pageserve/{workload.name}", workload.prompt_tokens, output_tokens, wall, rows, stats_delta(before, after))
 
 
 def run_pageserve_online(llm, workload: Workload, clock: Clock = time.perf_counter, name: str | None = None) -> BenchResult:
@@ -391,8 +435,7 @@ def run_pageserve_online(llm, workload: Workload, clock: Clock = time.perf_count
         row = request_row(out, workload.requests[i].tag)
         row["arrival_step"] = workload.requests[i].arrival_step
         rows.append(row)
-    delta = {k: after[k] - before.get(k, 0.0) for k in after}
-    return make_result(name or f"pageserve-online/{workload.name}", workload.prompt_tokens, output_tokens, wall, rows, delta)
+    return make_result(name or f"pageserve-online/{workload.name}", workload.prompt_tokens, output_tokens, wall, rows, stats_delta(before, after))
 
 
 def _add_request(engine, request_id: str, r: BenchRequest) -> None:
