@@ -105,7 +105,7 @@ def _greedy_config(max_new_tokens: int, eos_token_ids: Sequence[int] | None, pad
 
     # Every knob stated, so no checkpoint default (repetition penalty, top-k…) sneaks in.
     return GenerationConfig(
-        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0, min_length=0,
+        do_sample=False, num_beams=1, max_new_tokens=max_new_tokens, min_new_tokens=0,
         temperature=None, top_k=None, top_p=None, repetition_penalty=1.0, no_repeat_ngram_size=0,
         eos_token_id=list(eos_token_ids) if eos_token_ids else None, pad_token_id=pad_token_id,
         use_cache=True,
