@@ -144,25 +144,41 @@ def config_from_metadata(meta: dict[str, Any], vocab_size: int, path: str | Path
     return d
 
 
+def _open(path: Path):
+    import gguf
+
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises ValueError/struct errors on junk
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _hf_config(reader, meta: dict[str, Any], path: Path) -> dict[str, Any]:
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    hf_config = config_from_metadata(meta, len(tokens.data) if tokens is not None else 0, path)
+    if not hf_config["vocab_size"]:
+        raise ValueError(f"{path}: cannot tell the vocabulary size (no token list, no vocab_size)")
+    hf_config["tie_word_embeddings"] = "output.weight" not in {t.name for t in reader.tensors}
+    return hf_config
+
+
+def load_gguf_config(path: str | Path) -> ModelConfig:
+    """Only the model config of a GGUF (no tensors are dequantized)."""
+    path = Path(path)
+    reader = _open(path)
+    return ModelConfig.from_hf_dict(_hf_config(reader, read_metadata(reader, path), path), source=str(path))
+
+
 def load_gguf(path: str | Path) -> GGUFContents:
     """Read ``path``: the config, every tensor dequantized to fp32 under its HF name."""
     import gguf
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises ValueError/struct errors on junk
-        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    reader = _open(path)
     meta = read_metadata(reader, path)
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_from_tokens = len(tokens.data) if tokens is not None else 0
-    hf_config = config_from_metadata(meta, vocab_from_tokens, path)
-    if not hf_config["vocab_size"]:
-        raise ValueError(f"{path}: cannot tell the vocabulary size (no token list, no vocab_size)")
-    names = {t.name for t in reader.tensors}
-    hf_config["tie_word_embeddings"] = "output.weight" not in names
+    hf_config = _hf_config(reader, meta, path)
     config = ModelConfig.from_hf_dict(hf_config, source=str(path))
 
     weights: dict[str, torch.Tensor] = {}
