@@ -140,24 +140,47 @@ class LogitComparison:
     max_abs_diff: float  # max over positions and vocab of |pageserve - ref|
     rel_err: float  # ||pageserve - ref|| / ||ref|| (Frobenius, over all positions)
     top1_agreement: float  # fraction of positions whose argmax agrees
+    _diff_sq: float = field(default=0.0, repr=False)
+    _ref_sq: float = field(default=0.0, repr=False)
+
+
+def compare_logit_sets(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> LogitComparison:
+    """Compare two lists of per-prompt logits [T_i, V] (any devices) position by position."""
+    max_abs, diff_sq, ref_sq, agree, n = 0.0, 0.0, 0.0, 0, 0
+    for a, b in zip(ours, ref, strict=True):
+        b = b.to(a.device)
+        d = (a.double() - b.double())
+        max_abs = max(max_abs, d.abs().max().item())
+        diff_sq += d.pow(2).sum().item()
+        ref_sq += b.double().pow(2).sum().item()
+        agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+        n += b.shape[0]
+    return LogitComparison(n, max_abs, (diff_sq / ref_sq) ** 0.5 if ref_sq else float("nan"), agree / max(n, 1),
+                           diff_sq, ref_sq)
 
 
 def compare_logits(model: Decoder, hf_model, prompts: Sequence[Sequence[int]],
-                   reference: list[torch.Tensor] | None = None) -> LogitComparison:
+                   reference: Sequence[torch.Tensor] | None = None) -> LogitComparison:
     """Prefill every prompt on both models and compare the logits at every position.
     ``reference``: precomputed reference logits per prompt (e.g. an fp32 run) instead of
     ``hf_model``'s."""
-    max_abs, diff_sq, ref_sq, agree, n = 0.0, 0.0, 0.0, 0, 0
-    for i, ids in enumerate(prompts):
+    result = None
+    for i, ids in enumerate(prompts):  # one prompt at a time: [T, V] logits can be large
         ours = prompt_logits(model, list(ids))
-        ref = reference[i].to(ours.device) if reference is not None else hf_logits(hf_model, ids)
-        d = (ours - ref).double()
-        max_abs = max(max_abs, d.abs().max().item())
-        diff_sq += d.pow(2).sum().item()
-        ref_sq += ref.double().pow(2).sum().item()
-        agree += (ours.argmax(-1) == ref.argmax(-1)).sum().item()
-        n += ref.shape[0]
-    return LogitComparison(n, max_abs, (diff_sq / ref_sq) ** 0.5 if ref_sq else float("nan"), agree / max(n, 1))
+        ref = reference[i] if reference is not None else hf_logits(hf_model, ids)
+        one = compare_logit_sets([ours], [ref])
+        result = one if result is None else _merge(result, one)
+    return result
+
+
+def _merge(a: LogitComparison, b: LogitComparison) -> LogitComparison:
+    # rel_err over the union needs the squared norms, which the objects carry
+    return LogitComparison(
+        a.positions + b.positions, max(a.max_abs_diff, b.max_abs_diff),
+        ((a._diff_sq + b._diff_sq) / (a._ref_sq + b._ref_sq)) ** 0.5,
+        (a.top1_agreement * a.positions + b.top1_agreement * b.positions) / (a.positions + b.positions),
+        a._diff_sq + b._diff_sq, a._ref_sq + b._ref_sq,
+    )
 
 
 @dataclass
@@ -219,6 +242,29 @@ def greedy_parity(model: Decoder, hf_model, prompts: Sequence[Sequence[int]], ma
         res.first_divergence.append(div)
         res.identical += div is None
     return res
+
+
+PARITY_CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three prime numbers greater than 10.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Give me a tip for learning to cook.",
+    "Why is the sky blue?",
+]
+
+
+def chat_prompt_ids(tokenizer, texts: Sequence[str], vocab_size: int, random_len: int = 32,
+                    seed: int = 0) -> list[list[int]]:
+    """Each text as a one-turn chat (generation prompt added); with no tokenizer (random
+    weights), deterministic random ids of ``random_len`` tokens instead, one per text."""
+    if tokenizer is None:
+        return random_prompts(len(texts), random_len, vocab_size, seed)
+    if tokenizer.has_chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    return [tokenizer.encode(t) for t in texts]
 
 
 def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -5,19 +5,12 @@ import pytest
 import torch
 
 from pageserve.config import ModelConfig
-from pageserve.hf_reference import build_hf_model, compare_logits, greedy_parity, hf_state_dict, random_prompts
+from pageserve.hf_reference import (
+    PARITY_CHAT_PROMPTS, build_hf_model, compare_logits, greedy_parity, hf_state_dict, random_prompts,
+)
 from pageserve.loader import build_decoder
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "List three prime numbers greater than 10.",
-    "Translate 'good morning' into Spanish.",
-    "What is 12 times 7?",
-    "Give me a tip for learning to cook.",
-    "Why is the sky blue?",
-]
+CHAT_PROMPTS = PARITY_CHAT_PROMPTS
 
 
 def small_qwen2_config() -> ModelConfig:
