@@ -351,9 +351,10 @@ def stats_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 def prompt_vocab_size(llm) -> int:
     """Token ids a random prompt may use: the model's vocabulary, capped by the tokenizer's
-    (padded embedding rows have no text, and the engine detokenizes every output)."""
+    (padded embedding rows have no text, and the engine detokenizes every output).
+    Takes an ``LLM``, an ``LLMEngine`` or a ``LoadedModel``."""
     engine = getattr(llm, "engine", llm)
-    vocab = engine.model_config.vocab_size
+    vocab = (getattr(engine, "model_config", None) or engine.config).vocab_size
     tok = getattr(engine, "tokenizer", None)
     hf = getattr(tok, "hf", tok)
     if hf is not None:

@@ -107,6 +107,13 @@ def _cb_config(**kwargs):
     return ContinuousBatchingConfig(**{k: v for k, v in kwargs.items() if k in names and v is not None})
 
 
+def _cpu_cache_size(workload: Workload, page_size: int = 64) -> dict[str, int]:
+    """A paged cache that holds the whole workload at once, and a step budget to match."""
+    pages = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // page_size) for r in workload.requests)
+    longest = max(len(p) for p in workload.prompts)
+    return {"page_size": page_size, "num_blocks": pages + 1, "max_batch_tokens": max(256, min(2048, longest + len(workload)))}
+
+
 def _workload_hints(workload: Workload):
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
@@ -139,10 +146,14 @@ def hf_generate_batch(
     if len(workload) == 0:
         return make_result(name or f"hf_generate_batch/{workload.name}", 0, 0, 0.0, [])
     attn = set_cb_attention(model, attn_implementation)
+    device = _device(model)
+    if device.type == "cpu":
+        # HF sizes its cache from device memory: slow on the CPU (tens of seconds). Fit it to the workload.
+        for k, v in _cpu_cache_size(workload).items():
+            cb_options.setdefault(k, v)
     max_new = {r.max_tokens for r in workload.requests}
     gen_cfg = _no_eos_config(model, max(max_new), -1)  # -1: no EOS, every request runs to max_new_tokens
     cb_cfg = _cb_config(**cb_options)
-    device = _device(model)
     cm = model.continuous_batching_context_manager
     cm_kwargs = _accepted(
         cm,
