@@ -120,6 +120,12 @@ class BlockManager:
         nothing, when the free queue cannot supply the blocks.
         """
         bs = self.block_size
+        if computed_blocks is None:  # the common case, a decode or next chunk: often no new block
+            need = -(-(seq.num_computed_tokens + num_new_tokens) // bs) - len(seq.block_table)
+            if need <= 0:
+                return True
+            if need > len(self.free_queue):
+                return False
         hits = computed_blocks or []
         num_computed = seq.num_computed_tokens + len(hits) * bs
         need = self.blocks_needed(num_computed + num_new_tokens) - len(seq.block_table) - len(hits)

@@ -211,14 +211,13 @@ class LLMEngine:
         sched.update_after_step(batch)
         now = time.perf_counter()
 
-        touched: dict[str, Request] = {}
+        touched: dict[str, Request] = {}  # requests with something to report
+        stream = self.stream_outputs
         if out is not None:
             lp, top = out.logprobs, out.top_logprobs
             for row, (seq, tok) in enumerate(zip(batch.sampling_seqs, out.token_ids)):
-                req = self.requests.get(seq.request_id)
-                if req is None or seq.is_finished:
+                if seq.is_finished:
                     continue
-                touched[seq.request_id] = req
                 try:
                     self._append_token(
                         seq, tok, now,
@@ -227,6 +226,8 @@ class LLMEngine:
                 except Exception:
                     logger.exception("request %r failed in postprocessing; finishing it with 'error'", seq.request_id)
                     self._finish(seq, "error", now)
+                if stream or seq.is_finished:
+                    touched[seq.request_id] = self.requests[seq.request_id]
         sched.remove_finished()
 
         st = self.stats

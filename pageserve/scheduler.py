@@ -41,12 +41,12 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         return [s for s, smp in zip(self.seqs, self.samples) if smp]
 
-    def add(self, seq: Sequence, num_new: int) -> None:
+    def add(self, seq: Sequence, num_new: int, num_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
-        self.samples.append(seq.num_computed_tokens + num_new == seq.num_tokens)
+        self.samples.append(seq.num_computed_tokens + num_new == num_tokens)
         self.num_batched_tokens += num_new
-        if not (num_new == 1 and seq.output_token_ids and seq.num_computed_tokens == seq.num_tokens - 1):
+        if not (num_new == 1 and seq.output_token_ids and seq.num_computed_tokens == num_tokens - 1):
             self.num_prefill_tokens += num_new
 
 
@@ -89,7 +89,8 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_tokens = seq.num_tokens
+            num_new = min(num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (should not happen); keep it for later
                 i += 1
                 continue
@@ -100,7 +101,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.add(seq, num_new)
+                batch.add(seq, num_new, num_tokens)
                 budget -= num_new
                 i += 1
                 continue
@@ -127,7 +128,7 @@ class Scheduler:
             seq.num_cached_tokens = num_hit
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
-            batch.add(seq, num_new)
+            batch.add(seq, num_new, seq.num_tokens)
             budget -= num_new
         return batch
 
