@@ -371,6 +371,11 @@ def warmup(llm, vocab_size: int, prompt_len: int = 16, output_len: int = 4, num_
     llm.generate(w.prompts, greedy_params(output_len), use_tqdm=False)
 
 
+def prime(llm, prompts: list[list[int]]) -> None:
+    """Serve each prompt once (one output token, untimed), leaving its blocks in the prefix cache."""
+    llm.generate(prompts, greedy_params(1), use_tqdm=False)
+
+
 def run_pageserve(llm, workload: Workload, clock: Clock = time.perf_counter, name: str | None = None) -> BenchResult:
     """Time ``llm.generate`` over the whole workload (all requests at once, offline).
 
