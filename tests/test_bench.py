@@ -172,3 +172,69 @@ def test_hf_generate_batch_matches_serial_greedy_tokens(tiny_hf_model):
     assert batch.output_tokens == 24
     assert [r["token_ids"] for r in batch.per_request] == [r["token_ids"] for r in serial.per_request]
     assert len(batch.ttft_s) == 4 and len(batch.itl_s) == 4 * 5
+
+
+# ------------------------------------------------------------------ on the real engine (tiny model)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from pageserve.config import ModelConfig
+    from pageserve.model import Decoder
+
+    cfg = ModelConfig(
+        architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, attention_bias=True,
+        eos_token_ids=[0],
+    )
+    model = Decoder(cfg)
+    model.init_dummy_weights(seed=1, std=0.3)
+    return model.eval()
+
+
+def _llm(model, **kw):
+    from pageserve.llm import LLM
+
+    return LLM.from_model(model, device="cpu", dtype="float32", num_blocks=128, **kw)
+
+
+def test_stats_delta_counts_only_this_runs_tokens():
+    before = {"prompt_tokens": 10, "prefill_tokens_computed": 10, "prefix_cache_queried_tokens": 0,
+              "prefix_cache_hit_tokens": 0, "num_free_blocks": 5}
+    after = {"prompt_tokens": 110, "prefill_tokens_computed": 50, "prefix_cache_queried_tokens": 100,
+             "prefix_cache_hit_tokens": 60, "num_free_blocks": 7}
+    d = bench.stats_delta(before, after)
+    assert d["prompt_tokens"] == 100 and d["prefill_tokens_computed"] == 40
+    assert d["prefix_hit_rate"] == pytest.approx(0.6)
+    assert d["prefill_tokens_saved_frac"] == pytest.approx(0.6)
+    assert "num_free_blocks" not in d  # a gauge, not a counter
+
+
+def test_run_pageserve_on_the_engine_generates_exactly_max_tokens(tiny_model):
+    llm = _llm(tiny_model)
+    w = random_workload(5, 20, 6, vocab_size=256, seed=3)
+    r = bench.run_pageserve(llm, w)
+    assert r.output_tokens == 30 and r.prompt_tokens == 100
+    assert len(r.ttft_s) == 5 and all(t > 0 for t in r.ttft_s)
+    assert len(r.itl_s) == 5 * 5
+    assert r.extra["prompt_tokens"] == 100 and r.extra["generated_tokens"] == 30
+
+
+def test_online_run_adds_requests_at_their_step_and_matches_offline_tokens(tiny_model):
+    w = mixed_workload(3, 8, 10, 2, 48, 3, vocab_size=256, long_first_step=2, long_every_steps=3, seed=4)
+    online = bench.run_pageserve_online(_llm(tiny_model, max_num_batched_tokens=16), w)
+    offline = bench.run_pageserve(_llm(tiny_model), w)
+    assert online.output_tokens == 3 * 10 + 2 * 3
+    assert [r["token_ids"] for r in online.per_request] == [r["token_ids"] for r in offline.per_request]
+    # budget 16 with 3 decodes in flight: a 48-token prompt needs several steps before its first token
+    assert online.extra["num_steps"] > offline.extra["num_steps"]
+    assert len(online.subset("long").ttft_s) == 2 and len(online.subset("short").itl_s) == 3 * 9
+
+
+def test_prefix_cache_hits_are_counted_for_a_warm_shared_prompt(tiny_model):
+    llm = _llm(tiny_model, enable_prefix_caching=True)
+    w = shared_prefix_workload(4, prefix_len=64, suffix_len=8, output_len=2, vocab_size=256, seed=6)
+    bench.prime(llm, [w.prompts[0][:64]])
+    r = bench.run_pageserve(llm, w)
+    assert r.extra["prefix_hit_rate"] == pytest.approx(4 * 64 / (4 * 72))
+    assert r.extra["prefill_tokens_saved_frac"] == pytest.approx(4 * 64 / (4 * 72))
