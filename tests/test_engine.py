@@ -282,10 +282,13 @@ def smol(request):
 
 
 @pytest.fixture(scope="module")
-def hf_twin(smol):
-    from pageserve.hf_reference import build_hf_model
+def hf_twin(request, smol):
+    try:
+        return request.getfixturevalue("smollm2_hf")
+    except pytest.FixtureLookupError:
+        from pageserve.hf_reference import build_hf_model
 
-    return build_hf_model(smol.model)
+        return build_hf_model(smol.model)
 
 
 SYSTEM = (
