@@ -290,6 +290,8 @@ class LLMEngine:
             self._finish(seq, reason, now)
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        if seq.is_finished:
+            return
         self.scheduler.finish(seq, reason)
         seq.finish_time = now
         try:
