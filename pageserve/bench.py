@@ -162,6 +162,13 @@ def mixed_workload(
 # --------------------------------------------------------------------------- results
 
 
+def int_list(value) -> list[int]:
+    """``"64,128, 256"``, ``"[64, 128]"`` or ``[64, 128]`` -> ``[64, 128]`` (papermill ``-p`` passes strings)."""
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(v) for v in str(value).strip("[]() ").replace(" ", "").split(",") if v]
+
+
 def percentile(xs: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (linear interpolation); NaN for an empty list."""
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
