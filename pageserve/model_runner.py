@@ -85,6 +85,28 @@ class ModelRunner:
         self.sampler = sampler
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
+        self.graphs = None  # CUDAGraphRunner for decode-only steps
+        self.last_logits: list[torch.Tensor] | None = None  # when a list: every step's logits (tests)
+        self.graph_check: list[float] | None = None  # when a list: graphed-vs-eager logit errors
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if getattr(self.ops, "name", "") == "triton":
+                self.enable_graphs()
+            else:
+                logger.warning("CUDA graphs need the Triton ops (the reference ops sync the host); running eagerly")
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def max_blocks_per_seq(self) -> int:
+        max_len = min(self.config.max_model_len or self.cfg.max_position_embeddings, self.model.max_positions)
+        return -(-max_len // self.block_size)
+
+    def enable_graphs(self, capture: bool | None = None) -> None:
+        """Build the decode graph runner and capture its buckets (``capture=False``: same
+        static buffers and padding, run eagerly: the CPU check of the bookkeeping)."""
+        from .cuda_graphs import CUDAGraphRunner
+
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
+        self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture)
+        self.graphs.capture()
 
     # ------------------------------------------------------------------ KV pool size
     @property
@@ -213,7 +235,13 @@ class ModelRunner:
         the sampling sequences), or None when no sequence samples this step."""
         x = self.prepare_inputs(batch)
         input_ids, positions, meta, logits_indices = self.to_device(x)
-        hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, meta, self.ops))  # [T, H]
+        B = x.seq_lens.shape[0]
+        if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
+            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            if self.graph_check is not None:
+                self._check_graph_step(hidden, input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, meta, self.ops))  # [T, H]
         S = x.logits_indices.shape[0]
         if S == 0:
             return None
@@ -221,6 +249,8 @@ class ModelRunner:
             hidden = hidden[logits_indices]  # [S, H]
         logits = self.model.compute_logits(hidden)  # [S, V] fp32
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        if self.last_logits is not None:
+            self.last_logits.append(logits.detach().clone())
         return self.sampler.sample(
             logits,
             [s.params for s in seqs],
@@ -228,3 +258,10 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [s.seed for s in seqs],
         )
+
+    def _check_graph_step(self, hidden, input_ids, positions, meta) -> None:
+        """Recompute a graphed decode step eagerly on the same inputs and record the relative
+        logit difference (the step rewrites the same K/V slots with the same values)."""
+        eager = self.model(input_ids, positions, PagedAttention(self.kv_cache, meta, self.ops))
+        a, b = self.model.compute_logits(hidden), self.model.compute_logits(eager)
+        self.graph_check.append(((a - b).norm() / b.norm().clamp_min(1e-30)).item())

@@ -1,0 +1,129 @@
+"""Decode-loop checks and timings for CUDA graphs (phase 04).
+
+- ``staggered_decode_workload``: sequences of different lengths that join and finish at
+  different steps, so a real decode loop crosses block boundaries, changes batch size and
+  pads to different graph buckets.
+- ``graph_vs_eager``: the same workload run eagerly and from graphs on one engine; the
+  tokens must be identical (fp32), and per graphed step the logits are recomputed eagerly
+  on the same inputs to bound their difference (bf16).
+- ``decode_step_ms``: the time of one full engine step (schedule, one forward, sample,
+  postprocess) with ``batch_size`` sequences decoding at a given context length.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .bench import BenchRequest, Workload, _random_ids, run_pageserve_online, synchronize
+from .sampling_params import SamplingParams
+
+
+def staggered_decode_workload(
+    num_seqs: int,
+    vocab_size: int,
+    min_prompt: int = 5,
+    max_prompt: int = 40,
+    min_output: int = 16,
+    max_output: int = 64,
+    join_every: int = 1,
+    seed: int = 0,
+) -> Workload:
+    """``num_seqs`` requests with random prompt and output lengths; request i arrives at
+    engine step ``i * join_every`` (so sequences join while others decode and finish)."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(num_seqs):
+        p = int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=gen))
+        o = int(torch.randint(min_output, max_output + 1, (1,), generator=gen))
+        reqs.append(BenchRequest(_random_ids(gen, p, vocab_size, 0), o, i * join_every, "decode"))
+    return Workload(f"staggered-{num_seqs}", reqs)
+
+
+@dataclass
+class GraphCheck:
+    identical_requests: int
+    num_requests: int
+    eager_tokens: list[list[int]]
+    graph_tokens: list[list[int]]
+    graphed_steps: int
+    max_logit_rel_err: float  # over graphed steps, graph vs eager recompute on the same inputs
+    eager_s: float
+    graph_s: float
+
+    @property
+    def identical(self) -> bool:
+        return self.identical_requests == self.num_requests
+
+
+def _tokens(result) -> list[list[int]]:
+    return [list(r["token_ids"]) for r in result.per_request]
+
+
+def graph_vs_eager(llm, workload: Workload, check_logits: bool = True) -> GraphCheck:
+    """Run ``workload`` online twice on one engine: eager, then from graphs."""
+    runner = llm.engine.runner
+    if runner.graphs is None:
+        raise ValueError("this engine has no graph runner (enforce_eager, or no CUDA): call runner.enable_graphs()")
+    graphs = runner.graphs
+    counter = _count_graph_runs(graphs)
+    try:
+        runner.graphs = None
+        eager = run_pageserve_online(llm, workload, name="eager")
+        runner.graphs = graphs
+        runner.graph_check = [] if check_logits else None
+        graphed = run_pageserve_online(llm, workload, name="graphs")
+        errs = runner.graph_check or []
+    finally:
+        runner.graphs = graphs
+        runner.graph_check = None
+        counter.restore()
+    a, b = _tokens(eager), _tokens(graphed)
+    same = sum(x == y for x, y in zip(a, b))
+    return GraphCheck(same, len(a), a, b, counter.count, max(errs, default=float("nan")),
+                      eager.wall_s, graphed.wall_s)
+
+
+class _count_graph_runs:
+    """Counts ``graphs.run`` calls (to prove the graphed run really used the graphs)."""
+
+    def __init__(self, graphs) -> None:
+        self.graphs, self.count = graphs, 0
+        self.orig = graphs.run
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return self.orig(*args, **kwargs)
+
+        graphs.run = counted
+
+    def restore(self) -> None:
+        self.graphs.run = self.orig
+
+
+def decode_step_ms(llm, batch_size: int, context_len: int, steps: int = 32, vocab_size: int | None = None,
+                   seed: int = 0) -> float:
+    """Median wall time of one engine step with ``batch_size`` sequences all decoding at
+    about ``context_len`` tokens of context (prefill is done before the clock starts)."""
+    engine = llm.engine
+    vocab = vocab_size or engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    ids = [f"decode-{batch_size}-{i}-{time.monotonic_ns()}" for i in range(batch_size)]
+    for rid in ids:
+        engine.add_request(rid, _random_ids(gen, context_len, vocab, 0), params)
+    # prefill (and the first sampled token) for every sequence
+    while any(not s.output_token_ids for r in ids if r in engine.requests for s in engine.requests[r].seqs):
+        engine.step()
+    device = llm.engine.runner.device
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        engine.step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    engine.abort_request(ids)
+    return 1e3 * statistics.median(times)
