@@ -90,7 +90,11 @@ class ModelRunner:
         self.graph_check: list[float] | None = None  # when a list: graphed-vs-eager logit errors
         if self.device.type == "cuda" and not config.enforce_eager:
             if getattr(self.ops, "name", "") == "triton":
-                self.enable_graphs()
+                try:
+                    self.enable_graphs()
+                except Exception:  # a capture failure costs speed, never the engine
+                    logger.exception("CUDA graph capture failed; decode steps run eagerly")
+                    self.graphs = None
             else:
                 logger.warning("CUDA graphs need the Triton ops (the reference ops sync the host); running eagerly")
 

@@ -1,36 +1,46 @@
 #!/usr/bin/env bash
-# Everything one H200 session checks, in one call (see .library/device notes in the README):
-#   GPU kernel tests in fp32/bf16/fp16, then the phase notebooks through papermill at the
-#   Qwen2.5-3B shape. Executed notebooks + JSON land in $OUT (tarred: the device returns at
-#   most 8 files) and are committed to results/h200/.
+# Everything one H200 session checks, in one call: GPU tests (kernels in fp32/bf16/fp16,
+# graph replay, sampler), then the phase notebooks through papermill at the Qwen2.5-3B
+# shape. Executed notebooks + JSON are tarred into $OUT (the device returns at most 8 files)
+# and committed to results/h200/. Each stage has its own time limit so one slow stage
+# cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
-#   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage ...]   (stages: tests 01 02 03 04 05 06a)
+#   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; RES=/tmp/pageserve_res/h200; mkdir -p "$RES" "$OUT"
 export PAGESERVE_RESULTS_DIR=$RES
-stages=${*:-tests 01 05 04 02 03 06a}
+stages=${*:-tests:80 04:190 02:170 01:95}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
-run_nb() {  # run_nb <name> [papermill -p args...]
-  local name=$1; shift
+run_nb() {  # run_nb <seconds> <name> [papermill -p args...]
+  local limit=$1 name=$2; shift 2
   local t0=$(date +%s)
-  papermill --no-progress-bar --cwd notebooks "notebooks/$name.ipynb" "$RES/$name.ipynb" \
+  timeout "$limit" papermill --no-progress-bar --cwd notebooks "notebooks/$name.ipynb" "$RES/$name.ipynb" \
     -p RESULTS_DIR "$RES" "$@" > "$RES/$name.log" 2>&1
-  echo "notebook $name: rc=$? in $(( $(date +%s) - t0 )) s"; tail -n 5 "$RES/$name.log"
+  echo "notebook $name: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "Error|error" "$RES/$name.log" | tail -n 5
 }
-for s in $stages; do
+Q3B="-p MODEL qwen2.5-3b -p DEVICE cuda"
+for st in $stages; do
+  s=${st%%:*}; t=${st##*:}
   case $s in
-    tests) python3 -m pytest -q -x tests/test_kernels.py 2>&1 | tail -n 25 | tee "$RES/gpu_tests.log" ;;
-    01) run_nb 01_naive_generation -p MODEL qwen2.5-3b -p DEVICE cuda -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 -p PARITY_POSITIONS 2048 ;;
-    05) run_nb 05_triton_kernels -p DEVICE cuda ;;
-    04) run_nb 04_cuda_graphs -p MODEL qwen2.5-3b -p DEVICE cuda ;;
-    02) run_nb 02_continuous_batching_paged_kv -p MODEL qwen2.5-3b -p DEVICE cuda -p DTYPE bfloat16 -p NUM_REQUESTS 500 -p PROMPT_LEN 512 -p OUTPUT_LEN 256 -p HF_NUM_REQUESTS 64 ;;
-    03) run_nb 03_chunked_prefill -p MODEL qwen2.5-3b -p DEVICE cuda -p DTYPE bfloat16 ;;
-    06a) run_nb 06a_prefix_caching -p MODEL qwen2.5-3b -p DEVICE cuda -p DTYPE bfloat16 ;;
+    tests) timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
+             tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1; echo "tests rc=$?"; tail -n 15 "$RES/gpu_tests.log" ;;
+    01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \
+          -p PARITY_PROMPT_LEN 256 -p PARITY_POSITIONS 2048 ;;
+    02) run_nb "$t" 02_continuous_batching_paged_kv $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 500 -p PROMPT_LEN 512 \
+          -p OUTPUT_LEN 256 -p HF_NUM_REQUESTS 64 -p MAX_NUM_SEQS 512 ;;
+    03) run_nb "$t" 03_chunked_prefill $Q3B -p DTYPE bfloat16 -p NUM_SHORT 32 -p SHORT_PROMPT_LEN 128 \
+          -p SHORT_OUTPUT_LEN 256 -p NUM_LONG 16 -p LONG_PROMPT_LEN 8192 -p LONG_OUTPUT_LEN 8 -p LONG_FIRST_STEP 8 \
+          -p LONG_EVERY_STEPS 16 -p CHUNK_BUDGETS "256,512,1024,2048,4096,8192" -p NUM_BLOCKS 16384 ;;
+    04) run_nb "$t" 04_cuda_graphs $Q3B -p NUM_SEQS 64 -p MIN_OUTPUT 256 -p MAX_OUTPUT 320 -p CHECK_BF16 True \
+          -p TIMING_BATCHES "1,64" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 ;;
+    05) run_nb "$t" 05_triton_kernels -p DEVICE cuda ;;
+    06a) run_nb "$t" 06a_prefix_caching $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 256 -p SYSTEM_PROMPT_LEN 1024 \
+          -p QUESTION_LEN 64 -p OUTPUT_LEN 64 -p NUM_SYSTEM_PROMPTS 4 -p MAX_NUM_BATCHED_TOKENS 8192 ;;
   esac
 done
 tar -C /tmp/pageserve_res -czf "$OUT/h200_results.tgz" h200 && ls -la "$OUT" "$RES"
