@@ -7,7 +7,7 @@ on CUDA the same tests capture and replay real graphs.
 import pytest
 import torch
 
-from pageserve.config import EngineConfig, ModelConfig
+from pageserve.config import ModelConfig
 from pageserve.cuda_graphs import bucket_sizes
 from pageserve.decode_bench import graph_vs_eager, staggered_decode_workload
 from pageserve.llm import LLM

@@ -74,6 +74,21 @@ def check(name: str, t: torch.Tensor, *, ndim: int | None = None, shape: tuple |
 
 
 # ---------------------------------------------------------------------------- in-kernel helpers
+def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """Shared checks of the paged-attention wrappers: q [N, Hq, D] and caches
+    [num_blocks, block_size, Hkv, D] of q's dtype, Hq a multiple of Hkv. Returns (block_size, Hkv)."""
+    check("q", q, ndim=3, dtype=KERNEL_DTYPES)
+    D, Hq = q.shape[2], q.shape[1]
+    check("k_cache", k_cache, ndim=4, dtype=q.dtype)
+    _, page, Hkv, Dk = k_cache.shape
+    if Dk != D:
+        raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
+    check("v_cache", v_cache, shape=tuple(k_cache.shape), dtype=q.dtype)
+    if Hq % Hkv:
+        raise ValueError(f"num query heads {Hq} must be a multiple of num kv heads {Hkv}")
+    return page, Hkv
+
+
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 

@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import AttentionMetadata, paged_attention_reference
-from ._util import KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
+from ..attention import paged_attention_reference
+from ._util import check_paged_qkv, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -137,15 +137,8 @@ def paged_decode_attention(
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D]."""
-    check("q", q, ndim=3, dtype=KERNEL_DTYPES)
+    page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
-    check("k_cache", k_cache, ndim=4, dtype=q.dtype)
-    _, page, Hkv, Dk = k_cache.shape
-    if Dk != D:
-        raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
-    check("v_cache", v_cache, shape=tuple(k_cache.shape), dtype=q.dtype)
-    if Hq % Hkv:
-        raise ValueError(f"num query heads {Hq} must be a multiple of num kv heads {Hkv}")
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
     check("block_tables", block_tables, shape=(B, None), dtype=torch.int32)
     check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..attention import AttentionMetadata, paged_attention_reference
-from ._util import KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
+from ._util import check_paged_qkv, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 
@@ -101,15 +101,8 @@ def paged_prefill_attention(
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
     ``meta.query_start_loc_cpu`` is present, as in the reference."""
-    check("q", q, ndim=3, dtype=KERNEL_DTYPES)
+    page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     T, Hq, D = q.shape
-    check("k_cache", k_cache, ndim=4, dtype=q.dtype)
-    _, page, Hkv, Dk = k_cache.shape
-    if Dk != D:
-        raise ValueError(f"k_cache head_dim {Dk} != q head_dim {D}")
-    check("v_cache", v_cache, shape=tuple(k_cache.shape), dtype=q.dtype)
-    if Hq % Hkv:
-        raise ValueError(f"num query heads {Hq} must be a multiple of num kv heads {Hkv}")
     B = meta.seq_lens.shape[0]
     check("seq_lens", meta.seq_lens, shape=(B,), dtype=torch.int32)
     check("query_start_loc", meta.query_start_loc, shape=(B + 1,), dtype=torch.int32)
