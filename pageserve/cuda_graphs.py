@@ -9,7 +9,8 @@ device buffer that is refreshed with ``copy_`` before replay:
     block_tables                         [max_bs, max_blocks_per_seq]
     query_start_loc                      [max_bs + 1]  (= arange: one token per sequence)
 
-A batch of ``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V
+Each graph ends with the output head, so a replay yields the fp32 logits of every row
+(in a decode step every sequence samples). A batch of ``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V
 is not written) and seq_len 0 (attention writes zeros for them), so they touch nothing real.
 Prefill and batches larger than ``max_bs`` run eagerly.
 
@@ -56,6 +57,7 @@ class CUDAGraphRunner:
         self.hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=kv_cache.dtype, device=dev)
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its graph's output [bucket, V] fp32
         self.pool = None
 
     def _context(self, bs: int) -> PagedAttention:
@@ -69,8 +71,9 @@ class CUDAGraphRunner:
         )
         return PagedAttention(self.kv_cache, meta, self.model.ops)
 
-    def _forward(self, bs: int) -> None:
+    def _forward(self, bs: int) -> torch.Tensor:
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
+        return self.model.compute_logits(self.hidden[:bs])  # [bs, V] fp32
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,7 +86,7 @@ class CUDAGraphRunner:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self._forward(bs)
+                self.logits[bs] = self._forward(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -105,8 +108,9 @@ class CUDAGraphRunner:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode step for bs sequences (one token each) -> hidden [bs, H] (a view of a
-        static buffer: read it before the next call)."""
+        """One decode step for bs sequences (one token each) -> logits [bs, V] fp32 (a view
+        of a graph's output buffer: read it before the next call). Inputs may be int64; the
+        copies into the static buffers convert."""
         bs = input_ids.shape[0]
         padded = self.buckets[bisect.bisect_left(self.buckets, bs)]
         self.input_ids[:bs].copy_(input_ids, non_blocking=True)
@@ -119,9 +123,8 @@ class CUDAGraphRunner:
             self._reset_padding_range(bs, padded)
         if padded in self.graphs:
             self.graphs[padded].replay()
-        else:
-            self._forward(padded)
-        return self.hidden[:bs]
+            return self.logits[padded][:bs]
+        return self._forward(padded)[:bs]
 
     def _reset_padding_range(self, lo: int, hi: int) -> None:
         self.input_ids[lo:hi].zero_()

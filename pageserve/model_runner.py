@@ -58,6 +58,34 @@ class StepInputs:
         return self.input_ids.shape[0]
 
 
+@dataclass
+class DeviceInputs:
+    """A step's inputs on the device: int64 views into one buffer copied in one go."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T]
+    query_start_loc: torch.Tensor  # [B+1]
+    seq_lens: torch.Tensor  # [B]
+    logits_indices: torch.Tensor  # [S]
+    block_tables: torch.Tensor  # [B, max_blocks]
+    host: StepInputs
+
+    def metadata(self) -> AttentionMetadata:
+        """Attention metadata for an eager forward (the kernels take int32 lengths/tables)."""
+        x = self.host
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            query_start_loc=self.query_start_loc.to(torch.int32),
+            seq_lens=self.seq_lens.to(torch.int32),
+            block_tables=self.block_tables.to(torch.int32),
+            max_query_len=x.max_query_len,
+            max_seq_len=x.max_seq_len,
+            query_start_loc_cpu=x.query_start_loc.tolist(),
+            seq_lens_cpu=x.seq_lens.tolist(),
+        )
+
+
 class ModelRunner:
     """Owns the model, the paged KV cache, the ops choice and the sampler."""
 
@@ -190,8 +218,8 @@ class ModelRunner:
             max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()),
         )
 
-    def to_device(self, x: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """One host->device copy of every per-step input. Returns (input_ids, positions, meta, logits_indices)."""
+    def to_device(self, x: StepInputs) -> "DeviceInputs":
+        """One host->device copy of every per-step input (int64, sliced on the device)."""
         T, B, S = x.num_tokens, x.seq_lens.shape[0], x.logits_indices.shape[0]
         parts = [x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.logits_indices,
                  x.block_tables.reshape(-1)]
@@ -210,27 +238,9 @@ class ModelRunner:
             self._copy_done.record()
         else:
             dev = host
-        o = 0
-
-        def take(k: int) -> torch.Tensor:
-            nonlocal o
-            o += k
-            return dev[o - k : o]
-
-        input_ids, positions, slot_mapping = take(T), take(T), take(T)
-        qsl, seq_lens, logits_indices = take(B + 1), take(B), take(S)
-        block_tables = take(x.block_tables.size).view(B, -1)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=qsl.to(torch.int32),
-            seq_lens=seq_lens.to(torch.int32),
-            block_tables=block_tables.to(torch.int32),
-            max_query_len=x.max_query_len,
-            max_seq_len=x.max_seq_len,
-            query_start_loc_cpu=x.query_start_loc.tolist(),
-            seq_lens_cpu=x.seq_lens.tolist(),
-        )
-        return input_ids, positions, meta, logits_indices
+        sizes = [T, T, T, B + 1, B, S, x.block_tables.size]
+        ids, pos, slots, qsl, lens, li, bt = torch.split(dev, sizes)
+        return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch):
@@ -238,20 +248,20 @@ class ModelRunner:
         chunk reaches their last token. Returns a ``SamplerOutput`` (rows in batch order of
         the sampling sequences), or None when no sequence samples this step."""
         x = self.prepare_inputs(batch)
-        input_ids, positions, meta, logits_indices = self.to_device(x)
+        d = self.to_device(x)
         B = x.seq_lens.shape[0]
         if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
-            hidden = self.graphs.run(input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            # decode-only: every sequence samples; the graph ends with the output head
+            logits = self.graphs.run(d.input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
             if self.graph_check is not None:
-                self._check_graph_step(hidden, input_ids, positions, meta)
+                self._check_graph_step(logits, d)
         else:
-            hidden = self.model(input_ids, positions, PagedAttention(self.kv_cache, meta, self.ops))  # [T, H]
-        S = x.logits_indices.shape[0]
-        if S == 0:
-            return None
-        if S < x.num_tokens:
-            hidden = hidden[logits_indices]  # [S, H]
-        logits = self.model.compute_logits(hidden)  # [S, V] fp32
+            hidden = self.model(d.input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+            if x.logits_indices.shape[0] == 0:
+                return None
+            if x.logits_indices.shape[0] < x.num_tokens:
+                hidden = hidden[d.logits_indices]  # [S, H]
+            logits = self.model.compute_logits(hidden)  # [S, V] fp32
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
         if self.last_logits is not None:
             self.last_logits.append(logits.detach().clone())
@@ -263,9 +273,9 @@ class ModelRunner:
             [s.seed for s in seqs],
         )
 
-    def _check_graph_step(self, hidden, input_ids, positions, meta) -> None:
+    def _check_graph_step(self, logits: torch.Tensor, d: "DeviceInputs") -> None:
         """Recompute a graphed decode step eagerly on the same inputs and record the relative
         logit difference (the step rewrites the same K/V slots with the same values)."""
-        eager = self.model(input_ids, positions, PagedAttention(self.kv_cache, meta, self.ops))
-        a, b = self.model.compute_logits(hidden), self.model.compute_logits(eager)
-        self.graph_check.append(((a - b).norm() / b.norm().clamp_min(1e-30)).item())
+        hidden = self.model(d.input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+        ref = self.model.compute_logits(hidden)
+        self.graph_check.append(((logits - ref).norm() / ref.norm().clamp_min(1e-30)).item())
