@@ -89,3 +89,11 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         self.ops.write_kv(k, v, k_cache, v_cache, self.meta.slot_mapping)
         return self.ops.paged_attention(q, k_cache, v_cache, self.meta, scale)
+
+    def attend_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, scale: float) -> torch.Tensor:
+        """``attend`` on un-rotated q/k: RoPE and the K/V write are one ops call
+        (one kernel under ``TritonOps(fuse_rope_kv=True)``), then attention."""
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        q, _ = self.ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, self.meta.slot_mapping)
+        return self.ops.paged_attention(q, k_cache, v_cache, self.meta, scale)

@@ -20,6 +20,10 @@ from .ops import TorchOps, rope_cos_sin
 
 
 class AttentionContext(Protocol):
+    """Where K/V live. A context may also offer ``attend_rope(layer, q, k, v, positions,
+    cos_sin, scale)``, taking q/k before RoPE so it can fuse RoPE with its K/V write
+    (``PagedAttention`` does); the model then calls that instead of ``ops.rotary`` + ``attend``."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (RoPE applied) -> [T, Hq, D]; stores k/v first."""
         ...
@@ -56,8 +60,11 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.rotary(q, k, positions, cos_sin)
-        o = attn.attend(self.layer, q, k, v, self.scale)  # [T, Hq, D]
+        if hasattr(attn, "attend_rope"):
+            o = attn.attend_rope(self.layer, q, k, v, positions, cos_sin, self.scale)  # [T, Hq, D]
+        else:
+            q, k = self.ops.rotary(q, k, positions, cos_sin)
+            o = attn.attend(self.layer, q, k, v, self.scale)
         return self.ops.linear(o.reshape(T, self.q_size), self.o_proj.weight, None)
 
 
@@ -70,7 +77,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)  # [T, 2I]
-        return self.ops.linear(self.ops.silu_and_mul(gate_up), self.down_proj.weight, None)
+        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)  # [T, H]
 
 
 class DecoderLayer(nn.Module):

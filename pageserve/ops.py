@@ -36,6 +36,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The MLP's down projection of its gate|up output: linear(silu_and_mul(gate_up), weight).
+        gate_up: [T, 2I], weight: [N, I] -> [T, N]."""
+        return self.linear(self.silu_and_mul(gate_up), weight, None)
+
     def rotary(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +60,16 @@ class TorchOps:
         from .attention import write_kv_reference
 
         write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotary_write_kv(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on q and k, then the rotated k and v into the paged cache (slot -1 skipped).
+        Returns (q_rot, k_rot)."""
+        q, k = self.rotary(q, k, positions, cos_sin)
+        self.write_kv(k, v, k_cache, v_cache, slot_mapping)
+        return q, k
 
     def paged_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         from .attention import paged_attention_reference

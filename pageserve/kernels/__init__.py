@@ -8,7 +8,9 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``norm``          RMSNorm, fused residual-add + RMSNorm
 - ``activation``    fused SiLU(gate) * up
 - ``rotary``        rotate-half RoPE on q and k in one launch
-- ``gemv``          split-K GEMV / skinny GEMM for M <= 8 (large M stays on cuBLAS)
+- ``rope_kv``       RoPE fused with the paged KV write (one launch instead of two)
+- ``gemv``          GEMV / skinny GEMM for M <= 8, split-K or not (large M stays on cuBLAS);
+                    also the down projection fused with SiLU(gate) * up
 
 Without CUDA, importing this package sets ``TRITON_INTERPRET=1`` (unless already set) so
 that the kernels run on Triton's CPU interpreter: the flag is read when a kernel is
@@ -26,40 +28,62 @@ if not torch.cuda.is_available():
 from ..attention import AttentionMetadata  # noqa: E402
 from ..ops import TorchOps  # noqa: E402
 from .activation import silu_and_mul  # noqa: E402
-from .gemv import GemvConfig, gemv  # noqa: E402
+from .gemv import SPLIT_K_MODES, GemvConfig, gemv, silu_mul_gemv  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 from .norm import add_rms_norm, rms_norm  # noqa: E402
 from .paged_decode import paged_decode_attention  # noqa: E402
 from .paged_prefill import paged_prefill_attention  # noqa: E402
+from .rope_kv import rotary_write_kv  # noqa: E402
 from .rotary import rotary  # noqa: E402
 
 __all__ = [
-    "TritonOps", "GemvConfig", "gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary",
-    "paged_decode_attention", "paged_prefill_attention",
+    "TritonOps", "GemvConfig", "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
 ]
 
 
 class TritonOps(TorchOps):
     """Same methods and signatures as ``TorchOps``; each runs a Triton kernel.
 
-    ``gemv``: use the split-K GEMV for ``linear`` when the batch has at most ``gemv_max_m``
-    rows (larger batches, and ``gemv=False``, go to cuBLAS through torch).
+    ``gemv``: use the GEMV for ``linear`` when the batch has at most ``gemv_max_m`` rows
+    (larger batches, and ``gemv=False``, go to cuBLAS through torch).
+    ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
+    few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
+
+    Kernel-count switches for the decode path (off by default until measured on the GPU;
+    off, each op runs as the separate kernels it replaces):
+    ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
+    ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
     """
 
     name = "triton"
 
-    def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None) -> None:
+    def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
+                 gemv_split_k: str = "auto", fuse_silu_down: bool = False, fuse_rope_kv: bool = False) -> None:
+        if gemv_split_k not in SPLIT_K_MODES:
+            raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         self.use_gemv = gemv
         self.gemv_max_m = gemv_max_m
         self.decode_num_splits = decode_num_splits
+        self.gemv_split_k = gemv_split_k
+        self.fuse_silu_down = fuse_silu_down
+        self.fuse_rope_kv = fuse_rope_kv
+
+    def _gemv_fits(self, x: torch.Tensor) -> bool:
+        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1:
-            return gemv(x, weight, bias)
+        if self._gemv_fits(x):
+            return gemv(x, weight, bias, split_k=self.gemv_split_k)
         return torch.nn.functional.linear(x, weight, bias)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fuse_silu_down and self._gemv_fits(gate_up):
+            return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k)
+        return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
@@ -75,6 +99,11 @@ class TritonOps(TorchOps):
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotary_write_kv(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        if self.fuse_rope_kv:
+            return rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return super().rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:

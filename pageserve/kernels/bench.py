@@ -66,6 +66,12 @@ def small_checks(dtype, device="cpu", seed=0) -> dict:
         "rotary": lambda: checks.check_rotary(4, 16, 2, 128, dtype, device, gen),
         "gemv_m1": lambda: checks.check_gemv(1, 96, 512, dtype, device, gen),
         "gemv_m4": lambda: checks.check_gemv(4, 96, 512, dtype, device, gen),
+        "gemv_nosplit_m1": lambda: checks.check_gemv(1, 96, 512, dtype, device, gen, split_k="never"),
+        "gemv_nosplit_m4": lambda: checks.check_gemv(4, 96, 512, dtype, device, gen, split_k="never"),
+        "silu_mul_gemv_m1": lambda: checks.check_silu_mul_gemv(1, 96, 512, dtype, device, gen),
+        "silu_mul_gemv_m4": lambda: checks.check_silu_mul_gemv(4, 96, 512, dtype, device, gen),
+        "rotary_write_kv": lambda: checks.check_rotary_write_kv([5, 1, 20], [40, 33, 20], 16, 2, 128, 16,
+                                                                dtype, device, gen),
     }
 
 

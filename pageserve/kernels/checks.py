@@ -13,11 +13,12 @@ import torch
 from ..attention import AttentionMetadata, paged_attention_reference, write_kv_reference
 from ..ops import TorchOps, rope_cos_sin
 from .activation import silu_and_mul
-from .gemv import gemv
+from .gemv import gemv, silu_mul_gemv
 from .kv_write import write_kv
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
+from .rope_kv import rotary_write_kv
 from .rotary import rotary
 from ._util import cdiv
 
@@ -172,14 +173,56 @@ def check_rotary(T, num_heads, num_kv_heads, head_dim, dtype, device, gen, inpla
     return max(rel_err(qo, ref_q), rel_err(ko, ref_k))
 
 
-def check_gemv(M, N, K, dtype, device, gen, bias=True, config=None) -> float:
+def check_rotary_write_kv(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                          pad_tokens=2, max_pos=4096) -> float:
+    """The fused RoPE + KV write vs ``TorchOps.rotary_write_kv`` in float64, on strided q/k/v
+    views of one qkv row: max relative error of q_rot, k_rot and the written cache slots.
+    Cache slots nobody writes (padding rows have slot -1) must keep their old bits: inf if not."""
+    _, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, 1, num_kv_heads, head_dim, block_size,
+                                               dtype, device, gen, pad_tokens=pad_tokens)
+    T = meta.slot_mapping.shape[0]
+    qs, ks = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _rand((T, qs + 2 * ks), dtype, device, gen)
+    q = qkv[:, :qs].view(T, num_heads, head_dim)
+    k = qkv[:, qs:qs + ks].view(T, num_kv_heads, head_dim)
+    v = qkv[:, qs + ks:].view(T, num_kv_heads, head_dim)
+    pos = torch.randint(0, max_pos, (T,), generator=gen).to(device)
+    cs = rope_cos_sin(head_dim, max_pos, 1_000_000.0, None).to(device)
+    kc_ref, vc_ref = kc.double(), vc.double()
+    ref_q, ref_k = TorchOps().rotary_write_kv(q.double(), k.double(), v.double(), pos, cs.double(),
+                                              kc_ref, vc_ref, meta.slot_mapping)
+    kc_old, vc_old = kc.clone(), vc.clone()
+    qo, ko = rotary_write_kv(q, k, v, pos, cs, kc, vc, meta.slot_mapping)
+    slots = meta.slot_mapping[meta.slot_mapping >= 0]
+    written = torch.zeros(kc[..., 0, 0].numel(), dtype=torch.bool, device=device)
+    written[slots] = True
+    untouched = ~written.view(kc.shape[:2])
+    if not (torch.equal(kc[untouched], kc_old[untouched]) and torch.equal(vc[untouched], vc_old[untouched])):
+        return math.inf
+
+    def rows(c):  # [num_slots, Hkv, D] at the written slots
+        return c.reshape(-1, *c.shape[2:])[slots]
+
+    return max(rel_err(qo, ref_q), rel_err(ko, ref_k), rel_err(rows(kc), rows(kc_ref)), rel_err(rows(vc), rows(vc_ref)))
+
+
+def check_gemv(M, N, K, dtype, device, gen, bias=True, config=None, split_k="auto") -> float:
     x = _rand((M, K), dtype, device, gen)
     w = _rand((N, K), dtype, device, gen, K ** -0.5)
     b = _rand((N,), dtype, device, gen) if bias else None
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    gemv(x, w, b, config=config, out=out)
+    gemv(x, w, b, config=config, out=out, split_k=split_k)
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     return rel_err(out, ref)
+
+
+def check_silu_mul_gemv(M, N, I, dtype, device, gen, config=None, split_k="auto") -> float:
+    """The down projection fused with SiLU(gate) * up vs ``TorchOps.silu_mul_linear`` in float64."""
+    gate_up = _rand((M, 2 * I), dtype, device, gen, 2.0)
+    w = _rand((N, I), dtype, device, gen, I ** -0.5)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    silu_mul_gemv(gate_up, w, config=config, out=out, split_k=split_k)
+    return rel_err(out, TorchOps().silu_mul_linear(gate_up.double(), w.double()))
 
 
 def full_size_checks(dtype, device, gen) -> dict:
@@ -199,4 +242,12 @@ def full_size_checks(dtype, device, gen) -> dict:
         "gemv_m1_down": lambda: check_gemv(1, 2048, 11008, dtype, device, gen, bias=False),
         "gemv_m4": lambda: check_gemv(4, 2560, 2048, dtype, device, gen),
         "gemv_m8": lambda: check_gemv(8, 2048, 11008, dtype, device, gen, bias=False),
+        "gemv_nosplit_m1": lambda: check_gemv(1, 2560, 2048, dtype, device, gen, split_k="never"),
+        "gemv_nosplit_m1_down": lambda: check_gemv(1, 2048, 11008, dtype, device, gen, bias=False, split_k="never"),
+        "gemv_nosplit_m8": lambda: check_gemv(8, 2048, 11008, dtype, device, gen, bias=False, split_k="never"),
+        "silu_mul_gemv_m1": lambda: check_silu_mul_gemv(1, 2048, 11008, dtype, device, gen),
+        "silu_mul_gemv_nosplit_m1": lambda: check_silu_mul_gemv(1, 2048, 11008, dtype, device, gen, split_k="never"),
+        "silu_mul_gemv_m8": lambda: check_silu_mul_gemv(8, 2048, 11008, dtype, device, gen),
+        "rotary_write_kv": lambda: check_rotary_write_kv([512, 1, 77], [512, 900, 1077], Hq, Hkv, D, bs, dtype,
+                                                         device, gen),
     }

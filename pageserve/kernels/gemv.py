@@ -1,4 +1,4 @@
-"""Split-K GEMV / skinny GEMM for decode-sized batches: out[M, N] = x[M, K] @ W[N, K]^T + b.
+"""GEMV / skinny GEMM for decode-sized batches: out[M, N] = x[M, K] @ W[N, K]^T + b.
 
 Reference: ``TorchOps.linear`` (torch.nn.functional.linear). Large M belongs to cuBLAS;
 this kernel is for M <= ~8, where the product is a pass over the weights and the goal is
@@ -6,10 +6,21 @@ to stream them at close to the memory bandwidth.
 
 Program (n, s) owns BLOCK_N weight rows and the s-th slice of K (K_PER_SPLIT columns). It
 streams [BLOCK_N, BLOCK_K] tiles of W (each row a contiguous run of BLOCK_K elements, so
-loads are wide) and keeps only a [BLOCK_N] (M = 1) or [BLOCK_M, BLOCK_N] (M > 1, via
-``tl.dot`` with M padded to 16) fp32 accumulator, which leaves registers free for many
-programs per SM, hence many loads in flight. With one split the kernel adds the bias and
-writes the output; with several it writes fp32 partials that a small kernel sums.
+loads are wide) and keeps only a small fp32 accumulator, which leaves registers free for
+many programs per SM, hence many loads in flight. With one split the kernel adds the bias
+and writes the output; with several it writes fp32 partials that a small kernel sums.
+
+Two ways to get enough programs for a skinny N (``split_k``):
+- ``"auto"``: 16/32-row tiles and as many K splits as cover the SMs ~4x (two kernels when
+  it splits: the GEMV and the reduce).
+- ``"never"``: one kernel; the grid comes from rows alone, so BLOCK_N shrinks (down to 2
+  rows at M = 1) until there are ~4 programs per SM. At M = 1 such a program keeps a
+  [BLOCK_N, BLOCK_K] accumulator and reduces it once at the end (``defer_reduce``); at
+  M > 1 a BLOCK_N under 16 (too narrow for ``tl.dot``) multiplies on the CUDA cores.
+
+``silu_mul_gemv`` is the same kernel reading the fused gate|up activation: it loads gate
+and up and applies SiLU(gate) * up to each K tile of x before the product, so the MLP's
+down projection needs no separate activation kernel (reference: ``TorchOps.silu_mul_linear``).
 """
 from __future__ import annotations
 
@@ -23,6 +34,9 @@ from ..ops import TorchOps
 from ._util import KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 linear_reference = TorchOps().linear
+silu_mul_linear_reference = TorchOps().silu_mul_linear
+
+SPLIT_K_MODES = ("auto", "never")
 
 
 @dataclass(frozen=True)
@@ -32,6 +46,7 @@ class GemvConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
 
 
 # (N, K) -> config, filled by tuning runs (bench.tune_gemv); the heuristic covers the rest
@@ -39,11 +54,31 @@ GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 
 
 @triton.jit
+def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE_ROW: tl.constexpr):
+    """The activation tile in x's dtype: [BLOCK_K] for one row, else [BLOCK_M, BLOCK_K]. With
+    SILU_MUL, x is the gate|up output [M, 2K]: SiLU(gate) * up in fp32, rounded once to x's
+    dtype (as ``silu_and_mul`` stores it)."""
+    if ONE_ROW:
+        ptrs = x_ptr + k
+        mask = kmask
+    else:
+        ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
+        mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -56,21 +91,31 @@ def _gemv_kernel(
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
     if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N], tl.float32)
+        if DEFER_REDUCE:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if BLOCK_M == 1:
-            x = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        else:
-            x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
+        if BLOCK_M == 1:  # x: [BLOCK_K]
+            if DEFER_REDUCE:
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            else:
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        elif USE_DOT:
             acc += mma(x, tl.trans(w), PREC, UPCAST)
+        else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if BLOCK_M == 1:
-        acc2 = acc[None, :]
+        if DEFER_REDUCE:
+            acc2 = tl.sum(acc, axis=1)[None, :]
+        else:
+            acc2 = acc[None, :]
     else:
         acc2 = acc
     omask = mmask[:, None] & nmask[None, :]
@@ -97,12 +142,27 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def gemv_config(M: int, N: int, K: int, sms: int) -> GemvConfig:
-    """Tuned entry if present, else: 16-row tiles, 256-512 wide K tiles, and enough K splits
-    that the grid covers the SMs about four times, each split at least two tiles long."""
+def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto") -> GemvConfig:
+    """Tuned entry if present (under ``"never"``: only a one-split entry), else the heuristic.
+
+    ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
+    the grid covers the SMs about four times, each split at least two tiles long.
+    ``"never"``: no split; the largest power-of-two BLOCK_N (at most 16 at M = 1, 32 above)
+    that still gives ~4 programs per SM, but at least 2 rows (4 at M > 1).
+    """
+    if split_k not in SPLIT_K_MODES:
+        raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
     tuned = GEMV_CONFIGS.get((next_pow2(M), N, K))
-    if tuned is not None:
+    if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
+    if split_k == "never":
+        lo, hi = (2, 16) if M == 1 else (4, 32)
+        block_n = hi
+        while block_n > lo and cdiv(N, block_n) < 4 * sms:
+            block_n //= 2
+        if M == 1:
+            return GemvConfig(block_n=block_n, block_k=512 if K >= 2048 else 256, split_k=1, defer_reduce=True)
+        return GemvConfig(block_n=block_n, block_k=128, split_k=1, num_stages=4)
     block_n = 16 if M == 1 else 32
     block_k = 512 if (M == 1 and K >= 2048) else 256 if M == 1 else 64
     row_blocks = cdiv(N, block_n)
@@ -110,9 +170,44 @@ def gemv_config(M: int, N: int, K: int, sms: int) -> GemvConfig:
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
 
 
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            config: GemvConfig | None, split_k: str, silu_mul: bool) -> torch.Tensor:
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    if M == 0 or N == 0:
+        return out
+    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k)
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = cdiv(K, k_per_split)
+    use_dot = M > 1 and cfg.block_n >= 16
+    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    b = bias if bias is not None else weight
+    _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
+        x, weight, b, out, part, M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        BLOCK = 256
+        _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
+            part, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=2,
+        )
+    return out
+
+
+def _check_out(out, M, N, x) -> torch.Tensor:
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, shape=(M, N), dtype=x.dtype)
+    return out
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K] (M small), weight: [N, K] row-major, bias: [N] or None -> [M, N]."""
+         config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto") -> torch.Tensor:
+    """x: [M, K] (M small), weight: [N, K] row-major, bias: [N] or None -> [M, N].
+    ``split_k`` ("auto" | "never") picks the heuristic when no ``config`` is given."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     M, K = x.shape
     check("weight", weight, shape=(None, K), dtype=x.dtype)
@@ -124,26 +219,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_device(**tensors)
     if M > 64:
         raise ValueError(f"gemv is for small M (got M={M}); use torch.nn.functional.linear")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    check("out", out, shape=(M, N), dtype=x.dtype)
-    if M == 0 or N == 0:
-        return out
-    cfg = config or gemv_config(M, N, K, sm_count_for(x))
-    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = cdiv(K, k_per_split)
-    block_m = 1 if M == 1 else max(16, next_pow2(M))
-    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    b = bias if bias is not None else weight
-    _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
-        x, weight, b, out, part, M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if splits > 1:
-        BLOCK = 256
-        _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
-            part, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK, num_warps=2,
-        )
-    return out
+    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, silu_mul=False)
+
+
+def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                  out: torch.Tensor | None = None, split_k: str = "auto") -> torch.Tensor:
+    """gate_up: [M, 2I] (gate | up, M small), weight: [N, I] -> SiLU(gate) * up @ weight^T: [M, N],
+    in one pass (plus the split-K reduce when the config splits)."""
+    check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
+    M, I2 = gate_up.shape
+    if I2 % 2:
+        raise ValueError(f"gate_up: last dim must be even (gate|up), got {I2}")
+    check("weight", weight, shape=(None, I2 // 2), dtype=gate_up.dtype)
+    check_device(gate_up=gate_up, weight=weight)
+    if M > 64:
+        raise ValueError(f"silu_mul_gemv is for small M (got M={M})")
+    return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k,
+                   silu_mul=True)

@@ -1,0 +1,147 @@
+"""The decode-path fusions (each behind a TritonOps switch) against their references.
+
+- ``silu_mul_gemv``: down projection reading gate|up (``TorchOps.silu_mul_linear``)
+- ``gemv(split_k="never")``: the GEMV as one kernel (``TorchOps.linear``)
+- ``rotary_write_kv``: RoPE fused with the paged KV write (``TorchOps.rotary_write_kv``)
+
+and a tiny decoder that must give the same logits with every switch on or off. CPU: the
+Triton interpreter on tiny shapes; CUDA: the same tests on the GPU.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pageserve.kernels as kernels  # noqa: E402
+from pageserve.kernels import TritonOps, checks  # noqa: E402
+from pageserve.kernels.checks import TOLERANCE  # noqa: E402
+from pageserve.kernels.gemv import GemvConfig, gemv_config  # noqa: E402
+from pageserve.kernels.bench import GEMV_SHAPES as SHAPES_3B  # noqa: E402
+from pageserve.ops import TorchOps, rope_cos_sin  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture
+def gen(request):
+    return torch.Generator().manual_seed(hash(request.node.name) % (2**31))
+
+
+def _ok(err, dtype):
+    assert err <= TOLERANCE[dtype], f"relative error {err:.3g} > {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+CONFIGS = {"auto": None, "never": None, "split3": GemvConfig(block_n=16, block_k=64, split_k=3)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_silu_mul_gemv_matches_silu_and_mul_then_linear(M, mode, dtype, gen):
+    split_k = "never" if mode == "never" else "auto"
+    _ok(checks.check_silu_mul_gemv(M, 40, 300, dtype, DEVICE, gen, config=CONFIGS[mode], split_k=split_k), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(1, 33, 1000), (3, 50, 300), (8, 17, 64)])
+def test_gemv_without_split_k_matches_linear(M, N, K, dtype, gen):
+    _ok(checks.check_gemv(M, N, K, dtype, DEVICE, gen, bias=(N % 2 == 0), split_k="never"), dtype)
+
+
+@pytest.mark.parametrize("M", [1, 8])
+def test_gemv_never_splits_the_3b_decode_shapes_and_still_fills_an_h200(M):
+    for name, (N, K) in SHAPES_3B.items():
+        cfg = gemv_config(M, N, K, sms=132, split_k="never")
+        assert cfg.split_k == 1, name
+        assert -(-N // cfg.block_n) >= 2 * 132, f"{name}: {cfg} leaves SMs idle"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,bs", [(16, 2, 128, 16), (4, 4, 64, 32)])
+def test_rotary_write_kv_matches_rotary_then_write_kv_and_skips_padding_slots(hq, hkv, d, bs, dtype, gen):
+    # a prompt chunk, a decode, a chunk over a prefix ending mid-block; two padding rows (slot -1)
+    _ok(checks.check_rotary_write_kv([3, 1, bs + 2], [3, bs + 4, 2 * bs + 1], hq, hkv, d, bs, dtype, DEVICE, gen), dtype)
+
+
+def test_fused_rope_kv_writes_the_same_cache_bits_as_the_two_kernels(gen):
+    _, k, v, kc, vc, meta = checks.random_paged_batch([4, 1], [4, 20], 1, 2, 64, 16, torch.bfloat16, DEVICE, gen,
+                                                      pad_tokens=1)
+    q = torch.randn(k.shape[0], 8, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    pos = torch.randint(0, 64, (k.shape[0],), generator=gen).to(DEVICE)
+    cs = rope_cos_sin(64, 64, 10_000.0, None).to(DEVICE)
+    caches = [(kc.clone(), vc.clone()) for _ in range(2)]
+    outs = [TritonOps(fuse_rope_kv=fuse).rotary_write_kv(q, k, v, pos, cs, *c, meta.slot_mapping)
+            for fuse, c in zip((False, True), caches)]
+    for a, b in zip(outs[0] + caches[0], outs[1] + caches[1]):
+        assert torch.equal(a, b)
+
+
+def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(monkeypatch, gen):
+    calls = []
+    for name in ("silu_mul_gemv", "rotary_write_kv"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    w = torch.randn(24, 32, generator=gen).to(DEVICE)
+    _, k, v, kc, vc, meta = checks.random_paged_batch([2], [2], 1, 2, 32, 16, torch.float32, DEVICE, gen)
+    q, pos = torch.randn(2, 4, 32, generator=gen).to(DEVICE), torch.arange(2, device=DEVICE)
+    cs = rope_cos_sin(32, 16, 10_000.0, None).to(DEVICE)
+    for ops in (TritonOps(), TritonOps(fuse_silu_down=True, fuse_rope_kv=True, gemv_max_m=4)):
+        for M in (2, 6):  # 6 > gemv_max_m: the two-kernel fallback
+            gu = torch.randn(M, 64, generator=gen).to(DEVICE)
+            torch.testing.assert_close(ops.silu_mul_linear(gu, w), TorchOps().silu_mul_linear(gu, w))
+        ops.rotary_write_kv(q, k, v, pos, cs, kc, vc, meta.slot_mapping)
+    assert calls == ["silu_mul_gemv", "rotary_write_kv"]
+
+
+SWITCHES = {
+    "all_off": {},
+    "fuse_silu_down": {"fuse_silu_down": True},
+    "fuse_rope_kv": {"fuse_rope_kv": True},
+    "gemv_never_split": {"gemv_split_k": "never"},
+    "all_on": {"fuse_silu_down": True, "fuse_rope_kv": True, "gemv_split_k": "never"},
+}
+
+
+def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen):
+    """Prefill (T > gemv_max_m: cuBLAS + fused RoPE/KV) then a 2-row decode (GEMV, fused MLP)
+    through PagedAttention, and a prompt through phase 01's contiguous cache (no attend_rope)."""
+    from pageserve.attention import PagedAttention
+    from pageserve.config import ModelConfig
+    from pageserve.model import Decoder
+    from pageserve.naive import prompt_logits
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                      max_position_embeddings=128)
+    model = Decoder(cfg).to(DEVICE)
+    model.init_dummy_weights(seed=2, std=0.2)
+    bs, lens = 8, [9, 3]
+    _, _, _, _, _, meta = checks.random_paged_batch(lens, lens, 1, cfg.num_kv_heads, cfg.head_dim, bs,
+                                                    torch.float32, DEVICE, gen, spare_blocks=6)
+    num_blocks = int(meta.block_tables.max()) + 1
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=gen).to(DEVICE)
+    pos = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    dmeta = checks.random_paged_batch([1] * 2, [n + 1 for n in lens], 1, cfg.num_kv_heads, cfg.head_dim, bs,
+                                      torch.float32, DEVICE, gen)[-1]
+    dmeta.block_tables = meta.block_tables.clone()
+    dmeta.slot_mapping = torch.tensor([int(meta.block_tables[i, p // bs]) * bs + p % bs for i, p in enumerate(lens)],
+                                      device=DEVICE)
+    d_ids = torch.randint(0, cfg.vocab_size, (2,), generator=gen).to(DEVICE)
+    d_pos = torch.tensor(lens, device=DEVICE)
+
+    def run(ops):
+        model.set_ops(ops)
+        cache = torch.randn(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(DEVICE)
+        model(ids, pos, PagedAttention(cache, meta, ops))
+        decode = model.compute_logits(model(d_ids, d_pos, PagedAttention(cache, dmeta, ops)))
+        return decode, prompt_logits(model, ids[:5].tolist())
+
+    ref = run(TorchOps())
+    for name, switches in SWITCHES.items():
+        for got, want in zip(run(TritonOps(**switches)), ref):
+            assert checks.rel_err(got, want) < 1e-5, name
