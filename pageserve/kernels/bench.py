@@ -29,11 +29,12 @@ import triton.language as tl  # noqa: E402
 
 from . import checks  # noqa: E402
 from .activation import silu_and_mul  # noqa: E402
-from .gemv import GEMV_CONFIGS, GemvConfig, gemv, gemv_config  # noqa: E402
+from .gemv import GEMV_CONFIGS, GemvConfig, gemv, gemv_config, silu_mul_gemv  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 from .norm import add_rms_norm, rms_norm  # noqa: E402
 from .paged_decode import decode_num_splits, paged_decode_attention  # noqa: E402
 from .paged_prefill import paged_prefill_attention  # noqa: E402
+from .rope_kv import rotary_write_kv  # noqa: E402
 from .rotary import rotary  # noqa: E402
 from ._util import next_pow2, sm_count_for  # noqa: E402
 from ..ops import rope_cos_sin  # noqa: E402
@@ -292,15 +293,143 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True) -> dict:
     return r
 
 
+# ------------------------------------------------------------------------------ decode switches
+def _graph_us(fn, calls: int) -> float:
+    """Median µs per call of ``fn(i)`` for i in range(calls), captured back to back in one CUDA
+    graph (as the engine runs decode steps: launch latency, ramp and tail included).
+    Without CUDA (a smoke run on the interpreter): one eager pass, wall clock."""
+    fn(0)  # compile outside the capture
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        return (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    return _ms(graph.replay, warmup=10, rep=50) * 1e3 / calls
+
+
+def _weight_copies(N: int, K: int, dtype, gen, min_bytes: float) -> list[torch.Tensor]:
+    """Enough copies of an [N, K] weight to add up to ``min_bytes`` (2 to 16 of them), so that
+    back-to-back calls in a graph read from HBM, not from the 50 MB L2."""
+    es = torch.tensor([], dtype=dtype).element_size()
+    n = max(2, min(16, math.ceil(min_bytes / (N * K * es))))
+    return [torch.randn(N, K, device=gen.device, dtype=dtype, generator=gen) * K**-0.5 for _ in range(n)]
+
+
+def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHAPES, device: str = "cuda",
+                   min_bytes: float = 256e6) -> dict:
+    """The TritonOps decode switches, each variant in a CUDA graph (``_graph_us``), figures in µs:
+
+    - ``sw_gemv_<shape>_m<M>_{auto,never}_us``: every 3B linear, split-K heuristic vs one kernel
+      (the heuristic, plus a small sweep of BLOCK_N / warps, best in ``..._never_best_*``);
+    - ``sw_silu_down_m<M>_{unfused,fused}_us`` (and ``fused_never``): silu_and_mul + down GEMV
+      vs ``silu_mul_gemv``;
+    - ``sw_rope_kv_t<T>_{unfused,fused}_us``: rotary + write_kv vs ``rotary_write_kv``;
+    - ``sw_layer_m<M>_saved_us_<switch>``: µs per decoder layer each switch saves (x36 per step).
+    """
+    dev = device
+    g = torch.Generator(device=dev).manual_seed(0)
+    sms = sm_count_for(torch.empty(1, device=dev))
+    r: dict = {}
+    for M in batches:
+        for name, (N, K) in shapes.items():
+            ws = _weight_copies(N, K, dtype, g, min_bytes)
+            x = torch.randn(M, K, device=dev, dtype=dtype, generator=g)
+            b = torch.randn(N, device=dev, dtype=dtype, generator=g) if name == "qkv" else None
+            out = torch.empty(M, N, device=dev, dtype=dtype)
+            key = f"sw_gemv_{name}_m{M}"
+            auto = gemv_config(M, N, K, sms, "auto", use_tuned=False)
+            never = gemv_config(M, N, K, sms, "never", use_tuned=False)
+            sweep = {never, GemvConfig(never.block_n, never.block_k, 1, 8, never.num_stages, never.defer_reduce)}
+            for bn in (never.block_n // 2, never.block_n * 2):
+                if bn >= (1 if M == 1 else 4):
+                    sweep.add(GemvConfig(bn, never.block_k, 1, 4, never.num_stages, never.defer_reduce))
+            timed = {}
+            for cfg in [auto, *sorted(sweep, key=str)]:
+                try:
+                    timed[cfg] = _graph_us(lambda i, c=cfg: gemv(x, ws[i % len(ws)], b, config=c, out=out), len(ws))
+                except Exception as e:
+                    r[f"{key}_error_{cfg.block_n}_{cfg.num_warps}"] = f"{type(e).__name__}: {e}"[:300]
+            r[f"{key}_auto_us"], r[f"{key}_auto_config"] = timed.get(auto, math.nan), str(auto)
+            r[f"{key}_never_us"], r[f"{key}_never_config"] = timed.get(never, math.nan), str(never)
+            best = min((c for c in timed if c is not auto and c.split_k == 1), key=timed.get, default=None)
+            if best is not None:
+                r[f"{key}_never_best_us"], r[f"{key}_never_best_config"] = timed[best], str(best)
+            nbytes = (N * K + M * K + M * N) * torch.tensor([], dtype=dtype).element_size()
+            for v in ("auto", "never"):
+                r[f"{key}_{v}_gbps"] = nbytes / r[f"{key}_{v}_us"] / 1e3
+            del ws
+        # SiLU·mul + down projection
+        N, K = shapes["down"]
+        ws = _weight_copies(N, K, dtype, g, min_bytes)
+        gu = torch.randn(M, 2 * K, device=dev, dtype=dtype, generator=g)
+        out = torch.empty(M, N, device=dev, dtype=dtype)
+        act = torch.empty(M, K, device=dev, dtype=dtype)
+        calls = len(ws)
+        variants = {
+            "unfused": lambda i: gemv(silu_and_mul(gu, out=act), ws[i % calls], out=out),
+            "fused": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out),
+            "fused_never": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, split_k="never"),
+        }
+        for v, fn in variants.items():
+            try:
+                r[f"sw_silu_down_m{M}_{v}_us"] = _graph_us(fn, calls)
+            except Exception as e:
+                r[f"sw_silu_down_m{M}_{v}_error"] = f"{type(e).__name__}: {e}"[:300]
+        del ws
+        # RoPE + KV write, T = M decode tokens into a 3B-shaped cache
+        T, bs = M, 16
+        qkv = torch.randn(T, (HQ + 2 * HKV) * HEAD_DIM, device=dev, dtype=dtype, generator=g)
+        q = qkv[:, : HQ * HEAD_DIM].view(T, HQ, HEAD_DIM)
+        k = qkv[:, HQ * HEAD_DIM: (HQ + HKV) * HEAD_DIM].view(T, HKV, HEAD_DIM)
+        v_ = qkv[:, (HQ + HKV) * HEAD_DIM:].view(T, HKV, HEAD_DIM)
+        kc = torch.randn(1024, bs, HKV, HEAD_DIM, device=dev, dtype=dtype, generator=g)
+        vc = torch.randn_like(kc)
+        pos = torch.randint(0, 4096, (T,), device=dev, generator=g)
+        slots = torch.randperm(1024 * bs, device=dev, generator=g)[:T]
+        cs = rope_cos_sin(HEAD_DIM, 4096, 1e6, None, dev)
+
+        def unfused(i):
+            qr, kr = rotary(q, k, pos, cs)
+            write_kv(kr, v_, kc, vc, slots)
+
+        variants = {"unfused": unfused, "fused": lambda i: rotary_write_kv(q, k, v_, pos, cs, kc, vc, slots)}
+        for v, fn in variants.items():
+            try:
+                r[f"sw_rope_kv_t{T}_{v}_us"] = _graph_us(fn, 16)
+            except Exception as e:
+                r[f"sw_rope_kv_t{T}_{v}_error"] = f"{type(e).__name__}: {e}"[:300]
+        # per decoder layer: what each switch saves (positive = faster)
+        layer = ("qkv", "o", "gate_up", "down")
+        r[f"sw_layer_m{M}_saved_us_gemv_split_k_never"] = sum(
+            r.get(f"sw_gemv_{n}_m{M}_auto_us", math.nan) - r.get(f"sw_gemv_{n}_m{M}_never_us", math.nan) for n in layer)
+        r[f"sw_layer_m{M}_saved_us_fuse_silu_down"] = (r.get(f"sw_silu_down_m{M}_unfused_us", math.nan)
+                                                       - r.get(f"sw_silu_down_m{M}_fused_us", math.nan))
+        r[f"sw_layer_m{M}_saved_us_fuse_rope_kv"] = (r.get(f"sw_rope_kv_t{M}_unfused_us", math.nan)
+                                                     - r.get(f"sw_rope_kv_t{M}_fused_us", math.nan))
+    return r
+
+
+BENCH_PARTS = ("ceilings", "elementwise", "decode_attn", "prefill_attn", "gemv", "switches")
+
+
 def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1, 4, 8),
-                   decode_batch: int = 64, decode_context: int = 2048) -> dict:
-    """All timings (CUDA only). Failures are recorded as ``<part>_error`` and skipped."""
+                   decode_batch: int = 64, decode_context: int = 2048, parts: tuple = BENCH_PARTS) -> dict:
+    """All timings (CUDA only), or the named ``parts`` of ``BENCH_PARTS``. Failures are
+    recorded as ``<part>_error`` and skipped."""
     figures: dict = {}
-    parts = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
+    table = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
              ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]
-    parts += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv)) for m in gemv_batches]
-    for part, fn in parts:
+    table += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv)) for m in gemv_batches]
+    table += [("switches", lambda: bench_switches(dtype))]
+    for part, fn in table:
+        if ("gemv" if part.startswith("gemv_m") else part) not in parts:
+            continue
         try:
             figures.update(fn())
         except Exception as e:
@@ -351,7 +480,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tune", action="store_true", help="GEMV: heuristic config only, no sweep")
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--parts", default=",".join(BENCH_PARTS),
+                    help=f"comma-separated subset of {','.join(BENCH_PARTS)} (e.g. --parts switches)")
     args = ap.parse_args(argv)
+    parts = tuple(p for p in args.parts.split(",") if p)
+    unknown = set(parts) - set(BENCH_PARTS)
+    if unknown:
+        ap.error(f"unknown --parts {sorted(unknown)}; choose from {BENCH_PARTS}")
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
     record: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)",
@@ -369,7 +504,7 @@ def main(argv=None) -> int:
         record["checks"] = run_checks(dtypes, full=cuda)
         save()
     if cuda and not args.skip_bench:
-        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune)
+        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts)
         record["gemv_tuned_configs"] = {str(k): str(v) for k, v in GEMV_CONFIGS.items()}
     save()
 
@@ -389,6 +524,11 @@ def main(argv=None) -> int:
         for k, v in bench.items():
             if k.endswith(("_vs_cublas", "_stack_m1_ms", "_bw_frac", "_tflops", "_mma_frac", "_error", "_config")):
                 print(f"  {k:40s} {v}")
+        switches = {k: v for k, v in bench.items() if k.startswith("sw_") and k.endswith("_us")}
+        if switches:
+            print("\n== decode switches (µs per call in a CUDA graph; saved_us: per layer, x36 per step)")
+            for k, v in switches.items():
+                print(f"  {k:45s} {v:8.2f}")
     print(f"\nwrote {path}")
     return 0
 

@@ -142,7 +142,7 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto") -> GemvConfig:
+def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tuned: bool = True) -> GemvConfig:
     """Tuned entry if present (under ``"never"``: only a one-split entry), else the heuristic.
 
     ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
@@ -152,7 +152,7 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto") -> Gemv
     """
     if split_k not in SPLIT_K_MODES:
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
-    tuned = GEMV_CONFIGS.get((next_pow2(M), N, K))
+    tuned = GEMV_CONFIGS.get((next_pow2(M), N, K)) if use_tuned else None
     if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
     if split_k == "never":
