@@ -271,3 +271,37 @@ def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int
     """Deterministic random token-id prompts (for models without a tokenizer)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_prompts, prompt_len), generator=gen).tolist()
+
+
+@dataclass
+class Bf16Floor:
+    """bf16 logits of pageserve and of transformers, each against the fp32 transformers run
+    of the same checkpoint: the second number is the floor any bf16 implementation sits on."""
+
+    positions: int
+    pageserve_vs_fp32: LogitComparison
+    hf_vs_fp32: LogitComparison
+    pageserve_vs_hf_bf16: LogitComparison
+
+
+def bf16_floor(model_name: str, texts: Sequence[str], device: str | torch.device = "cpu") -> Bf16Floor:
+    """Load ``model_name`` (a real checkpoint with a tokenizer) in fp32 and in bf16, prefill
+    each chat prompt on pageserve-bf16, HF-bf16 and HF-fp32, and compare the logits."""
+    from .loader import load_model
+
+    loaded = load_model(model_name, device=device, dtype="float32")
+    tok = loaded.tokenizer
+    if tok is None:
+        raise ValueError(f"{model_name}: bf16_floor needs a checkpoint with a tokenizer")
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    hf32 = build_hf_model(loaded.model)
+    ref = [hf_logits(hf32, p) for p in prompts]
+    del hf32
+    model16 = loaded.model.to(torch.bfloat16)  # the same weights, rounded to bf16 once
+    hf16 = build_hf_model(model16)
+    ours = [prompt_logits(model16, list(p)) for p in prompts]
+    theirs = [hf_logits(hf16, p) for p in prompts]
+    return Bf16Floor(
+        sum(len(p) for p in prompts),
+        compare_logit_sets(ours, ref), compare_logit_sets(theirs, ref), compare_logit_sets(ours, theirs),
+    )
