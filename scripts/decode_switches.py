@@ -1,0 +1,78 @@
+"""Engine decode-step time with each TritonOps decode switch off and on (one model, graphs
+re-captured per setting). The GPU session runs this to decide the switches' defaults.
+
+    python scripts/decode_switches.py --out /tmp/out            # H200: qwen2.5-3b, bf16, batch 1 and 64
+    python scripts/decode_switches.py --tiny --batches 1 --steps 2   # CPU smoke (interpreter)
+
+Prints ms per step per setting and writes <out>/decode_switches.json.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+import torch
+
+from pageserve.decode_bench import decode_step_ms
+from pageserve.kernels import TritonOps
+from pageserve.llm import LLM
+
+SETTINGS = {
+    "all_off": {},
+    "fuse_rope_kv": {"fuse_rope_kv": True},
+    "fuse_silu_down": {"fuse_silu_down": True},
+    "gemv_split_k_never": {"gemv_split_k": "never"},
+    "all_on": {"fuse_rope_kv": True, "fuse_silu_down": True, "gemv_split_k": "never"},
+}
+
+
+def build_llm(args) -> LLM:
+    cuda = torch.cuda.is_available()
+    common = dict(device="cuda" if cuda else "cpu", block_size=16, max_num_seqs=max(args.batches),
+                  max_model_len=2048, enforce_eager=True, use_triton=True)
+    if not args.tiny:
+        return LLM(args.model, dtype="bfloat16" if cuda else "float32", seed=0, **common)
+    from pageserve.config import ModelConfig
+    from pageserve.model import Decoder
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048, attention_bias=True,
+                      eos_token_ids=[0])
+    model = Decoder(cfg).to(common["device"])
+    model.init_dummy_weights(seed=0, std=0.3)
+    return LLM.from_model(model.eval(), dtype="float32", num_blocks=256, **common)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--model", default="qwen2.5-3b")
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer random model (CPU smoke run)")
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    llm = build_llm(args)
+    runner = llm.engine.runner
+    figures: dict = {}
+    for name, switches in SETTINGS.items():
+        ops = TritonOps(**switches)
+        runner.graphs = None
+        gc.collect()
+        runner.ops = ops
+        runner.model.set_ops(ops)
+        runner.enable_graphs()  # captures on CUDA; bookkeeping mode on the CPU
+        for bs in args.batches:
+            ms = decode_step_ms(llm, bs, args.context, args.steps, vocab_size=min(512, runner.cfg.vocab_size))
+            figures[f"batch{bs}_{name}_ms_per_step"] = ms
+            print(f"{name:22s} batch {bs:3d}: {ms:8.3f} ms/step", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_switches.json"), "w") as f:
+        json.dump({"settings": SETTINGS, "context": args.context, "figures": figures}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
