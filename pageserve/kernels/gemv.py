@@ -148,7 +148,8 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tun
     ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
     the grid covers the SMs about four times, each split at least two tiles long.
     ``"never"``: no split; the largest power-of-two BLOCK_N (at most 16 at M = 1, 32 above)
-    that still gives ~4 programs per SM, but at least 2 rows (4 at M > 1).
+    that still gives ~4 programs per SM, but at least 2 rows (4 at M > 1). Where rows alone
+    already give that many programs (gate_up, lm_head) this is the "auto" tile.
     """
     if split_k not in SPLIT_K_MODES:
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
@@ -161,7 +162,9 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tun
         while block_n > lo and cdiv(N, block_n) < 4 * sms:
             block_n //= 2
         if M == 1:
-            return GemvConfig(block_n=block_n, block_k=512 if K >= 2048 else 256, split_k=1, defer_reduce=True)
+            block_k = 512 if K >= 2048 else 256
+            # a [BLOCK_N, BLOCK_K] fp32 accumulator only where it stays small (<= 32 registers a thread)
+            return GemvConfig(block_n=block_n, block_k=block_k, split_k=1, defer_reduce=block_n * block_k <= 4096)
         return GemvConfig(block_n=block_n, block_k=128, split_k=1, num_stages=4)
     block_n = 16 if M == 1 else 32
     block_k = 512 if (M == 1 and K >= 2048) else 256 if M == 1 else 64
