@@ -155,7 +155,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     block_size: int = 16
-    num_blocks: int | None = None  # None: sized from gpu_memory_utilization (or 4 GiB on the CPU)
+    num_blocks: int | None = None  # None: sized from gpu_memory_utilization (or 1 GiB on the CPU)
     gpu_memory_utilization: float = 0.85
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -164,6 +164,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enforce_eager: bool = False  # True: no CUDA graphs
     use_triton: bool | None = None  # None: Triton kernels on CUDA, PyTorch reference on the CPU
+    triton_options: dict = field(default_factory=dict)  # keywords of pageserve.kernels.TritonOps (fusion switches)
     cuda_graph_max_bs: int = 512
 
     def __post_init__(self) -> None:

@@ -26,16 +26,20 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not given
 
 
-def select_ops(use_triton: bool | None, device: torch.device):
-    """Triton kernels when asked (or by default on CUDA), else the PyTorch reference."""
+def select_ops(use_triton: bool | None, device: torch.device, options: dict | None = None):
+    """Triton kernels when asked (or by default on CUDA), else the PyTorch reference.
+    ``options``: keywords of ``TritonOps`` (its fusion switches)."""
     want = use_triton if use_triton is not None else device.type == "cuda"
     if want:
         try:
             from .kernels import TritonOps
-
-            return TritonOps()
         except Exception as e:  # a missing or broken kernels package must not stop the engine
             warnings.warn(f"Triton ops unavailable ({type(e).__name__}: {e}); using the PyTorch reference ops")
+            return TorchOps()
+        try:
+            return TritonOps(**(options or {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"triton_options {options!r}: {e}") from None
     return TorchOps()
 
 
@@ -96,7 +100,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = config.block_size
-        self.ops = select_ops(config.use_triton, self.device)
+        self.ops = select_ops(config.use_triton, self.device, config.triton_options)
         model.set_ops(self.ops)
         model.eval()
         self.num_blocks = config.num_blocks or self._num_blocks_from_memory()

@@ -6,6 +6,9 @@
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
+# Stages: tests 01 02 03 04 05 06a switches decode_switches (default: tests:80 04:190 02:170 01:95).
+# A 30-minute device session fits two calls, e.g.
+#   tests:100 switches:150 decode_switches:150 05:180      then      03:120 06a:150 04:190 02:170
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
@@ -27,8 +30,12 @@ Q3B="-p MODEL qwen2.5-3b -p DEVICE cuda"
 for st in $stages; do
   s=${st%%:*}; t=${st##*:}
   case $s in
-    tests) timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda_graphs.py \
-             tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1; echo "tests rc=$?"; tail -n 15 "$RES/gpu_tests.log" ;;
+    tests) timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fused_kernels.py \
+             tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1; echo "tests rc=$?"; tail -n 15 "$RES/gpu_tests.log" ;;
+    switches) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts switches --skip-checks \
+                > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
+    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" > "$RES/decode_switches.log" 2>&1
+                echo "decode_switches rc=$?"; tail -n 15 "$RES/decode_switches.log" ;;
     01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \
           -p PARITY_PROMPT_LEN 256 -p PARITY_POSITIONS 2048 ;;
     02) run_nb "$t" 02_continuous_batching_paged_kv $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 500 -p PROMPT_LEN 512 \

@@ -71,3 +71,12 @@ def test_padding_rows_write_no_kv(tiny_llm):
     changed = (runner.kv_cache != kv_before).flatten(4).any(-1)  # [L, 2, num_blocks, block_size]
     flat = changed.flatten(2).any(0).any(0).nonzero().flatten().tolist()
     assert flat == [8, 17, 26]
+
+
+def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
+    from pageserve.model_runner import select_ops
+
+    ops = select_ops(True, torch.device("cpu"), {"fuse_rope_kv": True, "gemv_split_k": "never"})
+    assert ops.name == "triton" and ops.fuse_rope_kv and ops.gemv_split_k == "never"
+    with pytest.raises(ValueError, match="triton_options"):
+        select_ops(True, torch.device("cpu"), {"no_such_switch": 1})
