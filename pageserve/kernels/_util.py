@@ -107,3 +107,19 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pmask, h, d, dmask,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE: tl.constexpr):
+    """K and V rows of KV head ``h`` for token positions ``pos`` [N] of one sequence, read
+    through its block-table row (masked positions load zeros). Returns k, v: [N, BLOCK_D]."""
+    page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+    slot = pos % PAGE
+    kvmask = pmask[:, None] & dmask[None, :]
+    k = tl.load(kc_ptr + (page * stride_kb + slot * stride_ks + h * stride_kh)[:, None] + d[None, :],
+                mask=kvmask, other=0.0)
+    v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
+                mask=kvmask, other=0.0)
+    return k, v
+

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..attention import paged_attention_reference
-from ._util import check_paged_qkv, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
+from ._util import check_paged_qkv, load_kv_tile, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -71,13 +71,8 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
-        page = tl.load(bt_row + tok // PAGE, mask=tmask, other=0).to(tl.int64)
-        slot = tok % PAGE
-        kvmask = tmask[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + (page * stride_kb + slot * stride_ks + h * stride_kh)[:, None] + d[None, :],
-                    mask=kvmask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
-                    mask=kvmask, other=0.0)
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, tok, tmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
         scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         scores = tl.where(tmask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))

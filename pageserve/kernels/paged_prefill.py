@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..attention import AttentionMetadata, paged_attention_reference
-from ._util import check_paged_qkv, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
+from ._util import check_paged_qkv, load_kv_tile, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 
@@ -68,13 +68,8 @@ def _prefill_kernel(
     for n0 in range(0, kv_end, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
-        page = tl.load(bt_row + kpos // PAGE, mask=kmask, other=0).to(tl.int64)
-        slot = kpos % PAGE
-        kvmask = kmask[:, None] & dmask[None, :]
-        k = tl.load(kc_ptr + (page * stride_kb + slot * stride_ks + h * stride_kh)[:, None] + d[None, :],
-                    mask=kvmask, other=0.0)
-        v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
-                    mask=kvmask, other=0.0)
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
         scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
