@@ -19,3 +19,16 @@ def smollm2_hf(smollm2):
     from pageserve.hf_reference import build_hf_model
 
     return build_hf_model(smollm2.model)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_config():
+    """A 2-layer random-weight Qwen2 shape (q/k/v bias, GQA 2) for fast engine tests."""
+    from pageserve.config import ModelConfig
+
+    return ModelConfig(
+        architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, attention_bias=True,
+        eos_token_ids=[0],
+    )
+

@@ -178,16 +178,10 @@ def test_hf_generate_batch_matches_serial_greedy_tokens(tiny_hf_model):
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    from pageserve.config import ModelConfig
+def tiny_model(tiny_qwen2_config):
     from pageserve.model import Decoder
 
-    cfg = ModelConfig(
-        architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512, attention_bias=True,
-        eos_token_ids=[0],
-    )
-    model = Decoder(cfg)
+    model = Decoder(tiny_qwen2_config)
     model.init_dummy_weights(seed=1, std=0.3)
     return model.eval()
 

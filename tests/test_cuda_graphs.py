@@ -7,7 +7,6 @@ on CUDA the same tests capture and replay real graphs.
 import pytest
 import torch
 
-from pageserve.config import ModelConfig
 from pageserve.cuda_graphs import bucket_sizes
 from pageserve.decode_bench import graph_vs_eager, staggered_decode_workload
 from pageserve.llm import LLM
@@ -25,13 +24,8 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def tiny_llm():
-    cfg = ModelConfig(
-        architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256, attention_bias=True,
-        eos_token_ids=[0],
-    )
-    model = Decoder(cfg).to(DEVICE)
+def tiny_llm(tiny_qwen2_config):
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
     model.init_dummy_weights(seed=3, std=0.3)
     llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
                          max_num_seqs=24, max_model_len=256, enforce_eager=True)
