@@ -71,3 +71,25 @@ def test_smollm2_answers_sensibly(smollm2):
     out = naive_generate(smollm2.model, ids, 24, eos_token_ids=tok.eos_token_ids)
     assert "Paris" in tok.decode(out.token_ids)
     assert out.token_ids[-1] in tok.eos_token_ids  # a short answer that ends its turn
+
+
+@pytest.mark.parametrize("arch,scaling", [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}),
+    ("llama", {"rope_type": "linear", "factor": 4.0}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}),
+])
+def test_rope_scaling_variants_match_transformers(arch, scaling):
+    cfg = ModelConfig.from_hf_dict({
+        "architectures": ["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"], "vocab_size": 256,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "rope_theta": 10000.0,
+        "rope_scaling": scaling,
+    })
+    assert cfg.rope_scaling["rope_type"] == scaling["rope_type"]
+    model = build_decoder(cfg, torch.device("cpu"), torch.float32, 256)
+    model.init_dummy_weights(seed=5, std=0.2)
+    hf = build_hf_model(model)
+    # 200 positions: well past original_max_position_embeddings, where the variants differ most
+    cmp = compare_logits(model, hf, random_prompts(1, 200, cfg.vocab_size, seed=2))
+    assert cmp.max_abs_diff < 1e-4, cmp
