@@ -22,8 +22,41 @@ def _fmt(v) -> str:
     return str(v)
 
 
+# The figures a reader asks for first: (notebook, figure, what it is, the goal it is held to)
+HEADLINES = [
+    ("02_continuous_batching_paged_kv", "w1_total_tok_s", "W1 total tok/s (500 × 512 → 256, bf16)", "≥ 15,000"),
+    ("02_continuous_batching_paged_kv", "w1_speedup_vs_hf_generate_batch", "× HF `generate_batch`, same requests", ""),
+    ("04_cuda_graphs", "w1_total_tok_s", "W1 total tok/s with decode graphs", "≥ 50,000"),
+    ("04_cuda_graphs", "batch1_ms_per_token", "batch-1 decode, ms per token", "≤ 2.4"),
+    ("04_cuda_graphs", "batch64_ms_per_step", "batch-64 decode, ms per step", "≤ 3.5"),
+    ("04_cuda_graphs", "graph_vs_eager_fp32_identical", "graphs = eager token for token, fp32 (1 = yes)", "1"),
+    ("04_cuda_graphs", "graph_vs_eager_bf16_logit_rel_err", "graphs vs eager logits, bf16, ‖Δ‖/‖ref‖", "≤ 1e-2"),
+    ("01_naive_generation", "fp32_max_abs_logit_diff", "max abs Δ logit vs transformers, fp32", "< 1e-3"),
+    ("01_naive_generation", "fp32_greedy_identical_prompts", "greedy 64-token prompts identical to HF (of 8)", "8"),
+    ("01_naive_generation", "bf16_rel_logit_err", "bf16 logits vs transformers' bf16, ‖Δ‖/‖ref‖", "≤ 1e-2"),
+    ("01_naive_generation", "bf16_rel_logit_err_vs_fp32", "bf16 logits vs fp32, ‖Δ‖/‖ref‖", ""),
+    ("01_naive_generation", "hf_bf16_rel_logit_err_vs_fp32", "the same for transformers' own bf16 run", ""),
+    ("06a_prefix_caching", "prefix_hit_rate", "prefix-cache hit rate, shared system prompts", ""),
+    ("05_triton_kernels", "paged_decode_attn_bw_frac", "decode attention, fraction of read bandwidth", "≥ 0.70"),
+]
+
+
+def render_headlines(results_dir: Path = ROOT / "results", hardware: str = "h200") -> str:
+    rows = []
+    for nb, key, what, goal in HEADLINES:
+        path = results_dir / hardware / f"{nb}.json"
+        if not path.exists():
+            continue
+        rec = json.loads(path.read_text())
+        if key in rec["figures"]:
+            rows.append(f"| {what} | {_fmt(rec['figures'][key])} | {goal} | [{nb[:3].rstrip('_')}](results/{hardware}/{nb}.ipynb) |")
+    if not rows:
+        return ""
+    return "\n".join([f"Headline figures on `{hardware}`:\n", "| figure | measured | goal | record |", "|---|---|---|---|", *rows, ""])
+
+
 def render(results_dir: Path = ROOT / "results") -> str:
-    lines: list[str] = []
+    lines: list[str] = [render_headlines(results_dir)]
     for hw_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and p.name != "local"):
         records = [json.loads(p.read_text()) for p in sorted(hw_dir.glob("*.json"))]
         if not records:
