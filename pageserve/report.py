@@ -56,7 +56,8 @@ def render_headlines(results_dir: Path = ROOT / "results", hardware: str = "h200
 
 
 def render(results_dir: Path = ROOT / "results") -> str:
-    lines: list[str] = [render_headlines(results_dir)]
+    headlines = render_headlines(results_dir)
+    lines: list[str] = [headlines] if headlines else []
     for hw_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and p.name != "local"):
         records = [json.loads(p.read_text()) for p in sorted(hw_dir.glob("*.json"))]
         if not records:

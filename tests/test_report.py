@@ -1,0 +1,20 @@
+"""The README's results tables come from the JSON record, never from typed-in numbers."""
+import json
+
+from pageserve import report
+from pageserve.results import write_figures
+
+
+def test_tables_show_exactly_the_figures_a_notebook_wrote(tmp_path):
+    hw = tmp_path / "h200"
+    write_figures("04_cuda_graphs", {"MODEL": "qwen2.5-3b"}, {"batch1_ms_per_token": 3.25, "extra": 7}, hw)
+    out = report.render(tmp_path)
+    assert "| batch-1 decode, ms per token | 3.25 | ≤ 2.4 |" in out  # the headline row
+    assert "| `extra` | 7 |" in out  # and every figure in the per-notebook table
+    assert "W1 total tok/s" not in out  # nothing that no record holds
+    rec = json.loads((hw / "04_cuda_graphs.json").read_text())
+    assert rec["git_commit"] and rec["hardware"] and rec["parameters"] == {"MODEL": "qwen2.5-3b"}
+
+
+def test_no_records_says_so(tmp_path):
+    assert "No GPU results" in report.render(tmp_path)
