@@ -123,3 +123,16 @@ def load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pmask, h, d, dmask,
                 mask=kvmask, other=0.0)
     return k, v
 
+
+@triton.jit
+def online_softmax_step(scores, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one tile into a running softmax-weighted sum. scores: [M, N] in log2 units with
+    masked entries at -inf; v: [N, BLOCK_D]; m_i, l_i: [M] running max and denominator;
+    acc: [M, BLOCK_D] fp32. Returns the updated (m_i, l_i, acc)."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
+    return m_new, l_i, acc
+

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..attention import paged_attention_reference
-from ._util import check_paged_qkv, load_kv_tile, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
+from ._util import check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -75,12 +75,7 @@ def _decode_split_kernel(
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
         scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         scores = tl.where(tmask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
 
     out = acc / l_i[:, None]
     lse = m_i + tl.log2(l_i)

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..attention import AttentionMetadata, paged_attention_reference
-from ._util import check_paged_qkv, load_kv_tile, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
+from ._util import check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 
@@ -73,12 +73,7 @@ def _prefill_kernel(
         scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, PREC, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # l_i == 0 only if seq_len == 0: zeros
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
