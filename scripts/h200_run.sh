@@ -49,5 +49,6 @@ for st in $stages; do
     06a) run_nb "$t" 06a_prefix_caching $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 128 -p SYSTEM_PROMPT_LEN 1024 \
           -p QUESTION_LEN 64 -p OUTPUT_LEN 64 -p NUM_SYSTEM_PROMPTS 4 -p MAX_NUM_BATCHED_TOKENS 8192 ;;
   esac
+  tar -C /tmp/pageserve_res -czf "$OUT/h200_results.tgz" h200  # after every stage: a timeout keeps what ran
 done
-tar -C /tmp/pageserve_res -czf "$OUT/h200_results.tgz" h200 && ls -la "$OUT" "$RES"
+ls -la "$OUT" "$RES"
