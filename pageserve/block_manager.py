@@ -158,7 +158,8 @@ class BlockManager:
         """Publish ``seq``'s blocks that are now full of computed tokens in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        n_full = seq.num_computed_tokens // self.block_size
+        # a block is hashed by its tokens' values: one holding a pending token waits for it
+        n_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         if n_full <= seq.num_registered_blocks:
             return
         hashes = self._compute_hashes(seq, n_full)

@@ -166,6 +166,9 @@ class EngineConfig:
     use_triton: bool | None = None  # None: Triton kernels on CUDA, PyTorch reference on the CPU
     triton_options: dict = field(default_factory=dict)  # keywords of pageserve.kernels.TritonOps (fusion switches)
     cuda_graph_max_bs: int = 512
+    # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
+    # False: every step is postprocessed before step() returns
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

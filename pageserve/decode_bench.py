@@ -6,8 +6,8 @@
 - ``graph_vs_eager``: the same workload run eagerly and from graphs on one engine; the
   tokens must be identical (fp32), and per graphed step the logits are recomputed eagerly
   on the same inputs to bound their difference (bf16).
-- ``decode_step_ms``: the time of one full engine step (schedule, one forward, sample,
-  postprocess) with ``batch_size`` sequences decoding at a given context length.
+- ``decode_step_ms``: the steady-state time of one full engine step (schedule, one forward,
+  sample, postprocess) with ``batch_size`` sequences decoding at a given context length.
 """
 from __future__ import annotations
 
@@ -104,26 +104,53 @@ class _count_graph_runs:
 
 
 def decode_step_ms(llm, batch_size: int, context_len: int, steps: int = 32, vocab_size: int | None = None,
-                   seed: int = 0) -> float:
-    """Median wall time of one engine step with ``batch_size`` sequences all decoding at
-    about ``context_len`` tokens of context (prefill is done before the clock starts)."""
+                   seed: int = 0, repeats: int = 3) -> float:
+    """Steady-state time of one engine step with ``batch_size`` sequences all decoding at
+    about ``context_len`` tokens of context: the wall time of ``steps`` consecutive
+    ``engine.step()`` calls divided by ``steps`` (the median of ``repeats`` such runs).
+    Consecutive, because under async scheduling a step's host work overlaps the previous
+    step's forward: a clock stopped and synchronised around every call would undo that.
+    Prefill is done before the clock starts."""
     engine = llm.engine
     vocab = vocab_size or engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=repeats * steps + 8, ignore_eos=True)
     ids = [f"decode-{batch_size}-{i}-{time.monotonic_ns()}" for i in range(batch_size)]
     for rid in ids:
         engine.add_request(rid, _random_ids(gen, context_len, vocab, 0), params)
-    # prefill (and the first sampled token) for every sequence
-    while any(not s.output_token_ids for r in ids if r in engine.requests for s in engine.requests[r].seqs):
+    # prefill (and the first sampled tokens) for every sequence, then one plain decode step
+    while any(s.num_output_tokens == 0 for r in ids if r in engine.requests for s in engine.requests[r].seqs):
         engine.step()
+    engine.step()
     device = llm.engine.runner.device
-    times = []
-    for _ in range(steps):
+    runs = []
+    for _ in range(repeats):
         synchronize(device)
         t0 = time.perf_counter()
-        engine.step()
+        for _ in range(steps):
+            engine.step()
         synchronize(device)
-        times.append(time.perf_counter() - t0)
+        runs.append((time.perf_counter() - t0) / steps)
     engine.abort_request(ids)
-    return 1e3 * statistics.median(times)
+    while engine.has_unfinished_requests():  # land a step still in flight
+        engine.step()
+    return 1e3 * statistics.median(runs)
+
+
+def graph_replay_ms(runner, batch_size: int, n: int = 50) -> float | None:
+    """GPU time of one graphed decode step: the bucket's graph replayed ``n`` times back to
+    back with no host work between (its static buffers hold the last step's inputs; the
+    K/V writes land in slots that step owned). None without captured graphs."""
+    graphs = runner.graphs
+    if graphs is None or not graphs.graphs:
+        return None
+    g = graphs.graphs[min(b for b in graphs.buckets if b >= batch_size)]
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n

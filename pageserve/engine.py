@@ -38,6 +38,15 @@ class Request:
 
 
 @dataclass
+class _Inflight:
+    """A launched step: its sampling sequences (row order) and its sampler output."""
+
+    seqs: list[Sequence]
+    out: Any  # SamplerOutput
+    needs_landing: bool = False  # a row has penalties: land it before the next schedule
+
+
+@dataclass
 class EngineStats:
     num_steps: int = 0
     num_requests_added: int = 0
@@ -96,6 +105,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self._inflight: _Inflight | None = None  # the launched step whose tokens are not appended yet
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, tokenizer=None, stream_outputs: bool = True) -> "LLMEngine":
@@ -195,11 +205,25 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward over every scheduled token, sample, and postprocess."""
+        """Schedule, launch one forward over every scheduled token, and postprocess a step.
+
+        With ``async_scheduling`` (the default) the step launched here is postprocessed by
+        the next call: this call first launches step N+1, then waits for step N's tokens
+        and appends them, so the host's scheduling and input preparation overlap the
+        device's forward. Returned outputs are those of the step postprocessed here."""
         t0 = time.perf_counter()
         sched = self.scheduler
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and self._inflight.needs_landing:
+            # penalties read every output token id: land the step before planning the next
+            outputs = self._postprocess(self._take_inflight())
         batch = sched.schedule()
         if batch.is_empty:
+            if self._inflight is not None:  # nothing new to run: land the step in flight
+                outputs += self._postprocess(self._take_inflight())
+            if outputs:
+                self.stats.step_time_s += time.perf_counter() - t0
+                return outputs
             if sched.has_unfinished() and not batch.preempted:
                 # Cannot happen while max_model_len fits the pool; say so rather than spin.
                 raise RuntimeError(
@@ -207,35 +231,66 @@ class LLMEngine:
                     f"{len(sched.running)} running sequences ({self.block_manager.num_free_blocks} free blocks)"
                 )
             return []
-        out = self.runner.execute(batch)
+        prev = self._inflight
+        out = self.runner.execute(batch, None if prev is None else prev.out.token_ids_gpu)
         sched.update_after_step(batch)
-        now = time.perf_counter()
-
-        touched: dict[str, Request] = {}  # requests with something to report
-        stream = self.stream_outputs
-        if out is not None:
-            lp, top = out.logprobs, out.top_logprobs
-            for row, (seq, tok) in enumerate(zip(batch.sampling_seqs, out.token_ids)):
-                if seq.is_finished:
-                    continue
-                try:
-                    self._append_token(
-                        seq, tok, now,
-                        None if lp is None else lp[row], None if top is None else top[row],
-                    )
-                except Exception:
-                    logger.exception("request %r failed in postprocessing; finishing it with 'error'", seq.request_id)
-                    self._finish(seq, "error", now)
-                if stream or seq.is_finished:
-                    touched[seq.request_id] = self.requests[seq.request_id]
-        sched.remove_finished()
 
         st = self.stats
         st.num_steps += 1
         st.num_prefill_tokens_computed += batch.num_prefill_tokens
         st.num_decode_tokens_computed += batch.num_batched_tokens - batch.num_prefill_tokens
+
+        launched = None
         if out is not None:
-            st.num_generated_tokens += len(out.token_ids)
+            launched = _Inflight(batch.sampling_seqs, out)
+            max_len = self.max_model_len
+            for row, seq in enumerate(launched.seqs):
+                launched.needs_landing |= seq.params.has_penalties
+                seq.num_pending += 1
+                seq.pending_row = row
+                mt = seq.params.max_tokens
+                if (mt is not None and seq.num_output_tokens >= mt) or seq.num_tokens >= max_len:
+                    seq.length_capped = True
+        self._inflight = launched
+        if prev is not None:
+            outputs += self._postprocess(prev)
+        if not self.config.async_scheduling and launched is not None:
+            outputs += self._postprocess(self._take_inflight())
+        st.step_time_s += time.perf_counter() - t0
+        return outputs
+
+    def _take_inflight(self) -> "_Inflight":
+        inflight, self._inflight = self._inflight, None
+        return inflight
+
+    def _postprocess(self, step: "_Inflight") -> list[RequestOutput]:
+        """Append a launched step's sampled tokens (waiting for them if needed), run the stop
+        checks, and build the outputs to report."""
+        out = step.out
+        token_ids = out.token_ids  # waits for the device
+        lp, top = out.logprobs, out.top_logprobs
+        now = time.perf_counter()
+        touched: dict[str, Request] = {}  # requests with something to report
+        stream = self.stream_outputs
+        appended = 0
+        for row, (seq, tok) in enumerate(zip(step.seqs, token_ids)):
+            seq.num_pending -= 1
+            if seq.is_finished:  # aborted, or stopped while this token was in flight: dropped
+                continue
+            try:
+                self._append_token(
+                    seq, tok, now,
+                    None if lp is None else lp[row], None if top is None else top[row],
+                )
+                appended += 1
+            except Exception:
+                logger.exception("request %r failed in postprocessing; finishing it with 'error'", seq.request_id)
+                self._finish(seq, "error", now)
+            if stream or seq.is_finished:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        self.scheduler.remove_finished()
+        st = self.stats
+        st.num_generated_tokens += appended
 
         outputs = []
         for rid, req in touched.items():
@@ -248,13 +303,12 @@ class LLMEngine:
                 logger.exception("request %r failed building its output; finishing it with 'error'", rid)
                 for seq in req.seqs:
                     self._finish(seq, "error", now)
-                sched.remove_finished()
+                self.scheduler.remove_finished()
                 outputs.append(self._make_output(req, safe=True))
                 finished = True
             if finished:
                 del self.requests[rid]
                 st.num_requests_finished += 1
-        st.step_time_s += time.perf_counter() - t0
         return outputs
 
     def _append_token(self, seq: Sequence, tok: int, now: float, logprob: float | None, top) -> None:
@@ -284,7 +338,7 @@ class LLMEngine:
             det.add(tok)
             if det.stopped and n_out >= p.min_tokens:
                 reason, seq.stop_reason = "stop", det.stop_reason
-        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= self.max_model_len):
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_known_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
             self._finish(seq, reason, now)

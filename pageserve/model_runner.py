@@ -2,8 +2,10 @@
 
 Per step the host builds every device input as numpy arrays (``prepare_inputs``), packs
 them into one int64 buffer and copies it to the device once (pinned, non-blocking on
-CUDA); the only device->host sync is the sampler reading the sampled token ids. A CUDA
-graph runner can take over ``prepare_inputs``' output and copy it into static buffers.
+CUDA); nothing waits for the device: the sampled token ids come back through a copy the
+caller reads when it needs them (so the engine can schedule and launch the next step
+first). A CUDA graph runner can take over ``prepare_inputs``' output and copy it into
+static buffers.
 """
 from __future__ import annotations
 
@@ -56,6 +58,10 @@ class StepInputs:
     logits_indices: np.ndarray  # [S] int64, row of each sampling sequence's last token
     max_query_len: int
     max_seq_len: int
+    # tokens not yet on the host (async scheduling): input_ids[fill_rows[i]] is the previous
+    # step's sampled token fill_src[i]; input_ids holds 0 there until the device fills it
+    fill_rows: np.ndarray | None = None  # [F] int64
+    fill_src: np.ndarray | None = None  # [F] int64
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +80,8 @@ class DeviceInputs:
     logits_indices: torch.Tensor  # [S]
     block_tables: torch.Tensor  # [B, max_blocks]
     host: StepInputs
+    fill_rows: torch.Tensor  # [F]: rows of input_ids that take a token sampled by the previous step
+    fill_src: torch.Tensor  # [F]: which of that step's sampled tokens
 
     def metadata(self) -> AttentionMetadata:
         """Attention metadata for an eager forward (the kernels take int32 lengths/tables)."""
@@ -194,13 +202,31 @@ class ModelRunner:
         np.cumsum(n, out=cu[1:])
         T = int(cu[-1])
 
+        fill_rows: list[int] = []
+        fill_src: list[int] = []
         if T == B:  # every sequence computes one token (decodes): its token at num_computed
-            ids = [s.token_at(s.num_computed_tokens) for s in seqs]
+            ids = []
+            for r, s in enumerate(seqs):
+                i = s.num_computed_tokens
+                if i < s.num_known_tokens:
+                    ids.append(s.token_at(i))
+                else:  # the token the previous step sampled for it: filled on the device
+                    ids.append(0)
+                    fill_rows.append(r)
+                    fill_src.append(s.pending_row)
         else:
             ids = []
             for s, k in zip(seqs, batch.num_new_tokens):
                 st = s.num_computed_tokens
-                ids.extend(s.token_slice(st, st + k))
+                known = s.num_known_tokens
+                if st + k > known:  # only a decode's one token can be pending
+                    if k != 1 or st != known:
+                        raise RuntimeError(f"{s!r}: {k} tokens from {st} scheduled, {known} known")
+                    fill_rows.append(len(ids))
+                    fill_src.append(s.pending_row)
+                    ids.append(0)
+                else:
+                    ids.extend(s.token_slice(st, st + k))
         input_ids = np.asarray(ids, dtype=np.int64)
 
         positions = np.arange(T, dtype=np.int64) + np.repeat(starts - cu[:-1], n)
@@ -217,16 +243,20 @@ class ModelRunner:
         seq_idx = np.repeat(np.arange(B), n)
         slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
         logits_indices = cu[1:][np.asarray(batch.samples, dtype=bool)] - 1
+        fills = (np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)) if fill_rows else (None, None)
         return StepInputs(
             input_ids, positions, slot_mapping, cu, seq_lens, block_tables, logits_indices,
-            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()),
+            max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), fill_rows=fills[0], fill_src=fills[1],
         )
 
     def to_device(self, x: StepInputs) -> "DeviceInputs":
         """One host->device copy of every per-step input (int64, sliced on the device)."""
         T, B, S = x.num_tokens, x.seq_lens.shape[0], x.logits_indices.shape[0]
+        F = 0 if x.fill_rows is None else x.fill_rows.shape[0]
         parts = [x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.logits_indices,
                  x.block_tables.reshape(-1)]
+        if F:
+            parts += [x.fill_rows, x.fill_src]
         host = torch.from_numpy(np.concatenate(parts))
         if self.device.type == "cuda":
             if self._pinned is None or self._pinned.numel() < host.numel():
@@ -242,17 +272,26 @@ class ModelRunner:
             self._copy_done.record()
         else:
             dev = host
-        sizes = [T, T, T, B + 1, B, S, x.block_tables.size]
-        ids, pos, slots, qsl, lens, li, bt = torch.split(dev, sizes)
-        return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x)
+        sizes = [T, T, T, B + 1, B, S, x.block_tables.size, F, F]
+        ids, pos, slots, qsl, lens, li, bt, fill_rows, fill_src = torch.split(dev, sizes)
+        return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x, fill_rows, fill_src)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch):
+    def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None):
         """Run the model once over every scheduled token; sample for the sequences whose
         chunk reaches their last token. Returns a ``SamplerOutput`` (rows in batch order of
-        the sampling sequences), or None when no sequence samples this step."""
+        the sampling sequences), or None when no sequence samples this step.
+
+        ``prev_tokens``: the previous step's sampled tokens on the device, when that step's
+        values have not reached the host yet (async scheduling); a sequence decoding from
+        such a token reads it from there (``Sequence.pending_row``). Nothing here waits
+        for the device: the returned output reads its tokens when asked."""
         x = self.prepare_inputs(batch)
         d = self.to_device(x)
+        if x.fill_rows is not None:
+            if prev_tokens is None:
+                raise RuntimeError("a scheduled token is still pending but no previous step's tokens were given")
+            d.input_ids[d.fill_rows] = prev_tokens[d.fill_src]
         B = x.seq_lens.shape[0]
         if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
             # decode-only: every sequence samples; the graph ends with the output head
@@ -275,6 +314,7 @@ class ModelRunner:
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [s.seed for s in seqs],
+            [s.num_output_tokens for s in seqs],
         )
 
     def _check_graph_step(self, logits: torch.Tensor, d: "DeviceInputs") -> None:

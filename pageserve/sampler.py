@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -72,9 +71,12 @@ def seeded_uniform_tensor(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tens
     return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
 
 
-@dataclass
 class SamplerOutput:
     """The result of one sampling step for B rows.
+
+    ``token_ids_gpu`` is there at once; ``token_ids``, ``logprobs`` and ``top_logprobs`` are
+    read from the device on first access (a copy started when the step was sampled, so an
+    engine can launch the next step before it waits for this one).
 
     ``logprobs``: None unless some row asked for logprobs; then one float per row (the
     sampled token's logprob under the penalised, pre-temperature distribution).
@@ -83,10 +85,61 @@ class SamplerOutput:
     ``(token_id, logprob)`` sorted by decreasing logprob.
     """
 
-    token_ids: list[int]
-    token_ids_gpu: Tensor  # [B] long, on the sampler's device
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    def __init__(self, token_ids_gpu: Tensor, packed: Tensor | None = None, top_k: list[int] | None = None) -> None:
+        self.token_ids_gpu = token_ids_gpu  # [B] long, on the sampler's device
+        self._top_k = top_k  # with ``packed``: per row, how many top logprobs it asked for
+        src = token_ids_gpu if packed is None else packed  # packed: [B, 2 + 2k] fp32 (ids, logprob, top-k)
+        self._ready = None
+        if src.is_cuda:
+            self._host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            self._host.copy_(src, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = src
+        self._packed = packed is not None
+        self._parsed: tuple | None = None
+
+    @classmethod
+    def from_values(cls, token_ids: list[int], token_ids_gpu: Tensor, logprobs=None, top_logprobs=None) -> "SamplerOutput":
+        """An output whose host values are already known (the plain reference sampler)."""
+        out = cls(token_ids_gpu)
+        out._parsed = (list(token_ids), logprobs, top_logprobs)
+        return out
+
+    def _parse(self) -> tuple:
+        if self._parsed is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            if not self._packed:
+                self._parsed = (self._host.tolist(), None, None)
+            else:
+                rows = self._host.tolist()
+                token_ids = [int(r[0]) for r in rows]
+                logprobs = [r[1] for r in rows]
+                top = None
+                if self._top_k is not None and max(self._top_k, default=0):
+                    k_max = (len(rows[0]) - 2) // 2
+                    top = [[(int(r[2 + k_max + j]), r[2 + j]) for j in range(k)] for r, k in zip(rows, self._top_k)]
+                self._parsed = (token_ids, logprobs, top)
+        return self._parsed
+
+    @property
+    def ready(self) -> bool:
+        """True when reading the results will not wait for the device."""
+        return self._ready is None or self._ready.query()
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._parse()[0]
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self._parse()[1]
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self._parse()[2]
 
 
 # rows of the per-step float parameter pack
@@ -126,25 +179,30 @@ class Sampler:
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
         seeds: list[int | None],
+        num_outputs: list[int] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: [B, >= vocab_size] on the device.
 
         ``seeds[i]`` is row i's seed (already derived with ``child_seed`` for n > 1);
-        its random draw depends only on (seed, len(output_token_ids[i]), token id).
+        its random draw depends only on (seed, step, token id), the step being row i's
+        number of output tokens so far: ``num_outputs[i]``, by default
+        ``len(output_token_ids[i])`` (an async engine counts tokens still in flight; the
+        ids themselves are only read for penalties, which need them all).
         """
         logits = logits[:, : self.vocab_size]
-        if self._all_plain_greedy(params, output_token_ids):
-            token_ids_gpu = logits.argmax(dim=-1)
-            return SamplerOutput(token_ids_gpu.tolist(), token_ids_gpu)
+        if num_outputs is None:
+            num_outputs = [len(o) for o in output_token_ids]
+        if self._all_plain_greedy(params, num_outputs):
+            return SamplerOutput(logits.argmax(dim=-1))
 
         penalised, probs, greedy_rows = self._process(
-            logits, params, prompt_token_ids, output_token_ids
+            logits, params, prompt_token_ids, output_token_ids, num_outputs
         )
         B = logits.shape[0]
         if probs is None:  # every row greedy
             token_ids_gpu = penalised.argmax(dim=-1)
         else:
-            q = self._exponential_noise(probs, seeds, output_token_ids)
+            q = self._exponential_noise(probs, seeds, num_outputs)
             token_ids_gpu = probs.div_(q).argmax(dim=-1)
             if greedy_rows:
                 is_greedy = torch.zeros(B, dtype=torch.bool)
@@ -154,29 +212,18 @@ class Sampler:
 
         want_logprobs = any(p.logprobs is not None for p in params)
         if not want_logprobs:
-            return SamplerOutput(token_ids_gpu.tolist(), token_ids_gpu)
+            return SamplerOutput(token_ids_gpu)
 
-        # pack ids, sampled logprobs and top-k into one fp32 tensor: one sync.
+        # pack ids, sampled logprobs and top-k into one fp32 tensor: one copy to the host.
         # Token ids < 2**24 are exact in fp32.
         logp = penalised.log_softmax(dim=-1)  # [B, V]
         parts = [token_ids_gpu.float()[:, None], logp.gather(1, token_ids_gpu[:, None])]
-        k_max = max((p.logprobs or 0) for p in params)
+        k_max = min(max((p.logprobs or 0) for p in params), self.vocab_size)
         if k_max:
-            top_v, top_i = logp.topk(min(k_max, self.vocab_size), dim=-1)
+            top_v, top_i = logp.topk(k_max, dim=-1)
             parts += [top_v, top_i.float()]
-        host = torch.cat(parts, dim=1).tolist()  # the one device->host sync
-        token_ids = [int(r[0]) for r in host]
-        logprobs = [r[1] for r in host]
-        top_logprobs = None
-        if k_max:
-            k_max = min(k_max, self.vocab_size)
-            top_logprobs = []
-            for p, r in zip(params, host):
-                k = min(p.logprobs or 0, k_max)
-                top_logprobs.append(
-                    [(int(r[2 + k_max + j]), r[2 + j]) for j in range(k)]
-                )
-        return SamplerOutput(token_ids, token_ids_gpu, logprobs, top_logprobs)
+        top_k = [min(p.logprobs or 0, k_max) for p in params] if k_max else None
+        return SamplerOutput(token_ids_gpu, torch.cat(parts, dim=1), top_k)
 
     def probs(
         self,
@@ -202,15 +249,15 @@ class Sampler:
         return probs
 
     # ---------------------------------------------------------------- helpers
-    def _all_plain_greedy(self, params, output_token_ids) -> bool:
-        for p, out in zip(params, output_token_ids):
+    def _all_plain_greedy(self, params, num_outputs) -> bool:
+        for p, n_out in zip(params, num_outputs):
             if (
                 p.temperature != 0
                 or p.logprobs is not None
                 or p.repetition_penalty != 1.0
                 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0
-                or len(out) < p.min_tokens
+                or n_out < p.min_tokens
             ):
                 return False
         return True
@@ -228,7 +275,7 @@ class Sampler:
             banned += self.eos_token_ids
         return [t for t in banned if t < self.vocab_size]
 
-    def _process(self, logits, params, prompt_token_ids, output_token_ids):
+    def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None):
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows)."""
         B, V = logits.shape
         logits = logits.float()
@@ -251,8 +298,10 @@ class Sampler:
 
         # min_tokens: ban eos / stop tokens
         ban_rows, ban_ids = [], []
-        for i, (p, out) in enumerate(zip(params, output_token_ids)):
-            banned = self._banned_tokens(p, len(out))
+        if num_outputs is None:
+            num_outputs = [len(o) for o in output_token_ids]
+        for i, (p, n_out) in enumerate(zip(params, num_outputs)):
+            banned = self._banned_tokens(p, n_out)
             ban_rows += [i] * len(banned)
             ban_ids += banned
         if ban_rows:
@@ -314,7 +363,7 @@ class Sampler:
         sub = sub - t[_FREQ][:, None] * counts - t[_PRES][:, None] * (counts > 0).float()
         return logits.index_copy(0, rows_t, sub)
 
-    def _exponential_noise(self, probs, seeds, output_token_ids) -> Tensor:
+    def _exponential_noise(self, probs, seeds, num_outputs) -> Tensor:
         """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest."""
         B, V = probs.shape
         seeded = [i for i, s in enumerate(seeds) if s is not None]
@@ -328,7 +377,7 @@ class Sampler:
                     [
                         seeded,
                         [_signed64(seeds[i]) for i in seeded],
-                        [len(output_token_ids[i]) for i in seeded],
+                        [num_outputs[i] for i in seeded],
                     ],
                     dtype=torch.int64,
                 )
@@ -412,7 +461,7 @@ def sample_reference(
         k = p.logprobs or 0
         top_v, top_i = logp.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
         top_logprobs.append(list(zip(top_i.tolist(), top_v.tolist())))
-    out = SamplerOutput(
+    out = SamplerOutput.from_values(
         token_ids,
         torch.tensor(token_ids, device=logits.device),
         logprobs if any(p.logprobs is not None for p in params) else None,

@@ -46,7 +46,7 @@ class ScheduledBatch:
         self.num_new_tokens.append(num_new)
         self.samples.append(seq.num_computed_tokens + num_new == num_tokens)
         self.num_batched_tokens += num_new
-        if not (num_new == 1 and seq.output_token_ids and seq.num_computed_tokens == num_tokens - 1):
+        if not (num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == num_tokens - 1):
             self.num_prefill_tokens += num_new
 
 
@@ -89,6 +89,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.length_capped:  # finishes when its pending token lands: nothing more to run
+                i += 1
+                continue
             num_tokens = seq.num_tokens
             num_new = min(num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:  # nothing to compute (should not happen); keep it for later
@@ -111,6 +114,8 @@ class Scheduler:
         waiting = self.waiting
         while waiting and (not batch.preempted or batch.is_empty) and budget > 0 and len(running) < self.max_num_seqs:
             seq = waiting[0]
+            if seq.num_pending:  # preempted with a token in flight: recompute once it has landed
+                break
             hits = bm.get_computed_blocks(seq)
             num_hit = len(hits) * bm.block_size
             num_new = seq.num_tokens - num_hit

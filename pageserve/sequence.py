@@ -2,7 +2,8 @@
 
 The one scheduling rule: each step a sequence's ``num_computed_tokens`` (tokens whose K/V
 are in the cache) catches up with its ``num_tokens`` (prompt + generated) under the
-step's token budget. A prompt chunk, a prefix-cache hit, a decode and a recompute after
+step's token budget. Under async scheduling a generated token counts as soon as its step
+is launched (``num_pending``), before its value reaches the host. A prompt chunk, a prefix-cache hit, a decode and a recompute after
 preemption are all that same move; a sequence samples a new token exactly when a step
 brings ``num_computed_tokens`` up to ``num_tokens``.
 """
@@ -53,6 +54,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
+        self.num_pending = 0  # tokens sampled by launched steps whose values the host has not read yet
+        self.pending_row = -1  # the row of the newest pending token in its step's sampled-token tensor
+        self.length_capped = False  # its pending tokens reach max_tokens / max_model_len: schedule no more
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache (last admission)
         self.block_table: list[int] = []
@@ -72,11 +76,17 @@ class Sequence:
     # ------------------------------------------------------------------ derived counts
     @property
     def num_tokens(self) -> int:
+        """Prompt + generated tokens, pending ones included (what the scheduler plans with)."""
+        return self.num_prompt_tokens + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + generated tokens whose values the host has."""
         return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.num_pending
 
     @property
     def last_token_id(self) -> int:

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from pageserve.decode_bench import decode_step_ms
+from pageserve.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.kernels import TritonOps
 from pageserve.llm import LLM
 
@@ -45,24 +45,6 @@ def build_llm(args) -> LLM:
     return LLM.from_model(model.eval(), dtype="float32", num_blocks=256, **common)
 
 
-def replay_ms(runner, bs: int, n: int = 50) -> float | None:
-    """GPU time of one decode step: the bucket's graph replayed back to back (no host work
-    between replays; the static buffers still hold the last step's inputs)."""
-    graphs = runner.graphs
-    if graphs is None or not graphs.graphs:
-        return None
-    g = graphs.graphs[min(b for b in graphs.buckets if b >= bs)]
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
@@ -86,7 +68,7 @@ def main() -> None:
         for bs in args.batches:
             ms = decode_step_ms(llm, bs, args.context, args.steps, vocab_size=min(512, runner.cfg.vocab_size))
             figures[f"batch{bs}_{name}_ms_per_step"] = ms
-            replay = replay_ms(runner, bs)
+            replay = graph_replay_ms(runner, bs)
             if replay is not None:
                 figures[f"batch{bs}_{name}_replay_ms"] = replay
             print(f"{name:22s} batch {bs:3d}: {ms:8.3f} ms/step, graph replay alone {replay} ms", flush=True)

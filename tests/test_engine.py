@@ -149,18 +149,91 @@ def test_prompt_longer_than_budget_rejected_without_chunked_prefill(tiny):
         engine.add_request("a", list(range(1, 40)), GREEDY20)
 
 
-def test_abort_frees_blocks_and_reports_abort(tiny, tiny_prompts):
-    engine = tiny_engine(tiny)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_frees_blocks_and_reports_abort(tiny, tiny_prompts, async_scheduling):
+    engine = tiny_engine(tiny, async_scheduling=async_scheduling)
     engine.add_request("a", tiny_prompts[7], GREEDY20)
     engine.add_request("b", tiny_prompts[8], GREEDY20)
     engine.step()
     engine.step()
     (out,) = engine.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    assert len(out.outputs[0].token_ids) == 2
+    # two steps ran; async, the second one's token is still in flight and is dropped
+    assert len(out.outputs[0].token_ids) == (1 if async_scheduling else 2)
     while engine.has_unfinished_requests():
         engine.step()
     assert pool_is_free(engine)
+
+
+def _mixed_workload(prompts) -> list[tuple[list[int], SamplingParams]]:
+    """Every postprocessing path async scheduling must keep: greedy, seeded sampling, n > 1,
+    penalties (which need the landed tokens), min_tokens, eos and stop ids found one step
+    late, length stops known at launch, logprobs."""
+    P = SamplingParams
+    kinds = [
+        P(temperature=0, max_tokens=20, ignore_eos=True),
+        P(temperature=0.9, top_p=0.9, seed=7, max_tokens=17, ignore_eos=True),
+        P(n=2, temperature=1.0, seed=3, max_tokens=9, ignore_eos=True),
+        P(temperature=0, max_tokens=15, repetition_penalty=1.3, presence_penalty=0.5, ignore_eos=True),
+        P(temperature=0.8, seed=11, max_tokens=30, min_tokens=5),  # eos (token 0) may stop it
+        P(temperature=1.0, seed=5, max_tokens=25, stop_token_ids=[7, 19, 33, 101], ignore_eos=True),
+        P(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
+        P(temperature=0, max_tokens=1, ignore_eos=True),
+    ]
+    return [(p, kinds[i % len(kinds)]) for i, p in enumerate(prompts)]
+
+
+def _run_collect(engine: LLMEngine, work) -> dict:
+    for i, (p, sp) in enumerate(work):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(o.token_ids, o.finish_reason, o.stop_reason, o.logprobs) for o in out.outputs]
+    return done
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"num_blocks": 9, "max_num_batched_tokens": 16}, {"enable_prefix_caching": True, "num_blocks": 14}],
+    ids=["plain", "preempting-chunked", "prefix-cache"],
+)
+def test_async_scheduling_gives_the_same_results_as_sync(tiny, tiny_prompts, kw):
+    work = _mixed_workload(tiny_prompts + tiny_prompts[:4])
+    sync = _run_collect(tiny_engine(tiny, async_scheduling=False, **kw), work)
+    engine = tiny_engine(tiny, async_scheduling=True, **kw)
+    got = _run_collect(engine, work)
+    assert pool_is_free(engine)
+    # tokens, reasons and the top-logprob ids exactly; logprob values up to fp32 noise (the
+    # two runs batch differently: async runs a stopped sequence one step longer)
+    strip = {k: [(t, r, sr, lp and [sorted(d) for d in lp]) for t, r, sr, lp in v] for k, v in sync.items()}
+    assert {k: [(t, r, sr, lp and [sorted(d) for d in lp]) for t, r, sr, lp in v] for k, v in got.items()} == strip
+    for k, outs in sync.items():
+        for (_, _, _, lp), (_, _, _, lp2) in zip(outs, got[k]):
+            for d, d2 in zip(lp or [], lp2 or []):
+                assert d2 == pytest.approx(d, abs=1e-5)
+    reasons = {r for outs in sync.values() for _, r, _, _ in outs}
+    assert reasons == {"length", "stop"}  # the workload really exercises late value stops
+    if "num_blocks" in kw and not kw.get("enable_prefix_caching"):
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_async_scheduling_overlaps_one_step(tiny, tiny_prompts):
+    """Each call launches a step before landing the previous one: after k calls k - 1
+    steps' tokens are on the host, and the last call only lands."""
+    engine = tiny_engine(tiny)
+    engine.add_request("a", tiny_prompts[2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    seq = engine.requests["a"].seqs[0]
+    engine.step()  # prefill + first token launched
+    assert seq.num_pending == 1 and seq.output_token_ids == []
+    engine.step()
+    assert seq.num_pending == 1 and len(seq.output_token_ids) == 1
+    engine.step()  # the third token is launched; the seq is capped at max_tokens
+    assert seq.length_capped and len(seq.output_token_ids) == 2
+    (out,) = engine.step()  # nothing to schedule: lands the last token
+    assert out.finished and len(out.outputs[0].token_ids) == 3 and engine._inflight is None
+    assert pool_is_free(engine) and not engine.has_unfinished_requests()
 
 
 def test_failing_request_finishes_with_error_and_others_complete(tiny, tiny_prompts, tiny_expected, monkeypatch):
