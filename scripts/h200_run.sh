@@ -6,7 +6,7 @@
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
-# Stages: tests 01 02 03 04 05 06a switches decode_switches (default: tests:80 04:190 02:170 01:95).
+# Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches (default: tests:80 04:190 02:170 01:95).
 # A 30-minute device session fits two calls, e.g.
 #   tests:100 switches:150 decode_switches:150 05:180      then      03:120 06a:150 04:190 02:170
 set -uo pipefail
@@ -34,6 +34,8 @@ for st in $stages; do
              tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1; echo "tests rc=$?"; tail -n 15 "$RES/gpu_tests.log" ;;
     switches) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts switches --skip-checks \
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
+    sweep_m1) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts sweep_m1 --skip-checks \
+                --json kernels_sweep_m1.json > "$RES/sweep_m1.log" 2>&1; echo "sweep_m1 rc=$?"; tail -n 12 "$RES/sweep_m1.log" ;;
     decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" > "$RES/decode_switches.log" 2>&1
                 echo "decode_switches rc=$?"; tail -n 15 "$RES/decode_switches.log" ;;
     01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \

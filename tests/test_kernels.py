@@ -55,6 +55,22 @@ def test_decode_attention_ignores_spare_block_table_columns(gen):
     _ok(err, torch.float32)
 
 
+@pytest.mark.parametrize("num_stages", [1, 3])
+def test_decode_attention_num_stages_keyword_gives_the_default_result(num_stages, gen):
+    # a tuning knob of the bench sweep: it may change the schedule, never the answer
+    ctx = [0, 1, 17, 70]
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
+                                                      torch.float32, DEVICE, gen)
+    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE)  # one query row per sequence, padding included
+    meta.query_start_loc = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
+    meta.query_start_loc_cpu, meta.max_query_len = list(range(len(ctx) + 1)), 1
+    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+    default = paged_decode_attention(*args, num_splits=2, block_n=16)
+    staged = paged_decode_attention(*args, num_splits=2, block_n=16, num_stages=num_stages)
+    torch.testing.assert_close(staged, default, rtol=1e-5, atol=1e-5)
+    _ok(checks.rel_err(staged, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), torch.float32)
+
+
 def test_decode_split_count_depends_only_on_shapes():
     assert decode_num_splits(64, 2, 128, 16, 132) == decode_num_splits(64, 2, 128, 16, 132)
     assert decode_num_splits(1, 2, 1, 16, 132) == 1  # one block of context: nothing to split

@@ -24,6 +24,7 @@ down projection needs no separate activation kernel (reference: ``TorchOps.silu_
 """
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,40 @@ class GemvConfig:
     defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
 
 
-# (N, K) -> config, filled by tuning runs (bench.tune_gemv); the heuristic covers the rest
-GEMV_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# config_key(M, N, K[, silu_mul]) -> config, filled by tuning runs (bench.bench_gemv, bench.sweep_gemv_m1)
+# or from their JSON by apply_configs; the heuristic covers the rest
+GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
+
+
+def config_key(M: int, N: int, K: int, silu_mul: bool = False) -> tuple:
+    """The GEMV_CONFIGS key: (next_pow2(M), N, K), plus "silu_mul" for ``silu_mul_gemv`` (which
+    falls back to the plain key when it has no entry of its own)."""
+    return (next_pow2(M), N, K, "silu_mul") if silu_mul else (next_pow2(M), N, K)
+
+
+def parse_config(text: str) -> GemvConfig:
+    """A GemvConfig from its repr (as the bench JSON stores it), without eval."""
+    node = ast.parse(text.strip(), mode="eval").body
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "GemvConfig"):
+        raise ValueError(f"not a GemvConfig(...) repr: {text!r}")
+    args = [ast.literal_eval(a) for a in node.args]
+    return GemvConfig(*args, **{kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
+
+
+def apply_configs(configs: dict) -> int:
+    """Install tuned configs into GEMV_CONFIGS; returns how many.
+
+    ``configs`` maps ``str(config_key(...))`` to ``repr(GemvConfig)``, as ``kernels_bench.json``
+    holds them under ``gemv_tuned_configs`` (every config tuned in that run) and
+    ``bench.sweep_m1_gemv_configs`` (the M = 1 sweep's). A whole record, or its ``bench`` dict,
+    is also accepted (its ``gemv_tuned_configs``, else the sweep's)."""
+    if any(name in configs for name in ("bench", "gemv_tuned_configs", "sweep_m1_gemv_configs")):
+        bench = configs.get("bench", configs)
+        configs = configs.get("gemv_tuned_configs") or bench.get("sweep_m1_gemv_configs") or {}
+    for key, text in configs.items():
+        k = ast.literal_eval(key) if isinstance(key, str) else tuple(key)
+        GEMV_CONFIGS[tuple(k)] = text if isinstance(text, GemvConfig) else parse_config(text)
+    return len(configs)
 
 
 @triton.jit
@@ -142,8 +175,10 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tuned: bool = True) -> GemvConfig:
+def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tuned: bool = True,
+                silu_mul: bool = False) -> GemvConfig:
     """Tuned entry if present (under ``"never"``: only a one-split entry), else the heuristic.
+    ``silu_mul``: for ``silu_mul_gemv`` (its own GEMV_CONFIGS entry first, then the plain one).
 
     ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
     the grid covers the SMs about four times, each split at least two tiles long.
@@ -153,7 +188,9 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tun
     """
     if split_k not in SPLIT_K_MODES:
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
-    tuned = GEMV_CONFIGS.get((next_pow2(M), N, K)) if use_tuned else None
+    tuned = None
+    if use_tuned:
+        tuned = GEMV_CONFIGS.get(config_key(M, N, K, silu_mul)) or GEMV_CONFIGS.get(config_key(M, N, K))
     if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
     if split_k == "never":
@@ -178,7 +215,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
-    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k)
+    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, silu_mul=silu_mul)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
     use_dot = M > 1 and cfg.block_n >= 16

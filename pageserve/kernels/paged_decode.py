@@ -122,11 +122,13 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
-    block_tables: [B, max_blocks] int32. Returns [B, Hq, D]."""
+    block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
+    ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` (split kernel) are tuning knobs;
+    the defaults are what the engine runs."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -152,7 +154,7 @@ def paged_decode_attention(
         block_tables.stride(0), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(B, Hq)](
         part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),

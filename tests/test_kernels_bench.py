@@ -1,0 +1,136 @@
+"""The kernel bench's plumbing (pageserve.kernels.bench): sweep grids, tuned-config round trip,
+timing fallback, the M = 1 sweep end to end on tiny shapes. CPU: the Triton interpreter; the
+timings themselves only mean something on the GPU."""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pageserve.kernels import bench  # noqa: E402
+from pageserve.kernels.gemv import (  # noqa: E402
+    GEMV_CONFIGS, GemvConfig, apply_configs, config_key, gemv, gemv_config, linear_reference, parse_config,
+)
+from pageserve.kernels.paged_decode import MAX_SPLITS  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def clean_gemv_configs():
+    saved = dict(GEMV_CONFIGS)
+    GEMV_CONFIGS.clear()
+    yield GEMV_CONFIGS
+    GEMV_CONFIGS.clear()
+    GEMV_CONFIGS.update(saved)
+
+
+def test_bench_help_lists_the_sweep_part():
+    res = subprocess.run([sys.executable, "-m", "pageserve.kernels.bench", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "sweep_m1" in res.stdout and "--json" in res.stdout
+
+
+def test_sweep_m1_is_a_part_but_not_a_default_one():
+    assert "sweep_m1" in bench.BENCH_PARTS and "sweep_m1" not in bench.DEFAULT_PARTS
+    assert set(bench.DEFAULT_PARTS) == set(bench.BENCH_PARTS) - {"sweep_m1"}
+
+
+def test_decode_split_choices_are_auto_multiples_and_fixed_values_capped():
+    assert bench.decode_split_choices(5) == [5, 8, 10, 15, 16, 20, 32]
+    big = bench.decode_split_choices(40)
+    assert max(big) == MAX_SPLITS and 40 in big and len(big) == len(set(big))
+
+
+@pytest.mark.parametrize("name", list(bench.GEMV_SHAPES))
+def test_m1_sweep_space_fills_an_h200_fits_registers_and_stays_small(name):
+    N, K = bench.GEMV_SHAPES[name]
+    sms = 132
+    space = bench.m1_sweep_space(N, K, sms)
+    assert space
+    for c in space:
+        per_thread = c.block_n * c.block_k // (32 * c.num_warps)
+        assert 16 <= per_thread <= 64, c
+        assert sms <= math.ceil(N / c.block_n) * c.split_k <= 128 * sms, c
+        assert c.defer_reduce == (per_thread <= 32), c
+    first, groups = bench.m1_sweep_rounds(space)
+    assert len(first) == len(groups)  # one config per grid shape in round 1
+    assert {(c.block_n, c.split_k) for c in first} == set(groups)
+    # the budget: round 1, the three biggest groups of round 2, num_stages on the best two, heuristics
+    worst = len(first) + sum(sorted(map(len, groups.values()), reverse=True)[:3]) + 4 + 2
+    assert worst <= 40
+
+
+def test_gemv_config_repr_round_trips_through_apply_configs(clean_gemv_configs):
+    plain = GemvConfig(block_n=4, block_k=256, split_k=1, num_warps=2, num_stages=4, defer_reduce=True)
+    fused = GemvConfig(8, 512, 2)
+    record = {"bench": {"sweep_m1_gemv_configs": {str(config_key(1, 96, 512)): repr(plain),
+                                                  str(config_key(1, 64, 256, silu_mul=True)): repr(fused)}}}
+    assert apply_configs(record) == 2
+    assert parse_config(repr(plain)) == plain
+    assert gemv_config(1, 96, 512, sms=132) == plain
+    assert gemv_config(1, 64, 256, sms=132, silu_mul=True) == fused
+    assert gemv_config(1, 96, 512, sms=132, silu_mul=True) == plain  # no fused entry: the plain one
+    assert gemv_config(1, 64, 256, sms=132) != fused  # a fused entry is not the plain GEMV's
+
+
+def test_parse_config_accepts_only_a_gemv_config_call():
+    with pytest.raises(ValueError):
+        parse_config("print(1)")
+    with pytest.raises(ValueError):
+        parse_config("GemvConfig(block_n=__import__('os').getpid(), block_k=1, split_k=1)")
+
+
+def test_timed_ms_marks_an_eager_fallback_when_the_capture_fails(monkeypatch):
+    def no_capture(fn, calls=20, replays=20):
+        raise bench.CaptureFailed("capture not supported")
+
+    monkeypatch.setattr(bench, "graph_ms", no_capture)
+    monkeypatch.setattr(bench, "_ms", lambda fn, warmup=25, rep=100: 1.5)
+    r = {}
+    assert bench.timed_ms(r, "rms_norm", lambda i: None) == 1.5
+    assert r["rms_norm_timing"] == "eager" and "capture not supported" in r["rms_norm_capture_error"]
+
+
+@pytest.mark.skipif(CUDA, reason="the GPU runs the real sweep (python -m pageserve.kernels.bench --parts sweep_m1)")
+def test_sweep_gemv_m1_writes_its_keys_and_installs_working_configs(clean_gemv_configs):
+    shapes = {"qkv": (24, 64), "down": (16, 128)}
+    r = bench.sweep_gemv_m1(torch.float32, budget_s=5.0, min_bytes=0, shapes=shapes, device="cpu", replays=1)
+    for name in ("qkv", "down", "silu_down"):
+        p = f"sweep_m1_{name}"
+        for suffix in ("best_config", "best_us", "best_gbps", "heuristic_us", "cublas_us", "best_vs_cublas", "top5"):
+            assert f"{p}_{suffix}" in r, f"{p}_{suffix}"
+        assert parse_config(r[f"{p}_best_config"]) in (parse_config(t["config"]) for t in r[f"{p}_top5"])
+    assert set(r["sweep_m1_gemv_configs"]) == {str(config_key(1, 24, 64)), str(config_key(1, 16, 128)),
+                                               str(config_key(1, 16, 128, silu_mul=True))}
+    GEMV_CONFIGS.clear()
+    assert apply_configs(r) == 3
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(1, 128, generator=g), torch.randn(16, 128, generator=g)
+    torch.testing.assert_close(gemv(x, w), linear_reference(x, w, None), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
+def test_bench_decode_attention_times_the_default_and_ranks_what_the_sweep_reached():
+    r = bench.bench_decode_attention(batch=2, ctx=40, dtype=torch.float32, calls=1, device="cpu", sweep_budget_s=2.0)
+    assert r["paged_decode_attn_ms"] > 0 and r["paged_decode_attn_gbps"] > 0
+    top = r["paged_decode_attn_top5"]
+    assert [t["ms"] for t in top] == sorted(t["ms"] for t in top)
+    assert r["paged_decode_attn_best_config"] == top[0]["config"] and r["paged_decode_attn_best_ms"] == top[0]["ms"]
+    assert r["paged_decode_attn_best_ms"] <= r["paged_decode_attn_ms"]  # the default is one of the ranked
+
+
+@pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
+def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best(clean_gemv_configs):
+    shapes = {"qkv": (24, 64), "lm_head": (40, 64)}
+    r = bench.bench_gemv(1, torch.float32, tune=False, min_bytes=0, shapes=shapes, device="cpu")
+    for name, (N, K) in shapes.items():
+        assert r[f"gemv_{name}_m1_ms"] > 0 and r[f"cublas_{name}_m1_ms"] > 0
+        assert parse_config(r[f"gemv_{name}_m1_config"]) == GEMV_CONFIGS[config_key(1, N, K)]
+    assert r["gemv_stack_m1_ms"] == pytest.approx(36 * r["gemv_qkv_m1_ms"] + r["gemv_lm_head_m1_ms"])
