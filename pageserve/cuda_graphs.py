@@ -126,6 +126,13 @@ class CUDAGraphRunner:
             return self.logits[padded][:bs]
         return self._forward(padded)[:bs]
 
+    @torch.inference_mode()
+    def eager_logits(self, bs: int) -> torch.Tensor:
+        """The last ``run``'s step recomputed eagerly on the same static buffers and padded
+        bucket (a check of the graphs: a fresh [bs, V] tensor)."""
+        padded = self.buckets[bisect.bisect_left(self.buckets, bs)]
+        return self._forward(padded)[:bs].clone()
+
     def _reset_padding_range(self, lo: int, hi: int) -> None:
         self.input_ids[lo:hi].zero_()
         self.positions[lo:hi].zero_()
