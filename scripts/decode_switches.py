@@ -16,7 +16,7 @@ import os
 import torch
 
 from pageserve.decode_bench import decode_step_ms, graph_replay_ms
-from pageserve.kernels import TritonOps
+from pageserve.kernels import TritonOps, gemv
 from pageserve.llm import LLM
 
 SETTINGS = {
@@ -25,6 +25,7 @@ SETTINGS = {
     "fuse_silu_down": {"fuse_silu_down": True},
     "gemv_split_k_never": {"gemv_split_k": "never"},
     "all_on": {"fuse_rope_kv": True, "fuse_silu_down": True, "gemv_split_k": "never"},
+    "rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True},
 }
 
 
@@ -53,12 +54,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--gemv-configs", default=None,
+                    help="a kernels bench JSON (e.g. the sweep_m1 part's): every setting runs again with its GEMV configs")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     llm = build_llm(args)
     runner = llm.engine.runner
     figures: dict = {}
-    for name, switches in SETTINGS.items():
+    settings = list(SETTINGS.items())
+    if args.gemv_configs and os.path.exists(args.gemv_configs):
+        settings += [("tuned_" + name, sw) for name, sw in SETTINGS.items() if name in ("all_off", "rope_kv_silu_down")]
+    elif args.gemv_configs:
+        print(f"no {args.gemv_configs}: the tuned settings are skipped")
+    for name, switches in settings:
+        if name.startswith("tuned_") and not gemv.GEMV_CONFIGS:
+            with open(args.gemv_configs) as f:
+                print("tuned GEMV configs installed:", gemv.apply_configs(json.load(f)), flush=True)
         ops = TritonOps(**switches)
         runner.graphs = None
         gc.collect()

@@ -36,8 +36,9 @@ for st in $stages; do
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
     sweep_m1) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts sweep_m1 --skip-checks \
                 --json kernels_sweep_m1.json > "$RES/sweep_m1.log" 2>&1; echo "sweep_m1 rc=$?"; tail -n 12 "$RES/sweep_m1.log" ;;
-    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" > "$RES/decode_switches.log" 2>&1
-                echo "decode_switches rc=$?"; tail -n 15 "$RES/decode_switches.log" ;;
+    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" --gemv-configs "$RES/kernels_sweep_m1.json" \
+                > "$RES/decode_switches.log" 2>&1
+                echo "decode_switches rc=$?"; tail -n 25 "$RES/decode_switches.log" ;;
     01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \
           -p PARITY_PROMPT_LEN 256 -p PARITY_POSITIONS 2048 ;;
     02) run_nb "$t" 02_continuous_batching_paged_kv $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 500 -p PROMPT_LEN 512 \
