@@ -24,13 +24,16 @@ def hardware_name() -> str:
 
 
 def git_commit() -> str:
+    """$PAGESERVE_GIT_COMMIT when set (a copied working tree's .git can be stale), else HEAD."""
+    if os.environ.get("PAGESERVE_GIT_COMMIT"):
+        return os.environ["PAGESERVE_GIT_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
     except Exception:
-        return os.environ.get("PAGESERVE_GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def _plain(x):

@@ -16,17 +16,17 @@ import os
 import torch
 
 from pageserve.decode_bench import decode_step_ms, graph_replay_ms
-from pageserve.kernels import TritonOps, gemv
+from pageserve.kernels import TritonOps
+from pageserve.kernels.gemv import GEMV_CONFIGS, apply_configs, device_config_path
 from pageserve.llm import LLM
 
-SETTINGS = {
-    "all_off": {},
-    "fuse_rope_kv": {"fuse_rope_kv": True},
-    "fuse_silu_down": {"fuse_silu_down": True},
-    "gemv_split_k_never": {"gemv_split_k": "never"},
-    "all_on": {"fuse_rope_kv": True, "fuse_silu_down": True, "gemv_split_k": "never"},
-    "rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True},
+SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and with the tuned configs
+    "all_off": {"fuse_rope_kv": False, "fuse_silu_down": False},
+    "fuse_rope_kv": {"fuse_rope_kv": True, "fuse_silu_down": False},
+    "fuse_silu_down": {"fuse_rope_kv": False, "fuse_silu_down": True},
+    "rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True},  # the default
 }
+TUNED = ("all_off", "rope_kv_silu_down")  # the settings also run with tuned GEMV configs
 
 
 def build_llm(args) -> LLM:
@@ -55,22 +55,26 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--gemv-configs", default=None,
-                    help="a kernels bench JSON (e.g. the sweep_m1 part's): every setting runs again with its GEMV configs")
+                    help="GEMV configs for the tuned settings: a kernels bench JSON (e.g. the sweep_m1 part's); "
+                         "default: the package's file for this GPU")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     llm = build_llm(args)
     runner = llm.engine.runner
     figures: dict = {}
-    settings = list(SETTINGS.items())
-    if args.gemv_configs and os.path.exists(args.gemv_configs):
-        settings += [("tuned_" + name, sw) for name, sw in SETTINGS.items() if name in ("all_off", "rope_kv_silu_down")]
-    elif args.gemv_configs:
-        print(f"no {args.gemv_configs}: the tuned settings are skipped")
-    for name, switches in settings:
-        if name.startswith("tuned_") and not gemv.GEMV_CONFIGS:
-            with open(args.gemv_configs) as f:
-                print("tuned GEMV configs installed:", gemv.apply_configs(json.load(f)), flush=True)
-        ops = TritonOps(**switches)
+    tuned_path = args.gemv_configs or str(device_config_path(torch.cuda.get_device_name())) if torch.cuda.is_available() \
+        else args.gemv_configs
+    settings = [(name, sw, False) for name, sw in SETTINGS.items()]
+    if tuned_path and os.path.exists(tuned_path):
+        settings += [("tuned_" + name, SETTINGS[name], True) for name in TUNED]
+    else:
+        print(f"no tuned GEMV configs ({tuned_path}): the tuned settings are skipped")
+    for name, switches, tuned in settings:
+        GEMV_CONFIGS.clear()
+        if tuned:
+            with open(tuned_path) as f:
+                print(f"{name}: {apply_configs(json.load(f))} tuned GEMV configs from {tuned_path}", flush=True)
+        ops = TritonOps(tuned_configs=False, **switches)
         runner.graphs = None
         gc.collect()
         runner.ops = ops
@@ -85,7 +89,8 @@ def main() -> None:
             print(f"{name:22s} batch {bs:3d}: {ms:8.3f} ms/step, graph replay alone {replay} ms", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_switches.json"), "w") as f:
-        json.dump({"settings": SETTINGS, "context": args.context, "figures": figures}, f, indent=2)
+        json.dump({"settings": SETTINGS, "tuned_configs": tuned_path, "context": args.context, "figures": figures}, f,
+                  indent=2)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
-# Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches (default: tests:80 04:190 02:170 01:95).
+# Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches profile (default: tests:80 04:190 02:170 01:95).
 # A 30-minute device session fits two calls, e.g.
 #   tests:100 switches:150 decode_switches:150 05:180      then      03:120 06a:150 04:190 02:170
 set -uo pipefail
@@ -36,9 +36,11 @@ for st in $stages; do
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
     sweep_m1) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts sweep_m1 --skip-checks \
                 --json kernels_sweep_m1.json > "$RES/sweep_m1.log" 2>&1; echo "sweep_m1 rc=$?"; tail -n 12 "$RES/sweep_m1.log" ;;
-    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" --gemv-configs "$RES/kernels_sweep_m1.json" \
+    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" \
                 > "$RES/decode_switches.log" 2>&1
                 echo "decode_switches rc=$?"; tail -n 25 "$RES/decode_switches.log" ;;
+    profile) timeout "$t" python3 scripts/profile_decode.py --out "$RES" > "$RES/profile_decode.log" 2>&1
+                echo "profile rc=$?"; tail -n 70 "$RES/profile_decode.log" ;;
     01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \
           -p PARITY_PROMPT_LEN 256 -p PARITY_POSITIONS 2048 ;;
     02) run_nb "$t" 02_continuous_batching_paged_kv $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 500 -p PROMPT_LEN 512 \

@@ -90,12 +90,14 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
     _, k, v, kc, vc, meta = checks.random_paged_batch([2], [2], 1, 2, 32, 16, torch.float32, DEVICE, gen)
     q, pos = torch.randn(2, 4, 32, generator=gen).to(DEVICE), torch.arange(2, device=DEVICE)
     cs = rope_cos_sin(32, 16, 10_000.0, None).to(DEVICE)
-    for ops in (TritonOps(), TritonOps(fuse_silu_down=True, fuse_rope_kv=True, gemv_max_m=4)):
+    for ops in (TritonOps(fuse_silu_down=False, fuse_rope_kv=False),
+                TritonOps(fuse_silu_down=True, fuse_rope_kv=True, gemv_max_m=4)):
         for M in (2, 6):  # 6 > gemv_max_m: the two-kernel fallback
             gu = torch.randn(M, 64, generator=gen).to(DEVICE)
             torch.testing.assert_close(ops.silu_mul_linear(gu, w), TorchOps().silu_mul_linear(gu, w))
         ops.rotary_write_kv(q, k, v, pos, cs, kc, vc, meta.slot_mapping)
     assert calls == ["silu_mul_gemv", "rotary_write_kv"]
+    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv  # on by default (measured, kernels/NOTES.md)
 
 
 SWITCHES = {

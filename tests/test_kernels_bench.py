@@ -1,6 +1,7 @@
 """The kernel bench's plumbing (pageserve.kernels.bench): sweep grids, tuned-config round trip,
 timing fallback, the M = 1 sweep end to end on tiny shapes. CPU: the Triton interpreter; the
 timings themselves only mean something on the GPU."""
+import json
 import math
 import os
 import subprocess
@@ -134,3 +135,25 @@ def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best(clean_gemv_con
         assert r[f"gemv_{name}_m1_ms"] > 0 and r[f"cublas_{name}_m1_ms"] > 0
         assert parse_config(r[f"gemv_{name}_m1_config"]) == GEMV_CONFIGS[config_key(1, N, K)]
     assert r["gemv_stack_m1_ms"] == pytest.approx(36 * r["gemv_qkv_m1_ms"] + r["gemv_lm_head_m1_ms"])
+
+
+def test_shipped_device_configs_parse_and_name_real_shapes(tmp_path, monkeypatch):
+    """Every configs/<gpu>.json in the package installs, and its keys are (M, N, K[, 'silu_mul'])."""
+    import importlib
+
+    gemv_mod = importlib.import_module("pageserve.kernels.gemv")  # the module (the package exports a function of that name)
+
+    files = sorted(gemv_mod.CONFIG_DIR.glob("*.json"))
+    assert files, "no tuned configs shipped"
+    for path in files:
+        monkeypatch.setattr(gemv_mod, "GEMV_CONFIGS", {})
+        monkeypatch.setattr(gemv_mod, "_devices_loaded", set())
+        name = json.loads(path.read_text())["device"]
+        assert gemv_mod.device_config_path(name) == path
+        n = gemv_mod.load_device_configs(name)
+        assert n == len(gemv_mod.GEMV_CONFIGS) > 0
+        assert gemv_mod.load_device_configs(name) == 0  # once per process
+        for key, cfg in gemv_mod.GEMV_CONFIGS.items():
+            assert len(key) in (3, 4) and all(isinstance(d, int) and d > 0 for d in key[:3])
+            assert isinstance(cfg, gemv_mod.GemvConfig) and cfg.block_n > 0 and cfg.split_k >= 1
+    assert gemv_mod.load_device_configs("Some Other GPU") == 0

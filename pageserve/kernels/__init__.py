@@ -28,7 +28,8 @@ if not torch.cuda.is_available():
 from ..attention import AttentionMetadata  # noqa: E402
 from ..ops import TorchOps  # noqa: E402
 from .activation import silu_and_mul  # noqa: E402
-from .gemv import SPLIT_K_MODES, GemvConfig, gemv, silu_mul_gemv  # noqa: E402
+from ._util import interpreting  # noqa: E402
+from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, silu_mul_gemv  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 from .norm import add_rms_norm, rms_norm  # noqa: E402
 from .paged_decode import paged_decode_attention  # noqa: E402
@@ -53,18 +54,24 @@ class TritonOps(TorchOps):
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
-    Kernel-count switches for the decode path (off by default until measured on the GPU;
-    off, each op runs as the separate kernels it replaces):
+    Kernel-count switches for the decode path (on by default: on the H200 each made the
+    batch-1 step faster and batch 64 no slower, results/h200/decode_switches.json; off, each
+    op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
+    ``tuned_configs``: on CUDA, install the GEMV configs tuned for this GPU model if the
+    package ships them (``kernels/configs/<gpu>.json``); else the shape heuristic.
     """
 
     name = "triton"
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
-                 gemv_split_k: str = "auto", fuse_silu_down: bool = False, fuse_rope_kv: bool = False) -> None:
+                 gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
+                 tuned_configs: bool = True) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
+        if tuned_configs and torch.cuda.is_available() and not interpreting():
+            load_device_configs(torch.cuda.get_device_name())
         self.use_gemv = gemv
         self.gemv_max_m = gemv_max_m
         self.decode_num_splits = decode_num_splits

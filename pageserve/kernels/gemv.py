@@ -25,7 +25,10 @@ down projection needs no separate activation kernel (reference: ``TorchOps.silu_
 from __future__ import annotations
 
 import ast
+import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -84,6 +87,28 @@ def apply_configs(configs: dict) -> int:
         k = ast.literal_eval(key) if isinstance(key, str) else tuple(key)
         GEMV_CONFIGS[tuple(k)] = text if isinstance(text, GemvConfig) else parse_config(text)
     return len(configs)
+
+
+CONFIG_DIR = Path(__file__).parent / "configs"  # <device slug>.json: configs tuned on that GPU
+_devices_loaded: set[str] = set()
+
+
+def device_config_path(device_name: str) -> Path:
+    """``configs/nvidia_h200.json`` for "NVIDIA H200"."""
+    return CONFIG_DIR / (re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") + ".json")
+
+
+def load_device_configs(device_name: str) -> int:
+    """Install the GEMV configs tuned on this GPU model, once, if the package ships them
+    (``python -m pageserve.kernels.bench --parts sweep_m1`` measures them). Returns how many."""
+    if device_name in _devices_loaded:
+        return 0
+    _devices_loaded.add(device_name)
+    path = device_config_path(device_name)
+    if not path.exists():
+        return 0
+    with open(path) as f:
+        return apply_configs(json.load(f))
 
 
 @triton.jit
