@@ -6,7 +6,7 @@
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
-# Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches profile (default: tests:80 04:190 02:170 01:95).
+# Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # A 30-minute device session fits two calls, e.g.
 #   tests:100 switches:150 decode_switches:150 05:180      then      03:120 06a:150 04:190 02:170
 set -uo pipefail
@@ -39,6 +39,8 @@ for st in $stages; do
     decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" \
                 > "$RES/decode_switches.log" 2>&1
                 echo "decode_switches rc=$?"; tail -n 25 "$RES/decode_switches.log" ;;
+    attn_sweep) timeout "$t" python3 scripts/decode_attn_sweep.py --out "$RES" > "$RES/decode_attn_sweep.log" 2>&1
+                echo "attn_sweep rc=$?"; tail -n 25 "$RES/decode_attn_sweep.log" ;;
     profile) timeout "$t" python3 scripts/profile_decode.py --out "$RES" > "$RES/profile_decode.log" 2>&1
                 echo "profile rc=$?"; tail -n 70 "$RES/profile_decode.log" ;;
     01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \

@@ -1,0 +1,74 @@
+"""Paged decode attention: graph-timed configs at the engine's shapes (a GPU-session tool to
+choose the kernel's defaults). K/V caches are rotated so back-to-back calls read HBM, as the
+36 layers of a real step do.
+
+    python scripts/decode_attn_sweep.py --out /tmp/out     # Qwen2.5-3B heads, bf16
+
+Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from pageserve.kernels import checks
+from pageserve.kernels.bench import HEAD_DIM, HKV, HQ, graph_ms
+from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention
+
+
+def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict]) -> list[dict]:
+    gen = torch.Generator().manual_seed(0)
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1] * batch, [ctx] * batch, HQ, HKV, HEAD_DIM, 16,
+                                                      torch.bfloat16, "cuda", gen)
+    bt = torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda")
+    bt[:, : meta.block_tables.shape[1]] = meta.block_tables[:, :max_blocks]
+    caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+    out = torch.empty_like(q)
+    nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
+    rows = []
+    for cfg in configs:
+        def call(i, cfg=cfg):
+            k, v = caches[i % copies]
+            paged_decode_attention(q, k, v, meta.seq_lens, bt, HEAD_DIM**-0.5, out=out, **cfg)
+        try:
+            ms = graph_ms(call, calls=4 * copies, replays=10)
+        except Exception as e:  # out of resources: skip
+            rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        rows.append({**cfg, "us": ms * 1e3, "gbps": nbytes / ms / 1e6})
+    return sorted(rows, key=lambda r: r.get("us", float("inf")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--max-blocks", type=int, default=128, help="block-table width (max_model_len 2048 / 16)")
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    record = {}
+    for batch, ctx in [(1, 512), (64, 512), (64, 2048)]:
+        auto = decode_num_splits(batch, HKV, args.max_blocks, 16, sms)
+        splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}))
+        configs = [{"num_splits": s, "block_n": bn, "num_warps": nw}
+                   for s, bn, nw in itertools.product(splits, (32, 64), (2, 4))]
+        copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
+        rows = sweep(batch, ctx, args.max_blocks, min(copies, 64), configs)
+        key = f"b{batch}_ctx{ctx}"
+        record[key] = {"auto_splits": auto, "rows": rows}
+        default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
+                        and r.get("num_warps") == 4), None)
+        print(f"== batch {batch} x ctx {ctx} (auto splits {auto}); default "
+              f"{default and round(default['us'], 2)} µs", flush=True)
+        for r in rows[:6]:
+            print("  ", r, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_attn_sweep.json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
