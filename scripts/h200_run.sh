@@ -43,7 +43,7 @@ for st in $stages; do
                 echo "attn_sweep rc=$?"; tail -n 25 "$RES/decode_attn_sweep.log" ;;
     profile) timeout "$t" python3 scripts/profile_decode.py --out "$RES" > "$RES/profile_decode.log" 2>&1
                 echo "profile rc=$?"; tail -n 70 "$RES/profile_decode.log" ;;
-    01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 \
+    01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 -y "REAL_BF16_MODEL: null" \
           -p PARITY_PROMPT_LEN 256 -p PARITY_POSITIONS 2048 ;;
     02) run_nb "$t" 02_continuous_batching_paged_kv $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 500 -p PROMPT_LEN 512 \
           -p OUTPUT_LEN 256 -p HF_NUM_REQUESTS 64 -p MAX_NUM_SEQS 512 ;;
