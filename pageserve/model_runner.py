@@ -288,18 +288,23 @@ class ModelRunner:
         for the device: the returned output reads its tokens when asked."""
         x = self.prepare_inputs(batch)
         d = self.to_device(x)
+        B = x.seq_lens.shape[0]
+        input_ids = d.input_ids
         if x.fill_rows is not None:
             if prev_tokens is None:
                 raise RuntimeError("a scheduled token is still pending but no previous step's tokens were given")
-            d.input_ids[d.fill_rows] = prev_tokens[d.fill_src]
-        B = x.seq_lens.shape[0]
+            F = x.fill_rows.shape[0]
+            if F == B == prev_tokens.shape[0] and (x.fill_rows == x.fill_src).all() and x.fill_rows[-1] == F - 1:
+                input_ids = prev_tokens  # steady decode: the same rows in the same order, no gather
+            else:
+                input_ids[d.fill_rows] = prev_tokens[d.fill_src]
         if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
             # decode-only: every sequence samples; the graph ends with the output head
-            logits = self.graphs.run(d.input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
+            logits = self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
             if self.graph_check is not None:
-                self._check_graph_step(logits, d)
+                self._check_graph_step(logits, d, input_ids)
         else:
-            hidden = self.model(d.input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+            hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
             if x.logits_indices.shape[0] == 0:
                 return None
             if x.logits_indices.shape[0] < x.num_tokens:
@@ -317,7 +322,7 @@ class ModelRunner:
             [s.num_output_tokens for s in seqs],
         )
 
-    def _check_graph_step(self, logits: torch.Tensor, d: "DeviceInputs") -> None:
+    def _check_graph_step(self, logits: torch.Tensor, d: "DeviceInputs", input_ids: torch.Tensor) -> None:
         """Recompute a graphed decode step eagerly and record two relative logit differences
         (each recomputation rewrites the same K/V slots with the same values):
         - the same padded batch, eagerly, through the graph runner's static buffers: what
@@ -327,7 +332,7 @@ class ModelRunner:
           reorder sums: zero-ish in fp32, at the dtype's rounding level in bf16."""
         bs = logits.shape[0]
         same = self.graphs.eager_logits(bs)
-        hidden = self.model(d.input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+        hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
         unpadded = self.model.compute_logits(hidden)
 
         def rel(a: torch.Tensor, b: torch.Tensor) -> float:

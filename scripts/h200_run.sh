@@ -52,7 +52,7 @@ for st in $stages; do
           -p LONG_EVERY_STEPS 16 -p CHUNK_BUDGETS "256,512,1024,2048,4096,8192" -p NUM_BLOCKS 16384 ;;
     04) run_nb "$t" 04_cuda_graphs $Q3B -p NUM_SEQS 64 -p MIN_OUTPUT 256 -p MAX_OUTPUT 320 -p CHECK_BF16 True \
           -p TIMING_BATCHES "1,64" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 ;;
-    05) run_nb "$t" 05_triton_kernels ;;
+    05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
     06a) run_nb "$t" 06a_prefix_caching $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 128 -p SYSTEM_PROMPT_LEN 1024 \
           -p QUESTION_LEN 64 -p OUTPUT_LEN 64 -p NUM_SYSTEM_PROMPTS 4 -p MAX_NUM_BATCHED_TOKENS 8192 ;;
   esac

@@ -83,9 +83,9 @@ def test_decode_attention_fused_merge_equals_the_merge_kernel_and_leaves_counter
     meta.query_start_loc = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
     meta.query_start_loc_cpu, meta.max_query_len = list(range(len(ctx) + 1)), 1
     args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
-    two = paged_decode_attention(*args, num_splits=num_splits, block_n=16, fused_merge=False)
+    two = paged_decode_attention(*args, num_splits=num_splits, block_n=16)
     for _ in range(2):  # the counters must be back at zero for the second call
-        one = paged_decode_attention(*args, num_splits=num_splits, block_n=16)
+        one = paged_decode_attention(*args, num_splits=num_splits, block_n=16, fused_merge=True)
         assert torch.equal(one, two)
         assert not _counters[q.device].any()
     _ok(checks.rel_err(one, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), torch.float32)

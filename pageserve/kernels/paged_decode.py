@@ -8,13 +8,13 @@ for ``tl.dot``), so each K/V tile is read once for the whole group. Split s cove
 ``[s * per, min((s + 1) * per, seq_len))`` with ``per = round_up(ceil(seq_len / S), BLOCK_N)``
 computed on the device from ``seq_lens[b]``: a long sequence spreads over all S splits, a
 short one uses the first few, and the rest skip the loop. Each split writes its normalised
-partial output and log-sum-exp, then counts itself in on an arrival counter of its
-(sequence, KV head); the last split to arrive merges the group's partials (one launch; the
-separate merge kernel remains behind ``fused_merge=False``).
+partial output and log-sum-exp; a second kernel merges the splits (or, with
+``fused_merge=True``, the last split of each (sequence, KV head) to arrive does, counted on
+an arrival counter: one launch, but slower on the H200).
 
 The grid ``(B, Hkv, S)`` and S depend only on tensor shapes (B, Hkv, block_tables.shape[1])
 and the SM count, never on host copies of the lengths, and nothing syncs the host: the
-launch can be captured in a CUDA graph. A row with seq_len 0 (padding) gets zeros.
+launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets zeros.
 """
 from __future__ import annotations
 
@@ -164,15 +164,16 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, fused_merge: bool = True,
+    num_warps: int = 4, num_stages: int = 2, fused_merge: bool = False,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` (split kernel) are tuning knobs;
     the defaults are what the engine runs. ``fused_merge``: the last split of each (sequence,
-    KV head) merges the partials in the same launch (an arrival counter); False: a second
-    kernel merges them."""
+    KV head) merges the partials in the same launch (an arrival counter) instead of a second
+    kernel; off by default: on the H200 it made the batch-1 step slower (2.69 vs 2.43 ms,
+    its serial tail costs more than the launch it saves; kernels/NOTES.md)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
