@@ -55,7 +55,7 @@ class TritonOps(TorchOps):
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
     Kernel-count switches for the decode path (on by default: on the H200 each made the
-    batch-1 step faster and batch 64 no slower, results/h200/decode_switches.json; off, each
+    batch-1 step faster and batch 64 no slower, results/h200/diagnostics/decode_switches.json; off, each
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
