@@ -41,6 +41,11 @@ class RMSNorm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps), x
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
+    def project(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear):
+        """``proj(self(x, residual))`` as one op, so a backend can fold the norm into the
+        projection's activation load. Returns (projected [T, N], residual' [T, H])."""
+        return self.ops.add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops) -> None:
@@ -53,9 +58,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
-        T = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq + 2 Hkv) D]
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
+        # qkv: [T, (Hq + 2 Hkv) D], the qkv_proj output (the layer fuses that projection with its norm)
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -75,8 +80,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)  # [T, 2I]
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # gate_up: [T, 2I], the gate_up_proj output (the layer fuses that projection with its norm)
         return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)  # [T, H]
 
 
@@ -89,10 +94,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
 
     def forward(self, x, residual, positions, cos_sin, attn):
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, cos_sin, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
+        x = self.self_attn(qkv, positions, cos_sin, attn)
+        gate_up, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 class Decoder(nn.Module):

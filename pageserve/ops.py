@@ -31,6 +31,19 @@ class TorchOps:
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
+    def add_rms_norm_linear(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+        weight: torch.Tensor, bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's norm and the projection after it: returns (linear(normed, weight, bias),
+        residual'), normed and residual' as ``add_rms_norm`` (``rms_norm`` of x, and x itself, when
+        residual is None). x, residual: [T, K], weight: [N, K] -> ([T, N], [T, K])."""
+        if residual is None:
+            normed, residual = self.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)
+        return self.linear(normed, weight, bias), residual
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         # gate_up: [T, 2I] -> [T, I]
         gate, up = gate_up.chunk(2, dim=-1)

@@ -25,8 +25,11 @@ SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and 
     "fuse_rope_kv": {"fuse_rope_kv": True, "fuse_silu_down": False},
     "fuse_silu_down": {"fuse_rope_kv": False, "fuse_silu_down": True},
     "rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True},  # the default
+    # + add/RMSNorm folded into the qkv and gate_up GEMVs (its own config key: the tuned 2-row
+    # tiles of the plain GEMV are not used for it, kernels/NOTES.md)
+    "norm_gemv_rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True, "fuse_norm_gemv": True},
 }
-TUNED = ("all_off", "rope_kv_silu_down")  # the settings also run with tuned GEMV configs
+TUNED = ("all_off", "rope_kv_silu_down", "norm_gemv_rope_kv_silu_down")  # also run with tuned GEMV configs
 
 
 def build_llm(args) -> LLM:

@@ -10,7 +10,8 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``rotary``        rotate-half RoPE on q and k in one launch
 - ``rope_kv``       RoPE fused with the paged KV write (one launch instead of two)
 - ``gemv``          GEMV / skinny GEMM for M <= 8, split-K or not (large M stays on cuBLAS);
-                    also the down projection fused with SiLU(gate) * up
+                    also the down projection fused with SiLU(gate) * up, and the qkv / gate_up
+                    projections fused with the residual add + RMSNorm before them
 
 Without CUDA, importing this package sets ``TRITON_INTERPRET=1`` (unless already set) so
 that the kernels run on Triton's CPU interpreter: the flag is read when a kernel is
@@ -29,7 +30,7 @@ from ..attention import AttentionMetadata  # noqa: E402
 from ..ops import TorchOps  # noqa: E402
 from .activation import silu_and_mul  # noqa: E402
 from ._util import interpreting  # noqa: E402
-from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, silu_mul_gemv  # noqa: E402
+from .gemv import SPLIT_K_MODES, GemvConfig, add_rms_norm_gemv, gemv, load_device_configs, silu_mul_gemv  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 from .norm import add_rms_norm, rms_norm  # noqa: E402
 from .paged_decode import paged_decode_attention  # noqa: E402
@@ -38,7 +39,7 @@ from .rope_kv import rotary_write_kv  # noqa: E402
 from .rotary import rotary  # noqa: E402
 
 __all__ = [
-    "TritonOps", "GemvConfig", "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "TritonOps", "GemvConfig", "gemv", "silu_mul_gemv", "add_rms_norm_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
 ]
 
@@ -59,6 +60,9 @@ class TritonOps(TorchOps):
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
+    ``fuse_norm_gemv`` (off by default: not yet measured on a GPU, kernels/NOTES.md):
+    ``add_rms_norm_linear`` as one GEMV whose activation load adds the residual and
+    normalises (M <= gemv_max_m); off, the add+RMSNorm kernel then ``linear``.
     ``tuned_configs``: on CUDA, install the GEMV configs tuned for this GPU model if the
     package ships them (``kernels/configs/<gpu>.json``); else the shape heuristic.
     """
@@ -67,7 +71,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 tuned_configs: bool = True) -> None:
+                 fuse_norm_gemv: bool = False, tuned_configs: bool = True) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -78,6 +82,7 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
+        self.fuse_norm_gemv = fuse_norm_gemv
 
     def _gemv_fits(self, x: torch.Tensor) -> bool:
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
@@ -97,6 +102,11 @@ class TritonOps(TorchOps):
 
     def add_rms_norm(self, x, residual, weight, eps):
         return add_rms_norm(x, residual, weight, eps)
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias):
+        if self.fuse_norm_gemv and self._gemv_fits(x):
+            return add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, split_k=self.gemv_split_k)
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)  # norm kernel, then linear
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
