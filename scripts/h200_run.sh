@@ -7,8 +7,10 @@
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
 # Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
-# A 30-minute device session fits two calls, e.g.
-#   tests:100 switches:150 decode_switches:150 05:180      then      03:120 06a:150 04:190 02:170
+# Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
+# about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
+# 06a 22, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
+#   04:180 05:110 tests:170      then      switches:120 decode_switches:150 01:100 02:180
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
