@@ -71,27 +71,6 @@ def test_decode_attention_num_stages_keyword_gives_the_default_result(num_stages
     _ok(checks.rel_err(staged, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), torch.float32)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_decode_attention_fused_merge_equals_the_merge_kernel_and_leaves_counters_zero(num_splits, gen):
-    # the last split to arrive merges; the merge kernel does the same sums: identical bits
-    from pageserve.kernels.paged_decode import _counters
-
-    ctx = [0, 1, 17, 70, 33]
-    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
-                                                      torch.float32, DEVICE, gen)
-    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE)
-    meta.query_start_loc = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
-    meta.query_start_loc_cpu, meta.max_query_len = list(range(len(ctx) + 1)), 1
-    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
-    two = paged_decode_attention(*args, num_splits=num_splits, block_n=16)
-    for _ in range(2):  # the counters must be back at zero for the second call
-        one = paged_decode_attention(*args, num_splits=num_splits, block_n=16, fused_merge=True)
-        assert torch.equal(one, two)
-        assert not _counters[q.device].any()
-    _ok(checks.rel_err(one, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), torch.float32)
-    assert not one[0].any()  # the padding row
-
-
 def test_decode_split_count_depends_only_on_shapes():
     assert decode_num_splits(64, 2, 128, 16, 132) == decode_num_splits(64, 2, 128, 16, 132)
     assert decode_num_splits(1, 2, 1, 16, 132) == 1  # one block of context: nothing to split

@@ -7,13 +7,13 @@ the query rows of all ``group = Hq // Hkv`` heads that share KV head h (padded t
 for ``tl.dot``), so each K/V tile is read once for the whole group. Split s covers tokens
 ``[s * per, min((s + 1) * per, seq_len))`` with ``per = round_up(ceil(seq_len / S), BLOCK_N)``
 computed on the device from ``seq_lens[b]``: a long sequence spreads over all S splits, a
-short one uses the first few, and the rest skip the loop. Each split writes its normalised
-partial output and log-sum-exp; a second kernel merges the splits (or, with
-``fused_merge=True``, the last split of each (sequence, KV head) to arrive does, counted on
-an arrival counter: one launch, but slower on the H200).
+short one uses the first few, and the rest exit at once. Each split writes its normalised
+partial output and log-sum-exp; a second kernel merges the splits. (Merging in the split
+kernel instead — the last split to arrive, on an arrival counter — measured slower on the
+H200: kernels/NOTES.md.)
 
 The grid ``(B, Hkv, S)`` and S depend only on tensor shapes (B, Hkv, block_tables.shape[1])
-and the SM count, never on host copies of the lengths, and nothing syncs the host: the
+and the SM count, never on host copies of the lengths, and nothing syncs the host: both
 launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets zeros.
 """
 from __future__ import annotations
@@ -23,8 +23,7 @@ import triton
 import triton.language as tl
 
 from ..attention import paged_attention_reference
-from ._util import (check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision,
-                    dot_upcast, interpreting, mma, next_pow2, sm_count_for)
+from ._util import check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -41,84 +40,51 @@ def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _merge_head(part_o_ptr, part_lse_ptr, out_ptr, row0, out_off, n_valid,
-                HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, L1_BYPASS: tl.constexpr):
-    """Merge the n_valid split partials of one query head (rows row0 .. row0 + n_valid of the
-    partial buffers) into out[out_off : out_off + HEAD_DIM]; zeros when n_valid is 0."""
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    smask = s < n_valid
-    dmask = d < HEAD_DIM
-    if L1_BYPASS:  # written by other programs on other SMs: read through L2
-        lse = tl.load(part_lse_ptr + row0 + s, mask=smask, other=-1.0e30, cache_modifier=".cg")
-        o = tl.load(part_o_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
-                    other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse_ptr + row0 + s, mask=smask, other=-1.0e30)
-        o = tl.load(part_o_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :],
-                    other=0.0)
-    w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)  # [BLOCK_S]
-    merged = tl.sum(o * w[:, None], axis=0) / tl.maximum(tl.sum(w, axis=0), 1e-30)  # zeros when no split ran
-    tl.store(out_ptr + out_off + d, merged.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
-@triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, counter_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, stride_ob, stride_oh, qk_scale,
+    stride_bt, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, L1_BYPASS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
-    end = tl.minimum(start + per, seq_len)  # <= start for a split past the context: no tiles
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + per, seq_len)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gmask = g < GROUP
     dmask = d < HEAD_DIM
     heads = h * GROUP + g  # query heads of this KV head
-    n_heads = tl.num_programs(1) * GROUP
-    if start < seq_len:
-        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
-        m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        bt_row = bt_ptr + b * stride_bt
-        for n0 in range(start, end, BLOCK_N):
-            tok = n0 + tl.arange(0, BLOCK_N)
-            tmask = tok < end
-            k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, tok, tmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
-                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-            scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
-            scores = tl.where(tmask[None, :], scores, float("-inf"))
-            m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
-        out = acc / l_i[:, None]
-        lse = m_i + tl.log2(l_i)
-        # partials: o [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, contiguous
-        row = (b * n_heads + heads) * NUM_SPLITS + s  # [BLOCK_G]
-        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=gmask[:, None] & dmask[None, :])
-        tl.store(part_lse_ptr + row, lse, mask=gmask)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-    if FUSED_MERGE:
-        # Every split of (b, h) counts itself in; the last to arrive merges the group's heads
-        # (acq_rel: the others' partial stores are visible to it) and re-zeroes the counter
-        # for the next launch, so one zeroed buffer serves every call and graph replay.
-        arrived = tl.atomic_add(counter_ptr + b * tl.num_programs(1) + h, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            n_valid = (seq_len + per - 1) // per  # 0 when seq_len == 0
-            for gi in tl.static_range(GROUP):
-                hq = h * GROUP + gi
-                _merge_head(part_o_ptr, part_lse_ptr, out_ptr, (b * n_heads + hq) * NUM_SPLITS,
-                            b * stride_ob + hq * stride_oh, n_valid, HEAD_DIM, BLOCK_S, BLOCK_D, L1_BYPASS)
-            tl.store(counter_ptr + b * tl.num_programs(1) + h, 0)
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + tl.arange(0, BLOCK_N)
+        tmask = tok < end
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, tok, tmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
+        scores = tl.where(tmask[None, :], scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log2(l_i)
+    # partials: o [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, contiguous
+    row = (b * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + s  # [BLOCK_G]
+    tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(part_lse_ptr + row, lse, mask=gmask)
 
 
 @triton.jit
@@ -132,29 +98,24 @@ def _decode_merge_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     per, _unused = _split_bounds(seq_len, 0, NUM_SPLITS, BLOCK_N)
     n_valid = (seq_len + per - 1) // per  # 0 when seq_len == 0
-    _merge_head(part_o_ptr, part_lse_ptr, out_ptr, (b * tl.num_programs(1) + hq) * NUM_SPLITS,
-                b * stride_ob + hq * stride_oh, n_valid, HEAD_DIM, BLOCK_S, BLOCK_D, False)
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of >= n arrival counters for the fused merge, one per device,
-    kept zero between launches by the kernel itself (allocated outside graph capture: the
-    engine's warm-up call comes first)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < n_valid
+    dmask = d < HEAD_DIM
+    row = (b * tl.num_programs(1) + hq) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + row, mask=smask, other=-1.0e30)
+    w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)  # [BLOCK_S]
+    o = tl.load(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
+    total = tl.sum(w, axis=0)
+    merged = tl.sum(o * w[:, None], axis=0) / tl.maximum(total, 1e-30)  # zeros when no split ran
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, sms: int) -> int:
     """Splits per sequence, from shapes only: enough programs to fill the GPU about three
     times over, no piece shorter than MIN_SPLIT_TOKENS at the largest context the block
     table can hold. (Three, not four: on the H200 at batch 64, 4 splits beat 5 at contexts
-    512 and 2,048 — results/h200/diagnostics/decode_attn_sweep.json.)"""
+    512 and 2,048 — results/h200/decode_attn_sweep.json.)"""
     want = cdiv(3 * sms, max(1, batch * num_kv_heads))
     cap = max(1, cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))
@@ -164,16 +125,13 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, fused_merge: bool = False,
+    num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` (split kernel) are tuning knobs;
-    the defaults are what the engine runs. ``fused_merge``: the last split of each (sequence,
-    KV head) merges the partials in the same launch (an arrival counter) instead of a second
-    kernel; off by default: on the H200 it made the batch-1 step slower (2.69 vs 2.43 ms,
-    its serial tail costs more than the launch it saves; kernels/NOTES.md)."""
+    the defaults are what the engine runs."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -193,22 +151,18 @@ def paged_decode_attention(
     BLOCK_D = max(16, next_pow2(D))
     part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    counters = _split_counters(q.device, B * Hkv) if fused_merge else part_lse  # unused without the fused merge
     _decode_split_kernel[(B, Hkv, S)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, counters,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), float(scale) * LOG2E,
+        block_tables.stride(0), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, BLOCK_S=next_pow2(S),
-        FUSED_MERGE=fused_merge, L1_BYPASS=not interpreting(),
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if not fused_merge:
-        _decode_merge_kernel[(B, Hq)](
-            part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),
-            HEAD_DIM=D, NUM_SPLITS=S, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=2,
-        )
+    _decode_merge_kernel[(B, Hq)](
+        part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),
+        HEAD_DIM=D, NUM_SPLITS=S, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, num_warps=2,
+    )
     return out
