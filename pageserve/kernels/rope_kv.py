@@ -14,7 +14,7 @@ import triton.language as tl
 
 from ..ops import TorchOps
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2
-from .rotary import _rotate_heads
+from .rotary import _cos_sin, _rotate_heads
 
 rotary_write_kv_reference = TorchOps().rotary_write_kv
 
@@ -29,11 +29,7 @@ def _rope_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    dmask = d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    cos, sin, d, dmask = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, qo_ptr, t, HQ, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, d, dmask,
                   HALF, BLOCK_HQ)
     # k: rotate once, round once, store to k_out and (unless padding) to the cache

@@ -29,6 +29,17 @@ def _rotate_heads(x_ptr, o_ptr, t, H, stride_xt, stride_xh, stride_ot, stride_oh
 
 
 @triton.jit
+def _cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token t's position's cos and sin rows (fp32, [BLOCK_HALF]) and the lane index and mask."""
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    return cos, sin, d, dmask
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr,
     HQ, HKV, stride_qt, stride_qh, stride_kt, stride_kh,
@@ -36,11 +47,7 @@ def _rotary_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + t).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    dmask = d < HALF
-    cos = tl.load(cs_ptr + pos * stride_cs + d, mask=dmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
+    cos, sin, d, dmask = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, qo_ptr, t, HQ, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, d, dmask, HALF, BLOCK_HQ)
     _rotate_heads(k_ptr, ko_ptr, t, HKV, stride_kt, stride_kh, stride_kot, stride_koh, cos, sin, d, dmask, HALF, BLOCK_HKV)
 
