@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--gemv-configs", default=None,
                     help="GEMV configs for the tuned settings: a kernels bench JSON (e.g. the sweep_m1 part's); "
                          "default: the package's file for this GPU")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated setting names to run (tuned ones as tuned_<name>); default: all")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the settings this many times in turn (the spread between rounds is the noise)")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     llm = build_llm(args)
@@ -72,7 +76,12 @@ def main() -> None:
         settings += [("tuned_" + name, SETTINGS[name], True) for name in TUNED]
     else:
         print(f"no tuned GEMV configs ({tuned_path}): the tuned settings are skipped")
-    for name, switches, tuned in settings:
+    if args.only:
+        keep = set(args.only.split(","))
+        settings = [s for s in settings if s[0] in keep]
+    rounds = [(f"{name}_r{r}" if args.repeat > 1 else name, sw, tuned)
+              for r in range(args.repeat) for name, sw, tuned in settings]
+    for name, switches, tuned in rounds:
         GEMV_CONFIGS.clear()
         if tuned:
             with open(tuned_path) as f:

@@ -38,7 +38,7 @@ for st in $stages; do
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
     sweep_m1) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts sweep_m1 --skip-checks \
                 --json kernels_sweep_m1.json > "$RES/sweep_m1.log" 2>&1; echo "sweep_m1 rc=$?"; tail -n 12 "$RES/sweep_m1.log" ;;
-    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" \
+    decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" ${DECODE_SWITCHES_ARGS:-} \
                 > "$RES/decode_switches.log" 2>&1
                 echo "decode_switches rc=$?"; tail -n 25 "$RES/decode_switches.log" ;;
     attn_sweep) timeout "$t" python3 scripts/decode_attn_sweep.py --out "$RES" > "$RES/decode_attn_sweep.log" 2>&1
