@@ -74,3 +74,51 @@ def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
     assert ops.name == "triton" and ops.fuse_rope_kv and ops.gemv_split_k == "never"
     with pytest.raises(ValueError, match="triton_options"):
         select_ops(True, torch.device("cpu"), {"no_such_switch": 1})
+
+
+def test_programmatic_dependent_launch_is_off_where_unsupported():
+    from pageserve.kernels._util import set_pdl, use_pdl
+
+    try:
+        set_pdl(True)  # asked for, but a CPU tensor (interpreter) never launches with PDL
+        assert not use_pdl(torch.zeros(1))
+        set_pdl(False)
+        assert not use_pdl(torch.zeros(1, device=DEVICE))
+    finally:
+        set_pdl(None)
+
+
+def _graphed_logits(cfg, pdl: bool, prefetch: bool) -> tuple[list, list]:
+    from pageserve.bench import run_pageserve_online
+    from pageserve.kernels.gemv import set_prefetch
+
+    set_prefetch(prefetch)
+    model = Decoder(cfg).to(DEVICE)
+    model.init_dummy_weights(seed=3, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                         max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl})
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.graphs  # captured with these launches
+    runner.last_logits = []
+    res = run_pageserve_online(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
+    return [list(r["token_ids"]) for r in res.per_request], [t.cpu() for t in runner.last_logits]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")
+def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config):
+    # PDL only changes when each kernel starts (and, for the GEMV, lets it pull its weights
+    # into L2 early): every logit of every step must be bit-identical to plain launches.
+    from pageserve.kernels._util import pdl_supported, set_pdl
+
+    if not pdl_supported(0):
+        pytest.skip("PDL needs sm_90+")
+    try:
+        plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False, prefetch=False)
+        for prefetch in (False, True):
+            tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True, prefetch=prefetch)
+            assert tokens == plain_tokens
+            assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
+    finally:
+        set_pdl(None)
+        from pageserve.kernels.gemv import set_prefetch
+        set_prefetch(True)

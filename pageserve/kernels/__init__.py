@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
 from ..attention import AttentionMetadata  # noqa: E402
 from ..ops import TorchOps  # noqa: E402
 from .activation import silu_and_mul  # noqa: E402
-from ._util import interpreting  # noqa: E402
+from ._util import interpreting, set_pdl  # noqa: E402
 from .gemv import SPLIT_K_MODES, GemvConfig, add_rms_norm_gemv, gemv, load_device_configs, silu_mul_gemv  # noqa: E402
 from .kv_write import write_kv  # noqa: E402
 from .norm import add_rms_norm, rms_norm  # noqa: E402
@@ -65,13 +65,15 @@ class TritonOps(TorchOps):
     normalises (M <= gemv_max_m); off, the add+RMSNorm kernel then ``linear``.
     ``tuned_configs``: on CUDA, install the GEMV configs tuned for this GPU model if the
     package ships them (``kernels/configs/<gpu>.json``); else the shape heuristic.
+    ``pdl``: programmatic dependent launch for every decode-path kernel (process-wide,
+    ``_util.set_pdl``): None = on where the GPU (sm_90+) and Triton support it, else off.
     """
 
     name = "triton"
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 fuse_norm_gemv: bool = False, tuned_configs: bool = True) -> None:
+                 fuse_norm_gemv: bool = False, tuned_configs: bool = True, pdl: bool | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -83,6 +85,7 @@ class TritonOps(TorchOps):
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
         self.fuse_norm_gemv = fuse_norm_gemv
+        set_pdl(pdl)
 
     def _gemv_fits(self, x: torch.Tensor) -> bool:
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1

@@ -93,6 +93,56 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
+# ---------------------------------------------------------------------------- programmatic dependent launch
+# On Hopper and later a kernel launched with PDL may start while the kernel before it on the
+# stream is still finishing; it must call ``pdl_enter`` before it reads anything an earlier
+# kernel wrote and before it writes anything (only constant data, e.g. weights, may be touched
+# first). Every decode-path kernel does, so at batch 1 each kernel's launch and ramp overlap
+# its predecessor's tail, and a GEMV pulls its weights into L2 before it waits (gemv.py).
+# One process-wide switch: ``set_pdl`` (TritonOps(pdl=...)); None = on where supported.
+_pdl_setting: bool | None = None
+
+
+def set_pdl(enabled: bool | None) -> None:
+    """Process-wide: True / False force programmatic dependent launch on / off (on needs
+    sm_90+ and is ignored elsewhere); None: on wherever the GPU and Triton support it."""
+    global _pdl_setting
+    _pdl_setting = enabled
+
+
+@functools.lru_cache(maxsize=None)
+def pdl_supported(device_index: int) -> bool:
+    """sm_90+ and a Triton with grid-dependency control (3.4+); never on the interpreter."""
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    try:
+        from triton.language.extra.cuda import gdc_wait  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def use_pdl(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device launch with PDL now (see ``set_pdl``)."""
+    if _pdl_setting is False or not t.is_cuda:
+        return False
+    return pdl_supported(t.device.index or 0)
+
+
+def pdl_kwargs(pdl: bool) -> dict:
+    """Launch keywords: ``launch_pdl`` only when on (the interpreter knows no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Wait until the previous kernel on the stream has finished and its writes are
+    visible, then let the next kernel launch (its programs wait the same way)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def dot_upcast(dtype: torch.dtype) -> bool:
     """The CPU interpreter stores bf16 as uint16 and its tl.dot multiplies the raw integers:
     there, bf16 dot operands are upcast to fp32 first (rounding is unchanged: the products

@@ -9,13 +9,14 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, cdiv
+from ._util import KERNEL_DTYPES, check, check_device, cdiv, pdl_enter, pdl_kwargs, use_pdl
 
 silu_and_mul_reference = TorchOps().silu_and_mul
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -38,5 +39,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if T == 0:
         return out
     BLOCK = 1024 if I >= 1024 else 128
-    _silu_and_mul_kernel[(T, cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    pdl = use_pdl(gate_up)
+    _silu_and_mul_kernel[(T, cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK,
+                                              USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl))
     return out

@@ -41,7 +41,7 @@ from .paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention 
 from .paged_prefill import paged_prefill_attention  # noqa: E402
 from .rope_kv import rotary_write_kv  # noqa: E402
 from .rotary import rotary  # noqa: E402
-from ._util import cdiv, sm_count_for  # noqa: E402
+from ._util import cdiv, sm_count_for, use_pdl  # noqa: E402
 from ..ops import rope_cos_sin  # noqa: E402
 
 # Qwen2.5-3B
@@ -776,7 +776,7 @@ def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1
     """The named ``parts`` of ``BENCH_PARTS`` (CUDA only; default: all but sweep_m1). Failures
     are recorded as ``<part>_error`` and skipped. Kernel timings are GPU time, calls back to
     back in a CUDA graph (``graph_ms``); only the ceilings are timed eagerly."""
-    figures: dict = {}
+    figures: dict = {"pdl_launch": int(use_pdl(torch.empty(0, device="cuda")))}  # 1: kernels launched with PDL
     table = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
              ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]

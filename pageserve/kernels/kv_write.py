@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..attention import write_kv_reference
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
 
 __all__ = ["write_kv", "write_kv_reference"]
 
@@ -21,8 +21,9 @@ def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, HKV, D,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -55,10 +56,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slot_mapping = slot_mapping.contiguous()
     if T == 0:
         return
+    pdl = use_pdl(k)
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, Hkv, D,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), num_warps=2,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), USE_PDL=pdl,
+        num_warps=2, **pdl_kwargs(pdl),
     )

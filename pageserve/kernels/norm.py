@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
 
 rms_norm_reference = TorchOps().rms_norm
 add_rms_norm_reference = TorchOps().add_rms_norm
@@ -21,8 +21,9 @@ add_rms_norm_reference = TorchOps().add_rms_norm
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     H, stride_x, stride_r, stride_o, stride_ro, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -58,10 +59,11 @@ def _launch(x, residual, weight, eps, out, residual_out):
     BLOCK = next_pow2(H)
     num_warps = 4 if BLOCK <= 2048 else 8
     ro = residual_out if residual is not None else out
+    pdl = use_pdl(x)
     r = residual if residual is not None else x
     _rms_norm_kernel[(T,)](
         x, r, weight, out, ro, H, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, USE_PDL=pdl, num_warps=num_warps, **pdl_kwargs(pdl),
     )
     return out, residual_out
 

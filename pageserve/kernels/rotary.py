@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
 
 rotary_reference = TorchOps().rotary
 
@@ -45,7 +45,9 @@ def _rotary_kernel(
     HQ, HKV, stride_qt, stride_qh, stride_kt, stride_kh,
     stride_qot, stride_qoh, stride_kot, stride_koh, stride_cs,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cos, sin, d, dmask = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr, qo_ptr, t, HQ, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, d, dmask, HALF, BLOCK_HQ)
@@ -73,10 +75,12 @@ def rotary(
     if T == 0:
         return qo, ko
     half = D // 2
+    pdl = use_pdl(q)
     _rotary_kernel[(T,)](
         q, k, qo, ko, positions, cos_sin, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
-        HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), num_warps=4,
+        HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv),
+        USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl),
     )
     return qo, ko
