@@ -17,7 +17,7 @@ import torch
 
 from pageserve.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.kernels import TritonOps
-from pageserve.kernels.gemv import GEMV_CONFIGS, apply_configs, device_config_path, set_prefetch
+from pageserve.kernels.gemv import GEMV_CONFIGS, apply_configs, device_config_path
 from pageserve.llm import LLM
 
 SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and with the tuned configs
@@ -25,16 +25,16 @@ SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and 
     "fuse_rope_kv": {"fuse_rope_kv": True, "fuse_silu_down": False},
     "fuse_silu_down": {"fuse_rope_kv": False, "fuse_silu_down": True},
     "rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True, "pdl": False},
-    # + programmatic dependent launch of every decode kernel; "prefetch": the GEMV asks L2 for
-    # its weights before it waits for the previous kernel (kernels/_util.py, gemv.py)
-    "pdl": {"fuse_rope_kv": True, "fuse_silu_down": True, "pdl": True, "prefetch": False},
-    "pdl_prefetch": {"fuse_rope_kv": True, "fuse_silu_down": True, "pdl": True, "prefetch": True},
+    # + programmatic dependent launch of the decode kernels over <= 8 rows (kernels/_util.py);
+    # the default. (A variant where the GEMV prefetched its weights into L2 before waiting
+    # measured slower, 2.64 vs 2.20 ms at batch 1: kernels/NOTES.md.)
+    "pdl": {"fuse_rope_kv": True, "fuse_silu_down": True, "pdl": True},
     # + add/RMSNorm folded into the qkv and gate_up GEMVs (its own config key: the tuned 2-row
     # tiles of the plain GEMV are not used for it, kernels/NOTES.md)
     "norm_gemv_rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True, "fuse_norm_gemv": True,
                                     "pdl": False},
 }
-TUNED = ("all_off", "rope_kv_silu_down", "norm_gemv_rope_kv_silu_down", "pdl", "pdl_prefetch")  # also run with tuned GEMV configs
+TUNED = ("all_off", "rope_kv_silu_down", "norm_gemv_rope_kv_silu_down", "pdl")  # also run with tuned GEMV configs
 
 
 def build_llm(args) -> LLM:
@@ -91,8 +91,6 @@ def main() -> None:
         if tuned:
             with open(tuned_path) as f:
                 print(f"{name}: {apply_configs(json.load(f))} tuned GEMV configs from {tuned_path}", flush=True)
-        switches = dict(switches)
-        set_prefetch(switches.pop("prefetch", True))
         ops = TritonOps(tuned_configs=False, **{"pdl": False, **switches})
         runner.graphs = None
         gc.collect()

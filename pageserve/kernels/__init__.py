@@ -65,8 +65,10 @@ class TritonOps(TorchOps):
     normalises (M <= gemv_max_m); off, the add+RMSNorm kernel then ``linear``.
     ``tuned_configs``: on CUDA, install the GEMV configs tuned for this GPU model if the
     package ships them (``kernels/configs/<gpu>.json``); else the shape heuristic.
-    ``pdl``: programmatic dependent launch for every decode-path kernel (process-wide,
-    ``_util.set_pdl``): None = on where the GPU (sm_90+) and Triton support it, else off.
+    ``pdl``: programmatic dependent launch (process-wide, ``_util.set_pdl``) for the
+    decode-path kernels over at most 8 rows: each kernel's launch overlaps the tail of the
+    one before it (H200, batch-1 step 2.41 -> 2.20 ms). None = on where the GPU (sm_90+)
+    and Triton support it.
     """
 
     name = "triton"

@@ -96,11 +96,13 @@ import triton.language as tl  # noqa: E402
 # ---------------------------------------------------------------------------- programmatic dependent launch
 # On Hopper and later a kernel launched with PDL may start while the kernel before it on the
 # stream is still finishing; it must call ``pdl_enter`` before it reads anything an earlier
-# kernel wrote and before it writes anything (only constant data, e.g. weights, may be touched
-# first). Every decode-path kernel does, so at batch 1 each kernel's launch and ramp overlap
-# its predecessor's tail, and a GEMV pulls its weights into L2 before it waits (gemv.py).
+# kernel wrote and before it writes anything. Every decode-path kernel does, so each kernel's
+# launch and ramp overlap its predecessor's tail. Measured on the H200 (3B shape, graphed
+# decode step, kernels/NOTES.md): batch 1 2.41 -> 2.20 ms; batch 64 a little slower (3.39 ->
+# 3.43-3.50 ms), so only launches over at most PDL_MAX_TOKENS rows (the GEMV's batches) use it.
 # One process-wide switch: ``set_pdl`` (TritonOps(pdl=...)); None = on where supported.
 _pdl_setting: bool | None = None
+PDL_MAX_TOKENS = 8
 
 
 def set_pdl(enabled: bool | None) -> None:
@@ -122,9 +124,10 @@ def pdl_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def use_pdl(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device launch with PDL now (see ``set_pdl``)."""
-    if _pdl_setting is False or not t.is_cuda:
+def use_pdl(t: torch.Tensor, tokens: int) -> bool:
+    """Whether a kernel over ``tokens`` rows (tokens, sequences) on ``t``'s device launches
+    with PDL now (see ``set_pdl``; never above PDL_MAX_TOKENS)."""
+    if _pdl_setting is False or not t.is_cuda or tokens > PDL_MAX_TOKENS:
         return False
     return pdl_supported(t.device.index or 0)
 

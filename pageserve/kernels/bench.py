@@ -776,7 +776,8 @@ def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1
     """The named ``parts`` of ``BENCH_PARTS`` (CUDA only; default: all but sweep_m1). Failures
     are recorded as ``<part>_error`` and skipped. Kernel timings are GPU time, calls back to
     back in a CUDA graph (``graph_ms``); only the ceilings are timed eagerly."""
-    figures: dict = {"pdl_launch": int(use_pdl(torch.empty(0, device="cuda")))}  # 1: kernels launched with PDL
+    # 1: kernels over at most PDL_MAX_TOKENS rows launch with PDL (the M <= 8 GEMVs; not batch 64)
+    figures: dict = {"pdl_launch": int(use_pdl(torch.empty(0, device="cuda"), 1))}
     table = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
              ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]

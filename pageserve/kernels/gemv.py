@@ -205,27 +205,6 @@ def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE
     return x
 
 
-PREFETCH_WEIGHTS = True  # under PDL: each program asks L2 for its weight slice before it waits (set_prefetch)
-L2_LINE = 128  # bytes
-
-
-def set_prefetch(enabled: bool) -> None:
-    """Process-wide: whether a PDL-launched GEMV prefetches its weight slice into L2 before
-    waiting for the previous kernel (the decode-switch benchmark measures both)."""
-    global PREFETCH_WEIGHTS
-    PREFETCH_WEIGHTS = enabled
-
-
-@triton.jit
-def _prefetch_l2(w_rows_clamped, k_lo, k_hi, LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Ask L2 for the 128-byte lines of columns [k_lo, k_hi) of the given rows ([BLOCK_N, 1]
-    pointers, rows clamped in bounds): one prefetch per line, no registers kept. Weights are
-    never written while the model runs, so this is safe before ``pdl_enter``."""
-    cols = tl.minimum(k_lo + tl.arange(0, LINES) * LINE_ELEMS, k_hi - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [w_rows_clamped + cols[None, :]],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, nw_ptr, res_out_ptr,
@@ -234,8 +213,7 @@ def _gemv_kernel(
     NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -244,9 +222,6 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if PREFETCH_LINES > 0:  # the weights stream in while the previous kernel finishes
-        _prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn, k_lo, k_hi,
-                     PREFETCH_LINES, LINE_ELEMS)
     pdl_enter(USE_PDL)
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
@@ -391,11 +366,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     b = bias if bias is not None else weight
     r = residual if residual is not None else x  # unused pointers point at something valid
     r_out = residual_out if residual_out is not None else x
-    pdl = use_pdl(x)
-    line_elems = L2_LINE // weight.element_size()
-    prefetch_lines = 0
-    if pdl and PREFETCH_WEIGHTS:  # the slice's lines, at most ~2K prefetches a program (the slice's start)
-        prefetch_lines = min(next_pow2(cdiv(k_per_split, line_elems)), max(1, 2048 // cfg.block_n))
+    pdl = use_pdl(x, M)
     _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
         x, weight, b, out, part, r, norm_weight if norm else x, r_out,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), r_out.stride(0), float(eps),
@@ -407,7 +378,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        USE_PDL=pdl, PREFETCH_LINES=prefetch_lines, LINE_ELEMS=line_elems,
+        USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(pdl),
     )
     if splits > 1:

@@ -56,7 +56,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slot_mapping = slot_mapping.contiguous()
     if T == 0:
         return
-    pdl = use_pdl(k)
+    pdl = use_pdl(k, T)
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, Hkv, D,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

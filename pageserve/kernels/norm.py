@@ -59,7 +59,7 @@ def _launch(x, residual, weight, eps, out, residual_out):
     BLOCK = next_pow2(H)
     num_warps = 4 if BLOCK <= 2048 else 8
     ro = residual_out if residual is not None else out
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, T)
     r = residual if residual is not None else x
     _rms_norm_kernel[(T,)](
         x, r, weight, out, ro, H, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), float(eps),

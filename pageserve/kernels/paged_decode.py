@@ -153,7 +153,7 @@ def paged_decode_attention(
     BLOCK_D = max(16, next_pow2(D))
     part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q)
+    pdl = use_pdl(q, B)
     _decode_split_kernel[(B, Hkv, S)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1),

@@ -87,7 +87,7 @@ def rotary_write_kv(
     if T == 0:
         return qo, ko
     half = D // 2
-    pdl = use_pdl(q)
+    pdl = use_pdl(q, T)
     _rope_kv_kernel[(T,)](
         q, k, v, qo, ko, k_cache, v_cache, positions, cos_sin, slot_mapping, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

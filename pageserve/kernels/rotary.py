@@ -75,7 +75,7 @@ def rotary(
     if T == 0:
         return qo, ko
     half = D // 2
-    pdl = use_pdl(q)
+    pdl = use_pdl(q, T)
     _rotary_kernel[(T,)](
         q, k, qo, ko, positions, cos_sin, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
