@@ -249,6 +249,15 @@ def bench_elementwise(dtype=torch.bfloat16, calls: int = 10) -> dict:
     t = timed_ms(r, "rotary", lambda i: rotary(q, k, pos, cs), calls)
     nbytes = 2 * T * (HQ + HKV) * HEAD_DIM * es + T * HEAD_DIM * 4 + T * 8
     r["rotary_ms"], r["rotary_gbps"] = t, _gbps(nbytes, t)
+    # RoPE fused with the KV write: reads q, k, v, writes rotated q, k and the cache's k, v rows
+    v = qkv[:, (HQ + HKV) * HEAD_DIM:].view(T, HKV, HEAD_DIM)
+    kc = torch.empty(T // 16 + 64, 16, HKV, HEAD_DIM, device=dev, dtype=dtype)
+    vc = torch.empty_like(kc)
+    slots = torch.randperm(kc.shape[0] * 16, device=dev, generator=g)[:T]
+    t = timed_ms(r, "rotary_write_kv", lambda i: rotary_write_kv(q, k, v, pos, cs, kc, vc, slots), calls)
+    nbytes = (T * (HQ + 2 * HKV) + T * (HQ + HKV) + 2 * T * HKV) * HEAD_DIM * es + T * HEAD_DIM * 4 + T * 16
+    r["rotary_write_kv_ms"], r["rotary_write_kv_gbps"] = t, _gbps(nbytes, t)
+    del qkv, q, k, v, kc, vc
     T3, bs = 65536, 16
     kk, vv = rn(T3, HKV, HEAD_DIM), rn(T3, HKV, HEAD_DIM)
     nb = T3 // bs + 64
