@@ -132,9 +132,11 @@ def use_pdl(t: torch.Tensor, tokens: int) -> bool:
     return pdl_supported(t.device.index or 0)
 
 
-def pdl_kwargs(pdl: bool) -> dict:
-    """Launch keywords: ``launch_pdl`` only when on (the interpreter knows no such option)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_args(t: torch.Tensor, tokens: int) -> dict:
+    """A launch's PDL keywords (``use_pdl``): the kernels' ``USE_PDL`` constexpr, and
+    ``launch_pdl`` only when on (the interpreter knows no such option)."""
+    on = use_pdl(t, tokens)
+    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
 
 
 @triton.jit

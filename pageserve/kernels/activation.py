@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, cdiv, pdl_enter, pdl_kwargs, use_pdl
+from ._util import KERNEL_DTYPES, check, check_device, cdiv, pdl_args, pdl_enter
 
 silu_and_mul_reference = TorchOps().silu_and_mul
 
@@ -39,7 +39,7 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if T == 0:
         return out
     BLOCK = 1024 if I >= 1024 else 128
-    pdl = use_pdl(gate_up, T)
+    pdl = pdl_args(gate_up, T)
     _silu_and_mul_kernel[(T, cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK,
-                                              USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl))
+                                              num_warps=4, **pdl)
     return out

@@ -43,8 +43,8 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_enter,
-                    pdl_kwargs, sm_count_for, use_pdl)
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_args,
+                    pdl_enter, sm_count_for)
 
 linear_reference = TorchOps().linear
 silu_mul_linear_reference = TorchOps().silu_mul_linear
@@ -366,7 +366,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     b = bias if bias is not None else weight
     r = residual if residual is not None else x  # unused pointers point at something valid
     r_out = residual_out if residual_out is not None else x
-    pdl = use_pdl(x, M)
+    pdl = pdl_args(x, M)
     _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
         x, weight, b, out, part, r, norm_weight if norm else x, r_out,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), r_out.stride(0), float(eps),
@@ -378,14 +378,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     if splits > 1:
         BLOCK = 256
         _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
             part, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-            USE_PDL=pdl, num_warps=2, **pdl_kwargs(pdl),
+            num_warps=2, **pdl,
         )
     return out
 

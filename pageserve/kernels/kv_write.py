@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..attention import write_kv_reference
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
 __all__ = ["write_kv", "write_kv_reference"]
 
@@ -56,12 +56,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slot_mapping = slot_mapping.contiguous()
     if T == 0:
         return
-    pdl = use_pdl(k, T)
+    pdl = pdl_args(k, T)
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, Hkv, D,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), USE_PDL=pdl,
-        num_warps=2, **pdl_kwargs(pdl),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), num_warps=2, **pdl,
     )

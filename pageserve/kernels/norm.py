@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
 rms_norm_reference = TorchOps().rms_norm
 add_rms_norm_reference = TorchOps().add_rms_norm
@@ -59,11 +59,11 @@ def _launch(x, residual, weight, eps, out, residual_out):
     BLOCK = next_pow2(H)
     num_warps = 4 if BLOCK <= 2048 else 8
     ro = residual_out if residual is not None else out
-    pdl = use_pdl(x, T)
+    pdl = pdl_args(x, T)
     r = residual if residual is not None else x
     _rms_norm_kernel[(T,)](
         x, r, weight, out, ro, H, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, USE_PDL=pdl, num_warps=num_warps, **pdl_kwargs(pdl),
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps, **pdl,
     )
     return out, residual_out
 

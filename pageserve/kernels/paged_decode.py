@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..attention import paged_attention_reference
-from ._util import pdl_enter, pdl_kwargs, use_pdl, check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
+from ._util import pdl_args, pdl_enter, check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -153,7 +153,7 @@ def paged_decode_attention(
     BLOCK_D = max(16, next_pow2(D))
     part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    pdl = use_pdl(q, B)
+    pdl = pdl_args(q, B)
     _decode_split_kernel[(B, Hkv, S)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -162,11 +162,11 @@ def paged_decode_attention(
         block_tables.stride(0), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(pdl),
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     _decode_merge_kernel[(B, Hq)](
         part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),
         HEAD_DIM=D, NUM_SPLITS=S, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        USE_PDL=pdl, num_warps=2, **pdl_kwargs(pdl),
+        num_warps=2, **pdl,
     )
     return out

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 from .rotary import _cos_sin, _rotate_heads
 
 rotary_write_kv_reference = TorchOps().rotary_write_kv
@@ -87,7 +87,7 @@ def rotary_write_kv(
     if T == 0:
         return qo, ko
     half = D // 2
-    pdl = use_pdl(q, T)
+    pdl = pdl_args(q, T)
     _rope_kv_kernel[(T,)](
         q, k, v, qo, ko, k_cache, v_cache, positions, cos_sin, slot_mapping, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -95,6 +95,6 @@ def rotary_write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=k_cache.shape[1], HALF=half, BLOCK_HALF=next_pow2(half),
-        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl),
+        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), num_warps=4, **pdl,
     )
     return qo, ko

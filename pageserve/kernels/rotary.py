@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from ..ops import TorchOps
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_enter, pdl_kwargs, use_pdl
+from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
 rotary_reference = TorchOps().rotary
 
@@ -75,12 +75,12 @@ def rotary(
     if T == 0:
         return qo, ko
     half = D // 2
-    pdl = use_pdl(q, T)
+    pdl = pdl_args(q, T)
     _rotary_kernel[(T,)](
         q, k, qo, ko, positions, cos_sin, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
         HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv),
-        USE_PDL=pdl, num_warps=4, **pdl_kwargs(pdl),
+        num_warps=4, **pdl,
     )
     return qo, ko
