@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from .default_model import DEFAULT_MODEL
+from .model.default_model import DEFAULT_MODEL
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .loader import load_model
-    from .naive import naive_generate
+    from .model.loader import load_model
+    from .lab.naive import naive_generate
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     tok = loaded.tokenizer

@@ -15,10 +15,10 @@ import os
 
 import torch
 
-from pageserve.decode_bench import decode_step_ms, graph_replay_ms
-from pageserve.kernels import TritonOps
+from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
+from pageserve.model.triton_ops import TritonOps
 from pageserve.kernels.gemv import GEMV_CONFIGS, apply_configs, device_config_path
-from pageserve.llm import LLM
+from pageserve.engine.llm import LLM
 
 SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and with the tuned configs
     "all_off": {"fuse_rope_kv": False, "fuse_silu_down": False},
@@ -43,8 +43,8 @@ def build_llm(args) -> LLM:
                   max_model_len=2048, enforce_eager=True, use_triton=True)
     if not args.tiny:
         return LLM(args.model, dtype="bfloat16" if cuda else "float32", seed=0, **common)
-    from pageserve.config import ModelConfig
-    from pageserve.model import Decoder
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
 
     cfg = ModelConfig(architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048, attention_bias=True,

@@ -7,10 +7,10 @@ on CUDA the same tests capture and replay real graphs.
 import pytest
 import torch
 
-from pageserve.cuda_graphs import bucket_sizes
-from pageserve.decode_bench import graph_vs_eager, staggered_decode_workload
-from pageserve.llm import LLM
-from pageserve.model import Decoder
+from pageserve.engine.cuda_graphs import bucket_sizes
+from pageserve.lab.decode_bench import graph_vs_eager, staggered_decode_workload
+from pageserve.engine.llm import LLM
+from pageserve.model.decoder import Decoder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,7 +68,7 @@ def test_padding_rows_write_no_kv(tiny_llm):
 
 
 def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
-    from pageserve.model_runner import select_ops
+    from pageserve.engine.model_runner import select_ops
 
     ops = select_ops(True, torch.device("cpu"), {"fuse_rope_kv": True, "gemv_split_k": "never"})
     assert ops.name == "triton" and ops.fuse_rope_kv and ops.gemv_split_k == "never"
@@ -89,7 +89,7 @@ def test_programmatic_dependent_launch_is_off_where_unsupported():
 
 
 def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
-    from pageserve.bench import run_pageserve_online
+    from pageserve.lab.bench import run_pageserve_online
 
     model = Decoder(cfg).to(DEVICE)
     model.init_dummy_weights(seed=3, std=0.3)

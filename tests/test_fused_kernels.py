@@ -18,12 +18,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pageserve.kernels as kernels  # noqa: E402
-from pageserve.kernels import TritonOps, checks  # noqa: E402
-from pageserve.kernels.checks import TOLERANCE  # noqa: E402
+from pageserve.model.triton_ops import TritonOps
+from pageserve.lab import kernel_checks as checks  # noqa: E402
+from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
 from pageserve.kernels.gemv import GEMV_CONFIGS, GemvConfig, add_rms_norm_gemv, config_key, gemv_config  # noqa: E402
 from pageserve.kernels.norm import add_rms_norm, rms_norm  # noqa: E402
-from pageserve.kernels.bench import GEMV_SHAPES as SHAPES_3B  # noqa: E402
-from pageserve.ops import TorchOps, rope_cos_sin  # noqa: E402
+from pageserve.lab.kernel_bench import GEMV_SHAPES as SHAPES_3B  # noqa: E402
+from pageserve.model.ops import TorchOps, rope_cos_sin  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -207,9 +208,9 @@ def test_fuse_norm_gemv_routes_to_the_fused_gemv_only_when_on_and_within_gemv_ma
 def test_greedy_tokens_are_the_same_with_fuse_norm_gemv_on_and_off():
     """A tiny Decoder generating greedily (prefill of 5 and decode rows: the fused GEMV at every
     norm of every step when on), fp32: the same tokens as the separate kernels and as TorchOps."""
-    from pageserve.config import ModelConfig
-    from pageserve.model import Decoder
-    from pageserve.naive import naive_generate
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
+    from pageserve.lab.naive import naive_generate
 
     cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
@@ -241,10 +242,10 @@ SWITCHES = {
 def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen):
     """Prefill (T > gemv_max_m: cuBLAS + fused RoPE/KV) then a 2-row decode (GEMV, fused MLP)
     through PagedAttention, and a prompt through phase 01's contiguous cache (no attend_rope)."""
-    from pageserve.attention import PagedAttention
-    from pageserve.config import ModelConfig
-    from pageserve.model import Decoder
-    from pageserve.naive import prompt_logits
+    from pageserve.model.attention import PagedAttention
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
+    from pageserve.lab.naive import prompt_logits
 
     cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=1,
                       num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,

@@ -13,8 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pageserve.kernels import TritonOps, checks  # noqa: E402
-from pageserve.kernels.checks import TOLERANCE  # noqa: E402
+from pageserve.model.triton_ops import TritonOps
+
+from pageserve.lab import kernel_checks as checks  # noqa: E402
+from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
 from pageserve.kernels.gemv import GemvConfig  # noqa: E402
 from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention  # noqa: E402
 
@@ -114,7 +116,7 @@ def test_add_rms_norm_matches_reference_and_returns_the_sum(T, H, dtype, gen):
 
 def test_add_rms_norm_in_place_on_the_residual(gen):
     from pageserve.kernels import add_rms_norm
-    from pageserve.ops import TorchOps
+    from pageserve.model.ops import TorchOps
 
     x, r = (torch.randn(4, 96, generator=gen).to(DEVICE) for _ in range(2))
     w = torch.rand(96, generator=gen).to(DEVICE) + 0.5
@@ -167,8 +169,8 @@ def test_wrappers_reject_bad_arguments_with_named_errors():
 
 
 def _tiny_decoder(ops):
-    from pageserve.config import ModelConfig
-    from pageserve.model import Decoder
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
 
     cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=128, intermediate_size=192, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True, tie_word_embeddings=True,
@@ -179,8 +181,8 @@ def _tiny_decoder(ops):
 
 
 def test_triton_ops_drive_the_decoder_like_torch_ops_through_prefill_and_decode(gen):
-    from pageserve.attention import PagedAttention
-    from pageserve.ops import TorchOps
+    from pageserve.model.attention import PagedAttention
+    from pageserve.model.ops import TorchOps
 
     model, cfg = _tiny_decoder(TorchOps())
     bs, nb = 16, 8

@@ -1,4 +1,4 @@
-"""The kernel bench's plumbing (pageserve.kernels.bench): sweep grids, tuned-config round trip,
+"""The kernel bench's plumbing (pageserve.lab.kernel_bench): sweep grids, tuned-config round trip,
 timing fallback, the M = 1 sweep end to end on tiny shapes. CPU: the Triton interpreter; the
 timings themselves only mean something on the GPU."""
 import json
@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pageserve.kernels import bench  # noqa: E402
+from pageserve.lab import kernel_bench as bench  # noqa: E402
 from pageserve.kernels.gemv import (  # noqa: E402
     GEMV_CONFIGS, GemvConfig, apply_configs, config_key, gemv, gemv_config, linear_reference, parse_config,
 )
@@ -32,7 +32,7 @@ def clean_gemv_configs():
 
 
 def test_bench_help_lists_the_sweep_part():
-    res = subprocess.run([sys.executable, "-m", "pageserve.kernels.bench", "--help"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "pageserve.lab.kernel_bench", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert "sweep_m1" in res.stdout and "--json" in res.stdout
@@ -99,7 +99,7 @@ def test_timed_ms_marks_an_eager_fallback_when_the_capture_fails(monkeypatch):
     assert r["rms_norm_timing"] == "eager" and "capture not supported" in r["rms_norm_capture_error"]
 
 
-@pytest.mark.skipif(CUDA, reason="the GPU runs the real sweep (python -m pageserve.kernels.bench --parts sweep_m1)")
+@pytest.mark.skipif(CUDA, reason="the GPU runs the real sweep (python -m pageserve.lab.kernel_bench --parts sweep_m1)")
 def test_sweep_gemv_m1_writes_its_keys_and_installs_working_configs(clean_gemv_configs):
     shapes = {"qkv": (24, 64), "down": (16, 128)}
     r = bench.sweep_gemv_m1(torch.float32, budget_s=5.0, min_bytes=0, shapes=shapes, device="cpu", replays=1)

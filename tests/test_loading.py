@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pageserve import default_model
-from pageserve.config import ModelConfig
-from pageserve.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, load_gguf, load_gguf_config, permute_qk, unpermute_qk
-from pageserve.loader import load_model
-from pageserve.naive import prompt_logits
+from pageserve.model import default_model
+from pageserve.model.config import ModelConfig
+from pageserve.model.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, load_gguf, load_gguf_config, permute_qk, unpermute_qk
+from pageserve.model.loader import load_model
+from pageserve.lab.naive import prompt_logits
 
 
 def tiny_hf_model(arch: str, tie: bool = False, seed: int = 0):
@@ -179,7 +179,7 @@ def test_unpermute_turns_interleaved_rope_into_rotate_half():
 
 
 def test_default_gguf_config_matches_shipped_smollm2_config(smollm2):
-    from pageserve.default_model import default_gguf_path
+    from pageserve.model.default_model import default_gguf_path
 
     cfg = load_gguf_config(default_gguf_path())
     shipped = ModelConfig.shipped("smollm2-135m")
@@ -208,7 +208,7 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
 @pytest.mark.slow
 def test_gguf_file_loads_directly_like_the_converted_default(smollm2):
     """The .gguf path (weights + tokenizer from metadata) agrees with the cached conversion."""
-    from pageserve.default_model import default_gguf_path
+    from pageserve.model.default_model import default_gguf_path
 
     direct = load_model(str(default_gguf_path()), device="cpu", dtype="float32")
     assert direct.tokenizer.render_chat([{"role": "user", "content": "x"}]) == smollm2.tokenizer.render_chat(

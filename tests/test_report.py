@@ -1,8 +1,8 @@
 """The README's results tables come from the JSON record, never from typed-in numbers."""
 import json
 
-from pageserve import report
-from pageserve.results import write_figures
+from pageserve.lab import report
+from pageserve.lab.results import write_figures
 
 
 def test_tables_show_exactly_the_figures_a_notebook_wrote(tmp_path):

@@ -2,13 +2,8 @@
 import pytest
 import torch
 
-from pageserve.sampler import (
-    Sampler,
-    sample_reference,
-    seeded_uniform,
-    seeded_uniform_tensor,
-)
-from pageserve.sampling_params import SamplingParams, child_seed
+from pageserve.engine.sampler import Sampler, sample_reference, seeded_uniform, seeded_uniform_tensor
+from pageserve.engine.sampling_params import SamplingParams, child_seed
 
 V = 96
 
@@ -77,7 +72,7 @@ def test_child_seed_keeps_index_zero_and_gives_distinct_children():
 def test_vectorised_hash_matches_python_definition():
     seeds = [0, 1, 12345, -7, 2**63 - 1, 2**64 - 5]
     steps = [0, 3, 1000, 5, 0, 9]
-    from pageserve.sampler import _signed64
+    from pageserve.engine.sampler import _signed64
 
     got = seeded_uniform_tensor(
         torch.tensor([_signed64(s) for s in seeds]), torch.tensor(steps), 40

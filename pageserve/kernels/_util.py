@@ -50,7 +50,7 @@ def check_device(**tensors: torch.Tensor) -> None:
     if dev.type != "cuda" and not interpreting():
         raise ValueError(
             f"Triton kernels need CUDA tensors (got {dev}); on the CPU set TRITON_INTERPRET=1 "
-            "before importing triton, or use pageserve.ops.TorchOps"
+            "before importing triton, or use pageserve.model.ops.TorchOps"
         )
 
 

@@ -8,10 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, cdiv, pdl_args, pdl_enter
 
-silu_and_mul_reference = TorchOps().silu_and_mul
+silu_and_mul_reference = reference.silu_and_mul
 
 
 @triton.jit

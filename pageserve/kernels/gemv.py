@@ -42,13 +42,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_args,
                     pdl_enter, sm_count_for)
 
-linear_reference = TorchOps().linear
-silu_mul_linear_reference = TorchOps().silu_mul_linear
-add_rms_norm_linear_reference = TorchOps().add_rms_norm_linear
+linear_reference = reference.linear
+silu_mul_linear_reference = reference.silu_mul_linear
+
+
+def add_rms_norm_linear_reference(x, residual, norm_weight, eps, weight, bias):
+    normed, residual = (reference.rms_norm(x, norm_weight, eps), x) if residual is None else \
+        reference.add_rms_norm(x, residual, norm_weight, eps)
+    return reference.linear(normed, weight, bias), residual
 
 SPLIT_K_MODES = ("auto", "never")
 
@@ -114,7 +119,7 @@ def device_config_path(device_name: str) -> Path:
 
 def load_device_configs(device_name: str) -> int:
     """Install the GEMV configs tuned on this GPU model, once, if the package ships them
-    (``python -m pageserve.kernels.bench --parts sweep_m1`` measures them). Returns how many."""
+    (``python -m pageserve.lab.kernel_bench --parts sweep_m1`` measures them). Returns how many."""
     if device_name in _devices_loaded:
         return 0
     _devices_loaded.add(device_name)

@@ -1,6 +1,6 @@
 """Store this step's K and V into the paged cache through ``slot_mapping``.
 
-Reference: ``pageserve.attention.write_kv_reference``. One program per token writes all
+Reference: ``pageserve.kernels.reference.write_kv``. One program per token writes all
 KV heads of K and V; a slot of -1 (padding) writes nothing. No host sync: the -1 test is
 an early exit inside the kernel, so the launch can be captured in a CUDA graph.
 """
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import write_kv_reference
+from .reference import write_kv as write_kv_reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
 __all__ = ["write_kv", "write_kv_reference"]

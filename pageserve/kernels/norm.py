@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
-rms_norm_reference = TorchOps().rms_norm
-add_rms_norm_reference = TorchOps().add_rms_norm
+rms_norm_reference = reference.rms_norm
+add_rms_norm_reference = reference.add_rms_norm
 
 
 @triton.jit

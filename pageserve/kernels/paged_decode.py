@@ -1,6 +1,6 @@
 """Paged attention for decode: one query token per sequence, split-K over the context.
 
-Reference: ``pageserve.attention.paged_attention_reference`` with one query per sequence.
+Reference: ``pageserve.kernels.reference.paged_attention`` with one query per sequence.
 
 Layout of the work: program (b, h, s) takes sequence b, KV head h and split s. It loads
 the query rows of all ``group = Hq // Hkv`` heads that share KV head h (padded to 16 rows
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import paged_attention_reference
+from .reference import paged_attention as paged_attention_reference
 from ._util import pdl_args, pdl_enter, check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]

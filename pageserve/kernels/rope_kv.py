@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 from .rotary import _cos_sin, _rotate_heads
 
-rotary_write_kv_reference = TorchOps().rotary_write_kv
+rotary_write_kv_reference = reference.rotary_write_kv
 
 
 @triton.jit

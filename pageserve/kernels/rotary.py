@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
-rotary_reference = TorchOps().rotary
+rotary_reference = reference.rotary
 
 
 @triton.jit

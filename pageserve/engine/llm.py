@@ -5,7 +5,7 @@ import itertools
 from typing import Any, Sequence as Seq
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

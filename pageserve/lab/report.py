@@ -1,6 +1,6 @@
 """Regenerate the README's results tables from the JSON record in ``results/<hardware>/``.
 
-    python -m pageserve.report            # rewrites the block between the markers in README.md
+    python -m pageserve.lab.report            # rewrites the block between the markers in README.md
 
 Only figures that a notebook wrote are shown; nothing here is typed in by hand.
 """

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from pageserve.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
+from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash

@@ -10,17 +10,19 @@ import math
 
 import torch
 
-from ..attention import AttentionMetadata, paged_attention_reference, write_kv_reference
-from ..ops import TorchOps, rope_cos_sin
-from .activation import silu_and_mul
-from .gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
-from .kv_write import write_kv
-from .norm import add_rms_norm, rms_norm
-from .paged_decode import paged_decode_attention
-from .paged_prefill import paged_prefill_attention
-from .rope_kv import rotary_write_kv
-from .rotary import rotary
-from ._util import cdiv
+from ..model.attention import AttentionMetadata
+
+from ..kernels.reference import paged_attention as paged_attention_reference, write_kv as write_kv_reference
+from ..model.ops import TorchOps, rope_cos_sin
+from ..kernels.activation import silu_and_mul
+from ..kernels.gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
+from ..kernels.kv_write import write_kv
+from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.paged_decode import paged_decode_attention
+from ..kernels.paged_prefill import paged_prefill_attention
+from ..kernels.rope_kv import rotary_write_kv
+from ..kernels.rotary import rotary
+from ..kernels._util import cdiv
 
 # ||out - ref|| / ||ref|| limits (METHOD.md): fp32 arithmetic far under 1e-3; half types
 # carry one rounding of the output and of the softmax probabilities (~4e-3)

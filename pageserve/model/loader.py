@@ -22,7 +22,7 @@ import torch
 
 from .config import SHIPPED_CONFIGS, ModelConfig, resolve_dtype
 from .default_model import DEFAULT_MODEL, default_model_dir
-from .model import Decoder
+from .decoder import Decoder
 from .tokenizer import Tokenizer
 
 DUMMY_ALIASES = ("qwen2.5-3b", "qwen2.5-0.5b", "smollm2-135m")

@@ -71,7 +71,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Any = None, stream_outputs: bool = True) -> None:
         self.config = config
         if loaded is None:
-            from .loader import load_model
+            from ..model.loader import load_model
 
             loaded = load_model(
                 config.model, device=config.device, dtype=config.dtype, seed=config.seed,

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, PagedAttention
+from ..model.attention import AttentionMetadata, PagedAttention
 from .config import EngineConfig
-from .model import Decoder
-from .ops import TorchOps
+from ..model.decoder import Decoder
+from ..model.ops import TorchOps
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def select_ops(use_triton: bool | None, device: torch.device, options: dict | No
     want = use_triton if use_triton is not None else device.type == "cuda"
     if want:
         try:
-            from .kernels import TritonOps
+            from ..model.triton_ops import TritonOps
         except Exception as e:  # a missing or broken kernels package must not stop the engine
             warnings.warn(f"Triton ops unavailable ({type(e).__name__}: {e}); using the PyTorch reference ops")
             return TorchOps()

@@ -1,6 +1,6 @@
 """Correctness at full size and speed against the measured ceilings, for every kernel.
 
-On the H200: ``python -m pageserve.kernels.bench --out <dir>`` runs the checks in bf16, fp16
+On the H200: ``python -m pageserve.lab.kernel_bench --out <dir>`` runs the checks in bf16, fp16
 and fp32 at the 3B shapes, measures the ceilings (device-to-device copy, a pure read, a bf16
 matmul; eager ``triton.testing.do_bench``) and times every kernel as GPU time: calls back to
 back in one CUDA graph, replays timed with CUDA events (``graph_ms``), since the engine runs
@@ -31,18 +31,17 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from . import checks  # noqa: E402
-from .activation import silu_and_mul  # noqa: E402
-from .gemv import (GEMV_CONFIGS, GemvConfig, add_rms_norm_gemv, config_key, gemv, gemv_config,  # noqa: E402
-                   silu_mul_gemv, silu_mul_linear_reference)
-from .kv_write import write_kv  # noqa: E402
-from .norm import add_rms_norm, rms_norm  # noqa: E402
-from .paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention  # noqa: E402
-from .paged_prefill import paged_prefill_attention  # noqa: E402
-from .rope_kv import rotary_write_kv  # noqa: E402
-from .rotary import rotary  # noqa: E402
-from ._util import cdiv, sm_count_for, use_pdl  # noqa: E402
-from ..ops import rope_cos_sin  # noqa: E402
+from . import kernel_checks as checks  # noqa: E402
+from ..kernels.activation import silu_and_mul  # noqa: E402
+from ..kernels.gemv import GEMV_CONFIGS, GemvConfig, add_rms_norm_gemv, config_key, gemv, gemv_config, silu_mul_linear_reference
+from ..kernels.kv_write import write_kv  # noqa: E402
+from ..kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from ..kernels.paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention  # noqa: E402
+from ..kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from ..kernels.rope_kv import rotary_write_kv  # noqa: E402
+from ..kernels.rotary import rotary  # noqa: E402
+from ..kernels._util import cdiv, sm_count_for, use_pdl  # noqa: E402
+from ..model.ops import rope_cos_sin  # noqa: E402
 
 # Qwen2.5-3B
 HIDDEN, INTER, HQ, HKV, HEAD_DIM, VOCAB, LAYERS = 2048, 11008, 16, 2, 128, 151936, 36

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench import BenchRequest, Workload, _random_ids, run_pageserve_online, synchronize
-from .sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
 
 
 def staggered_decode_workload(
