@@ -1,7 +1,16 @@
 """Shared fixtures. Keep this small: fixtures that several test files reuse."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run on Triton's CPU interpreter. The flag is read when a
+# kernel is decorated, so it is set here, before any test module imports triton
+# (pageserve.kernels itself changes no process-wide state).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
