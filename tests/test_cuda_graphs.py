@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pageserve.engine.cuda_graphs import bucket_sizes
-from pageserve.lab.decode_bench import graph_vs_eager, staggered_decode_workload
+from pageserve.lab.decode_bench import capture_logits, graph_vs_eager, staggered_decode_workload
 from pageserve.engine.llm import LLM
 from pageserve.model.decoder import Decoder
 
@@ -51,6 +51,17 @@ def test_graphed_decode_loop_matches_eager_token_for_token(tiny_llm):
     assert all(len(t) == r.max_tokens for t, r in zip(check.graph_tokens, w.requests))
     bm = tiny_llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_capture_logits_sees_every_sampling_step_and_unwraps(tiny_llm):
+    from pageserve.engine.sampling_params import SamplingParams
+
+    sampler = tiny_llm.engine.runner.sampler
+    with capture_logits(tiny_llm.engine.runner) as steps:
+        out = tiny_llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert "sample" not in vars(sampler)  # the sampler's own method again
+    assert len(steps.logits) == 6 and all(t.shape[0] == 1 for t in steps.logits)
+    assert [int(t[0].argmax()) for t in steps.logits] == out[0].outputs[0].token_ids
 
 
 def test_padding_rows_write_no_kv(tiny_llm):
@@ -97,9 +108,9 @@ def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
                          max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl})
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs  # captured with these launches
-    runner.last_logits = []
-    res = run_pageserve_online(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
-    return [list(r["token_ids"]) for r in res.per_request], [t.cpu() for t in runner.last_logits]
+    with capture_logits(runner) as steps:
+        res = run_pageserve_online(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
+    return [list(r["token_ids"]) for r in res.per_request], steps.logits
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")

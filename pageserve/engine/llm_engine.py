@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable
 
@@ -56,7 +56,6 @@ class EngineStats:
     num_decode_tokens_computed: int = 0
     num_generated_tokens: int = 0
     step_time_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
