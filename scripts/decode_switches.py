@@ -29,12 +29,8 @@ SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and 
     # the default. (A variant where the GEMV prefetched its weights into L2 before waiting
     # measured slower, 2.64 vs 2.20 ms at batch 1: kernels/NOTES.md.)
     "pdl": {"fuse_rope_kv": True, "fuse_silu_down": True, "pdl": True},
-    # + add/RMSNorm folded into the qkv and gate_up GEMVs (its own config key: the tuned 2-row
-    # tiles of the plain GEMV are not used for it, kernels/NOTES.md)
-    "norm_gemv_rope_kv_silu_down": {"fuse_rope_kv": True, "fuse_silu_down": True, "fuse_norm_gemv": True,
-                                    "pdl": False},
 }
-TUNED = ("all_off", "rope_kv_silu_down", "norm_gemv_rope_kv_silu_down", "pdl")  # also run with tuned GEMV configs
+TUNED = ("all_off", "rope_kv_silu_down", "pdl")  # also run with tuned GEMV configs
 
 
 def build_llm(args) -> LLM:

@@ -137,19 +137,6 @@ def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best(clean_gemv_con
     assert r["gemv_stack_m1_ms"] == pytest.approx(36 * r["gemv_qkv_m1_ms"] + r["gemv_lm_head_m1_ms"])
 
 
-@pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
-def test_bench_norm_gemv_times_unfused_fused_and_a_block_n_sweep():
-    r = {}
-    bench._bench_norm_gemv(r, "qkv", 1, 24, 64, torch.float32, torch.Generator().manual_seed(0), 4, 0)
-    p = "sw_norm_gemv_qkv_m1"
-    for suffix in ("unfused_us", "fused_us", "fused_plain_config_us", "fused_best_us", "fused_config"):
-        assert f"{p}_{suffix}" in r, suffix
-    assert not [k for k in r if "error" in k]
-    cands = bench.norm_gemv_candidates(1, *bench.GEMV_SHAPES["gate_up"], sms=132)
-    assert gemv_config(1, *bench.GEMV_SHAPES["gate_up"], sms=132, norm=True, use_tuned=False) in cands
-    assert {c.block_n for c in cands} >= {2, 16, 32}
-
-
 def test_shipped_device_configs_parse_and_name_real_shapes(tmp_path, monkeypatch):
     """Every configs/<gpu>.json in the package installs, and its keys are (M, N, K[, 'silu_mul'])."""
     import importlib

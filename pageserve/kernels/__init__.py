@@ -10,11 +10,10 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``rotary``        rotate-half RoPE on q and k in one launch
 - ``rope_kv``       RoPE fused with the paged KV write (one launch instead of two)
 - ``gemv``          GEMV / skinny GEMM for M <= 8, split-K or not (large M stays on cuBLAS);
-                    also the down projection fused with SiLU(gate) * up, and the qkv / gate_up
-                    projections fused with the residual add + RMSNorm before them
+                    also the down projection fused with SiLU(gate) * up
 
 ``reference`` holds the plain-PyTorch math each kernel is checked against. This package
-imports torch and triton and nothing else of pageserve (``pageserve.model.decoder.triton_ops`` is
+imports torch and triton and nothing else of pageserve (``pageserve.model.triton_ops`` is
 the layer that uses it). Importing it changes no process-wide state: to run the kernels on
 Triton's CPU interpreter, set ``TRITON_INTERPRET=1`` before triton is first imported.
 """
@@ -23,7 +22,7 @@ from __future__ import annotations
 from . import reference  # noqa: F401
 from .activation import silu_and_mul
 from ._util import interpreting, set_pdl
-from .gemv import SPLIT_K_MODES, GemvConfig, add_rms_norm_gemv, gemv, load_device_configs, silu_mul_gemv
+from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, silu_mul_gemv
 from .kv_write import write_kv
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
@@ -32,6 +31,6 @@ from .rope_kv import rotary_write_kv
 from .rotary import rotary
 
 __all__ = [
-    "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "set_pdl", "load_device_configs", "gemv", "silu_mul_gemv", "add_rms_norm_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "set_pdl", "load_device_configs", "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
 ]

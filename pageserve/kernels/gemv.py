@@ -1,6 +1,6 @@
 """GEMV / skinny GEMM for decode-sized batches: out[M, N] = x[M, K] @ W[N, K]^T + b.
 
-Reference: ``TorchOps.linear`` (torch.nn.functional.linear). Large M belongs to cuBLAS;
+Reference: ``reference.linear`` (torch.nn.functional.linear). Large M belongs to cuBLAS;
 this kernel is for M <= ~8, where the product is a pass over the weights and the goal is
 to stream them at close to the memory bandwidth.
 
@@ -20,19 +20,11 @@ Two ways to get enough programs for a skinny N (``split_k``):
 
 ``silu_mul_gemv`` is the same kernel reading the fused gate|up activation: it loads gate
 and up and applies SiLU(gate) * up to each K tile of x before the product, so the MLP's
-down projection needs no separate activation kernel (reference: ``TorchOps.silu_mul_linear``).
-
-``add_rms_norm_gemv`` is the same kernel reading the pre-norm activation: a prologue sums the
-squares of each row of h = x + residual (rounded to the storage dtype, as ``add_rms_norm``
-stores it) over the full K, then the K loop normalises each tile it loads exactly as the norm
-kernel does, so the residual add + RMSNorm before qkv and gate_up needs no launch of its own
-(reference: ``TorchOps.add_rms_norm_linear``). Every program, every K split included, reads
-the whole row for its statistics; program (0, 0) alone writes h to ``residual_out``.
+down projection needs no separate activation kernel (reference: ``reference.silu_mul_linear``).
 """
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -49,12 +41,6 @@ from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot
 linear_reference = reference.linear
 silu_mul_linear_reference = reference.silu_mul_linear
 
-
-def add_rms_norm_linear_reference(x, residual, norm_weight, eps, weight, bias):
-    normed, residual = (reference.rms_norm(x, norm_weight, eps), x) if residual is None else \
-        reference.add_rms_norm(x, residual, norm_weight, eps)
-    return reference.linear(normed, weight, bias), residual
-
 SPLIT_K_MODES = ("auto", "never")
 
 
@@ -68,19 +54,16 @@ class GemvConfig:
     defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
 
 
-# config_key(M, N, K[, silu_mul | norm]) -> config, filled by tuning runs (bench.bench_gemv, bench.sweep_gemv_m1)
+# config_key(M, N, K[, silu_mul]) -> config, filled by tuning runs (bench.bench_gemv, bench.sweep_gemv_m1)
 # or from their JSON by apply_configs; the heuristic covers the rest
 GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
 
 
-def config_key(M: int, N: int, K: int, silu_mul: bool = False, norm: bool = False) -> tuple:
-    """The GEMV_CONFIGS key: (next_pow2(M), N, K), plus "silu_mul" for ``silu_mul_gemv`` (which
-    falls back to the plain key when it has no entry of its own) or "norm" for
-    ``add_rms_norm_gemv`` (which does not: see ``gemv_config``)."""
-    if silu_mul and norm:
-        raise ValueError("a GEMV fuses SiLU·mul or RMSNorm into its activation load, not both")
+def config_key(M: int, N: int, K: int, silu_mul: bool = False) -> tuple:
+    """The tuned-config key: (next_pow2(M), N, K), plus "silu_mul" for ``silu_mul_gemv`` (which
+    falls back to the plain key when it has no entry of its own)."""
     key = (next_pow2(M), N, K)
-    return key + ("silu_mul",) if silu_mul else key + ("norm",) if norm else key
+    return key + ("silu_mul",) if silu_mul else key
 
 
 def parse_config(text: str) -> GemvConfig:
@@ -131,91 +114,29 @@ def load_device_configs(device_name: str) -> int:
 
 
 @triton.jit
-def _load_h(x_ptr, res_ptr, m, k, mmask, kmask, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr,
-            ONE_ROW: tl.constexpr):
-    """The pre-norm activation tile in x's dtype: x, or x + residual rounded once (as
-    ``add_rms_norm`` stores it). [BLOCK_K] for one row, else [BLOCK_M, BLOCK_K]."""
-    if ONE_ROW:
-        x = tl.load(x_ptr + k, mask=kmask, other=0.0)
-    else:
-        mask = mmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        if ONE_ROW:
-            r = tl.load(res_ptr + k, mask=kmask, other=0.0)
-        else:
-            r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _row_rstd(x_ptr, res_ptr, res_out_ptr, m, mmask, K, stride_xm, stride_rm, stride_rom, eps, k_write,
-              HAS_RESIDUAL: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr):
-    """The fused RMSNorm's prologue: 1 / sqrt(mean(h^2) + eps) over the full row of h (a scalar
-    for one row, else [BLOCK_M]), fp32 as in the norm kernel. Columns below ``k_write`` (K in one
-    program of the grid, 0 in the rest) of h also go to ``res_out_ptr``: never in place, other
-    programs still read residual. ROW_BLOCK: the prologue's tile, the whole row where it fits."""
-    if ONE_ROW:
-        sq = tl.zeros([ROW_BLOCK], tl.float32)
-    else:
-        sq = tl.zeros([BLOCK_M, ROW_BLOCK], tl.float32)
-    for k0 in range(0, K, ROW_BLOCK):
-        k = k0 + tl.arange(0, ROW_BLOCK)
-        kmask = k < K
-        h = _load_h(x_ptr, res_ptr, m, k, mmask, kmask, stride_xm, stride_rm, HAS_RESIDUAL, ONE_ROW)
-        if HAS_RESIDUAL:
-            wmask = k < k_write
-            if ONE_ROW:
-                tl.store(res_out_ptr + k, h, mask=wmask)
-            else:
-                tl.store(res_out_ptr + m[:, None] * stride_rom + k[None, :], h, mask=mmask[:, None] & wmask[None, :])
-        hf = h.to(tl.float32)
-        sq += hf * hf
-    if ONE_ROW:
-        var = tl.sum(sq, axis=0) / K
-    else:
-        var = tl.sum(sq, axis=1) / K
-    return 1.0 / tl.sqrt(var + eps)
-
-
-@triton.jit
-def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE_ROW: tl.constexpr,
-            res_ptr, nw_ptr, rstd, stride_rm, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE_ROW: tl.constexpr):
     """The activation tile in x's dtype: [BLOCK_K] for one row, else [BLOCK_M, BLOCK_K]. With
     SILU_MUL, x is the gate|up output [M, 2K]: SiLU(gate) * up in fp32, rounded once to x's
-    dtype (as ``silu_and_mul`` stores it). With NORM, x is the pre-norm input (plus residual):
-    h * rstd rounded to x's dtype, times the norm weight, rounded again (as the norm kernel)."""
-    if NORM:
-        h = _load_h(x_ptr, res_ptr, m, k, mmask, kmask, stride_xm, stride_rm, HAS_RESIDUAL, ONE_ROW)
-        nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-        if ONE_ROW:
-            normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-            x = (normed * nw).to(h.dtype)
-        else:
-            normed = (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
-            x = (normed * nw[None, :]).to(h.dtype)
+    dtype (as ``silu_and_mul`` stores it)."""
+    if ONE_ROW:
+        ptrs = x_ptr + k
+        mask = kmask
     else:
-        if ONE_ROW:
-            ptrs = x_ptr + k
-            mask = kmask
-        else:
-            ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
-            mask = mmask[:, None] & kmask[None, :]
-        x = tl.load(ptrs, mask=mask, other=0.0)
-        if SILU_MUL:
-            g = x.to(tl.float32)
-            u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
+        ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
+        mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
     return x
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, nw_ptr, res_out_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
@@ -237,17 +158,11 @@ def _gemv_kernel(
             acc = tl.zeros([BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    rstd = 1.0
-    if NORM:  # full-row statistics, whatever slice of K this program multiplies
-        k_write = tl.where((pid_n == 0) & (pid_k == 0), K, 0)  # program (0, 0) writes residual_out
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, mmask, K, stride_xm, stride_rm, stride_rom, eps, k_write,
-                         HAS_RESIDUAL, BLOCK_M == 1, BLOCK_M, NORM_BLOCK)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1,
-                    res_ptr, nw_ptr, rstd, stride_rm, NORM, HAS_RESIDUAL)
+        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
         if BLOCK_M == 1:  # x: [BLOCK_K]
             if DEFER_REDUCE:
                 acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -290,12 +205,9 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
 
 
 def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tuned: bool = True,
-                silu_mul: bool = False, norm: bool = False) -> GemvConfig:
+                silu_mul: bool = False) -> GemvConfig:
     """Tuned entry if present (under ``"never"``: only a one-split entry), else the heuristic.
     ``silu_mul``: for ``silu_mul_gemv`` (its own GEMV_CONFIGS entry first, then the plain one).
-    ``norm``: for ``add_rms_norm_gemv``: its own entry only, else ``_norm_heuristic_config``
-    (wider tiles: every program re-reads the whole activation row and residual for its
-    statistics, which the plain GEMV's tuned 2-row tiles would multiply).
 
     ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
     the grid covers the SMs about four times, each split at least two tiles long.
@@ -307,32 +219,12 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tun
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
     tuned = None
     if use_tuned:
-        tuned = GEMV_CONFIGS.get(config_key(M, N, K, silu_mul, norm))
-        if tuned is None and not norm:
+        tuned = GEMV_CONFIGS.get(config_key(M, N, K, silu_mul))
+        if tuned is None:
             tuned = GEMV_CONFIGS.get(config_key(M, N, K))
     if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
-    return _norm_heuristic_config(M, N, K, sms, split_k) if norm else _heuristic_config(M, N, K, sms, split_k)
-
-
-def _norm_heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvConfig:
-    """``add_rms_norm_gemv``'s default. At M = 1 one kernel (a K split's reduce launch would cost
-    what folding the norm saves) with 16-row tiles, halved down to 4 rows only while rows give
-    fewer than 2 programs per SM (qkv on an H200: 8 rows, 320 programs; gate_up: 16 rows, 1,376):
-    every program re-reads the whole activation row (2 x 4 KB in bf16 at K = 2048, from L2) for
-    its statistics, so 2-row tiles would read 90 MB of L2 for gate_up. Above M = 1 the plain
-    heuristic with at least 16 rows (``tl.dot``)."""
-    if M == 1:
-        block_n = 16
-        while block_n > 4 and cdiv(N, block_n) < 2 * sms:
-            block_n //= 2
-        # [16, 256] tiles at 2 warps: the plain GEMV's 3rd-best gate_up tile on the H200 (22.8 µs vs
-        # 22.7 for the tuned 2-row tile; 16 x 512 at 4 warps took 24.7), deferred reduction where the
-        # accumulator stays within 32 registers a thread (as the M = 1 sweep's rule)
-        return GemvConfig(block_n=block_n, block_k=256, split_k=1, num_warps=2,
-                          defer_reduce=block_n * 256 <= 32 * 64)
-    cfg = _heuristic_config(M, N, K, sms, split_k)
-    return cfg if cfg.block_n >= 16 else dataclasses.replace(cfg, block_n=16)
+    return _heuristic_config(M, N, K, sms, split_k)
 
 
 def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvConfig:
@@ -354,32 +246,22 @@ def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvCon
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: GemvConfig | None, split_k: str, silu_mul: bool = False, residual: torch.Tensor | None = None,
-            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            residual_out: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV launch; ``norm_weight`` given: the RMSNorm-fused variant (``add_rms_norm_gemv``)."""
+            config: GemvConfig | None, split_k: str, silu_mul: bool = False) -> torch.Tensor:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
-    norm = norm_weight is not None
-    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, silu_mul=silu_mul, norm=norm)
+    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, silu_mul=silu_mul)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
     use_dot = M > 1 and cfg.block_n >= 16
     block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    b = bias if bias is not None else weight
-    r = residual if residual is not None else x  # unused pointers point at something valid
-    r_out = residual_out if residual_out is not None else x
+    b = bias if bias is not None else weight  # unused pointers point at something valid
     pdl = pdl_args(x, M)
     _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
-        x, weight, b, out, part, r, norm_weight if norm else x, r_out,
-        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), r_out.stride(0), float(eps),
+        x, weight, b, out, part,
+        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul,
-        NORM=norm, HAS_RESIDUAL=residual is not None,
-        # the prologue's tile: at M = 1 the whole row in one load where K <= 2048 (one L2 latency
-        # instead of K / BLOCK_K), else the GEMV's tile
-        NORM_BLOCK=(min(next_pow2(K), 2048) if block_m == 1 else cfg.block_k) if norm else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
@@ -433,40 +315,3 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
     return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k,
                    silu_mul=True)
 
-
-def add_rms_norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: torch.Tensor | None = None, config: GemvConfig | None = None, out: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None, split_k: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [M, K] (M small; residual may be None), norm_weight: [K], weight: [N, K],
-    bias: [N] or None -> (out [M, N], residual_out [M, K]), as ``TorchOps.add_rms_norm_linear``:
-    h = x + residual (x itself without a residual), out = linear(rms_norm(h), weight, bias),
-    residual_out = h. One launch (plus the split-K reduce when the config splits).
-
-    ``residual_out`` must not alias ``residual`` or ``x``: one program writes it while the
-    others still read them. Without a residual it is ``x`` itself and nothing is written."""
-    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    M, K = x.shape
-    check("norm_weight", norm_weight, shape=(K,), dtype=KERNEL_DTYPES)
-    check("weight", weight, shape=(None, K), dtype=x.dtype)
-    N = weight.shape[0]
-    tensors = dict(x=x, norm_weight=norm_weight, weight=weight)
-    if bias is not None:
-        check("bias", bias, shape=(N,), dtype=x.dtype)
-        tensors["bias"] = bias
-    if residual is not None:
-        check("residual", residual, shape=(M, K), dtype=x.dtype)
-        tensors["residual"] = residual
-        residual_out = torch.empty_like(x) if residual_out is None else residual_out
-        check("residual_out", residual_out, shape=(M, K), dtype=x.dtype)
-        if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
-            raise ValueError("residual_out must not alias x or residual (other programs still read them)")
-    elif residual_out is not None:
-        raise ValueError("residual_out without a residual: the residual out is x itself")
-    check_device(**tensors)
-    if M > 64:
-        raise ValueError(f"add_rms_norm_gemv is for small M (got M={M})")
-    out = _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, residual=residual,
-                  norm_weight=norm_weight, eps=eps, residual_out=residual_out)
-    return out, (x if residual is None else residual_out)

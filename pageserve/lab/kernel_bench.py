@@ -33,7 +33,7 @@ import triton.language as tl  # noqa: E402
 
 from . import kernel_checks as checks  # noqa: E402
 from ..kernels.activation import silu_and_mul  # noqa: E402
-from ..kernels.gemv import GEMV_CONFIGS, GemvConfig, add_rms_norm_gemv, config_key, gemv, gemv_config, silu_mul_linear_reference
+from ..kernels.gemv import GEMV_CONFIGS, GemvConfig, config_key, gemv, gemv_config, silu_mul_gemv, silu_mul_linear_reference  # noqa: E402
 from ..kernels.kv_write import write_kv  # noqa: E402
 from ..kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from ..kernels.paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention  # noqa: E402
@@ -75,8 +75,6 @@ def small_checks(dtype, device="cpu", seed=0) -> dict:
         "gemv_nosplit_m4": lambda: checks.check_gemv(4, 96, 512, dtype, device, gen, split_k="never"),
         "silu_mul_gemv_m1": lambda: checks.check_silu_mul_gemv(1, 96, 512, dtype, device, gen),
         "silu_mul_gemv_m4": lambda: checks.check_silu_mul_gemv(4, 96, 512, dtype, device, gen),
-        "add_rms_norm_gemv_m1": lambda: checks.check_add_rms_norm_gemv(1, 96, 512, dtype, device, gen),
-        "add_rms_norm_gemv_m4": lambda: checks.check_add_rms_norm_gemv(4, 96, 512, dtype, device, gen),
         "rotary_write_kv": lambda: checks.check_rotary_write_kv([5, 1, 20], [40, 33, 20], 16, 2, 128, 16,
                                                                 dtype, device, gen),
     }
@@ -451,11 +449,6 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
     - ``sw_silu_down_m<M>_{unfused,fused}_us`` (and ``fused_never``): silu_and_mul + down GEMV
       vs ``silu_mul_gemv``;
     - ``sw_rope_kv_t<T>_{unfused,fused}_us``: rotary + write_kv vs ``rotary_write_kv``;
-    - ``sw_norm_gemv_<qkv|gate_up>_m<M>_{unfused,fused}_us``: add_rms_norm + GEMV (the config the
-      engine would pick now: tuned if installed) vs ``add_rms_norm_gemv`` (its own key, else its
-      wider-tile heuristic), configs in ``_{unfused,fused}_config``; ``_fused_plain_config_us`` is the
-      fused kernel on the plain GEMV's tiles (2 rows when tuned: the row re-read cost), and a
-      sweep of BLOCK_N (``norm_gemv_candidates``) gives ``_fused_best_{us,config}``;
     - ``sw_layer_m<M>_saved_us_<switch>``: µs per decoder layer each switch saves (x36 per step).
     """
     dev = device
@@ -530,10 +523,6 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
                 r[f"sw_rope_kv_t{T}_{v}_us"] = _graph_us(fn, 16)
             except Exception as e:
                 r[f"sw_rope_kv_t{T}_{v}_error"] = f"{type(e).__name__}: {e}"[:300]
-        # residual add + RMSNorm folded into the qkv / gate_up GEMV (the activations stay hot in L2)
-        for name in ("qkv", "gate_up"):
-            if name in shapes:
-                _bench_norm_gemv(r, name, M, *shapes[name], dtype, g, sms, min_bytes)
         # per decoder layer: what each switch saves (positive = faster)
         layer = ("qkv", "o", "gate_up", "down")
         r[f"sw_layer_m{M}_saved_us_gemv_split_k_never"] = sum(
@@ -542,71 +531,7 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
                                                        - r.get(f"sw_silu_down_m{M}_fused_us", math.nan))
         r[f"sw_layer_m{M}_saved_us_fuse_rope_kv"] = (r.get(f"sw_rope_kv_t{M}_unfused_us", math.nan)
                                                      - r.get(f"sw_rope_kv_t{M}_fused_us", math.nan))
-        r[f"sw_layer_m{M}_saved_us_fuse_norm_gemv"] = sum(
-            r.get(f"sw_norm_gemv_{n}_m{M}_unfused_us", math.nan) - r.get(f"sw_norm_gemv_{n}_m{M}_fused_us", math.nan)
-            for n in ("qkv", "gate_up"))
     return r
-
-
-def norm_gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
-    """Configs for ``add_rms_norm_gemv`` at one shape: the default (``gemv_config(norm=True)``) and
-    BLOCK_N 2 to 32, each as one kernel and with the "auto" rule's K splits (~4 programs per SM,
-    plus a reduce launch): fewer rows per program mean more programs, each re-reading the
-    activation row for its statistics."""
-    base = gemv_config(M, N, K, sms, norm=True, use_tuned=False)
-    cands = {base}
-    for bn in (2, 4, 8, 16, 32):
-        for split in {1, max(1, min(cdiv(4 * sms, cdiv(N, bn)), K // (2 * base.block_k)))}:
-            cands.add(GemvConfig(bn, base.block_k, split, base.num_warps, base.num_stages,
-                                 defer_reduce=M == 1 and bn * base.block_k <= 4096))
-    return sorted(cands, key=lambda c: (c.block_n, c.split_k))
-
-
-def _bench_norm_gemv(r: dict, name: str, M: int, N: int, K: int, dtype, g, sms: int, min_bytes: float) -> None:
-    """``bench_switches``' figures for ``fuse_norm_gemv`` at one shape (see its docstring)."""
-    dev = g.device
-    key = f"sw_norm_gemv_{name}_m{M}"
-    ws = _weight_copies(N, K, dtype, g, min_bytes)
-    calls = len(ws)
-    x, res = (torch.randn(M, K, device=dev, dtype=dtype, generator=g) for _ in range(2))
-    nw = torch.randn(K, device=dev, dtype=dtype, generator=g) * 0.1 + 1
-    b = torch.randn(N, device=dev, dtype=dtype, generator=g) if name == "qkv" else None
-    out = torch.empty(M, N, device=dev, dtype=dtype)
-    normed, res_out = torch.empty_like(x), torch.empty_like(x)
-    plain = gemv_config(M, N, K, sms)  # what the engine runs unfused now
-    fused = gemv_config(M, N, K, sms, norm=True)
-
-    def unfused(i):
-        add_rms_norm(x, res, nw, 1e-6, out=normed, residual_out=res_out)
-        gemv(normed, ws[i % calls], b, config=plain, out=out)
-
-    def fused_with(cfg):
-        return lambda i: add_rms_norm_gemv(x, res, nw, 1e-6, ws[i % calls], b, config=cfg, out=out,
-                                           residual_out=res_out)
-
-    variants = {"unfused": unfused, "fused": fused_with(fused), "fused_plain_config": fused_with(plain)}
-    for v, fn in variants.items():
-        try:
-            r[f"{key}_{v}_us"] = _graph_us(fn, calls)
-        except Exception as e:
-            r[f"{key}_{v}_error"] = f"{type(e).__name__}: {e}"[:300]
-    r[f"{key}_unfused_config"], r[f"{key}_fused_config"] = str(plain), str(fused)
-    timed = {fused: r[f"{key}_fused_us"]} if f"{key}_fused_us" in r else {}
-    for cfg in norm_gemv_candidates(M, N, K, sms):
-        if cfg in timed:
-            continue
-        try:
-            timed[cfg] = _graph_us(fused_with(cfg), calls)
-        except Exception as e:
-            r[f"{key}_error_{cfg.block_n}_{cfg.split_k}"] = f"{type(e).__name__}: {e}"[:300]
-    best = min(timed, key=timed.get, default=None)
-    if best is not None:
-        r[f"{key}_fused_best_us"], r[f"{key}_fused_best_config"] = timed[best], str(best)
-    nbytes = (N * K + M * N + (N if b is not None else 0)) * torch.tensor([], dtype=dtype).element_size()
-    for v in ("unfused", "fused"):
-        if f"{key}_{v}_us" in r:
-            r[f"{key}_{v}_gbps"] = nbytes / r[f"{key}_{v}_us"] / 1e3
-    del ws
 
 
 # ------------------------------------------------------------------------------ GEMV M = 1 sweep

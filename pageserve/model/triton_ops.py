@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import (SPLIT_K_MODES, add_rms_norm, add_rms_norm_gemv, gemv, interpreting, load_device_configs,
+from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs,
                        paged_decode_attention, paged_prefill_attention, rms_norm, rotary, rotary_write_kv, set_pdl,
                        silu_and_mul, silu_mul_gemv, write_kv)
 from .attention import AttentionMetadata
@@ -32,9 +32,6 @@ class TritonOps(TorchOps):
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
-    ``fuse_norm_gemv`` (off by default: not yet measured on a GPU, kernels/NOTES.md):
-    ``add_rms_norm_linear`` as one GEMV whose activation load adds the residual and
-    normalises (M <= gemv_max_m); off, the add+RMSNorm kernel then ``linear``.
     ``tuned_configs``: on CUDA, install the GEMV configs tuned for this GPU model if the
     package ships them (``kernels/configs/<gpu>.json``); else the shape heuristic.
     ``pdl``: programmatic dependent launch (process-wide, ``_util.set_pdl``) for the
@@ -47,7 +44,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 fuse_norm_gemv: bool = False, tuned_configs: bool = True, pdl: bool | None = None) -> None:
+                 tuned_configs: bool = True, pdl: bool | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -58,7 +55,6 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
-        self.fuse_norm_gemv = fuse_norm_gemv
         set_pdl(pdl)
 
     def _gemv_fits(self, x: torch.Tensor) -> bool:
@@ -79,11 +75,6 @@ class TritonOps(TorchOps):
 
     def add_rms_norm(self, x, residual, weight, eps):
         return add_rms_norm(x, residual, weight, eps)
-
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias):
-        if self.fuse_norm_gemv and self._gemv_fits(x):
-            return add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, split_k=self.gemv_split_k)
-        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)  # norm kernel, then linear
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(gate_up)
