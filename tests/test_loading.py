@@ -11,7 +11,7 @@ import torch
 from pageserve.model import default_model
 from pageserve.model.config import ModelConfig
 from pageserve.model.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, load_gguf, load_gguf_config, permute_qk, unpermute_qk
-from pageserve.model.loader import load_model
+from pageserve.model.loader import ModelLoadError, load_model
 from pageserve.lab.naive import prompt_logits
 
 
@@ -82,7 +82,7 @@ def test_hub_failure_names_the_repo_and_the_way_out(monkeypatch):
         raise OSError("no network")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(RuntimeError, match=r"someorg/missing.*local model directory"):
+    with pytest.raises(ModelLoadError, match=r"someorg/missing.*local model directory"):
         load_model("someorg/missing", device="cpu")
 
 

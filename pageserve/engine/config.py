@@ -42,6 +42,14 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        from ..model.config import resolve_dtype
+        from ..model.loader import resolve_device
+
+        resolve_device(self.device)  # ValueError for a device this torch cannot use (cuda on a CPU-only build)
+        if not isinstance(self.dtype, torch.dtype):
+            resolve_dtype(self.dtype, "cpu")  # ValueError for an unknown dtype name
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 
     @classmethod
     def field_names(cls) -> set[str]:

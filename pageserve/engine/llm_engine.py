@@ -150,7 +150,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(ids)} tokens; max_model_len is "
-                f"{self.max_model_len} (the prompt plus at least one generated token must fit)"
+                f"{self.max_model_len} (the prompt plus at least one generated token must fit); "
+                "shorten the prompt or raise max_model_len"
             )
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise ValueError(
