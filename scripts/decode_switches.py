@@ -17,7 +17,7 @@ import torch
 
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.model.triton_ops import TritonOps
-from pageserve.kernels.gemv import GEMV_CONFIGS, apply_configs, device_config_path
+from pageserve.kernels.gemv import device_config_path, parse_configs
 from pageserve.engine.llm import LLM
 
 SETTINGS = {  # TritonOps switches; each runs with the GEMV shape heuristic and with the tuned configs
@@ -83,11 +83,12 @@ def main() -> None:
     rounds = [(f"{name}_r{r}" if args.repeat > 1 else name, sw, tuned)
               for r in range(args.repeat) for name, sw, tuned in settings]
     for name, switches, tuned in rounds:
-        GEMV_CONFIGS.clear()
+        configs: dict = {}
         if tuned:
             with open(tuned_path) as f:
-                print(f"{name}: {apply_configs(json.load(f))} tuned GEMV configs from {tuned_path}", flush=True)
-        ops = TritonOps(tuned_configs=False, **{"pdl": False, **switches})
+                configs = parse_configs(json.load(f))
+            print(f"{name}: {len(configs)} tuned GEMV configs from {tuned_path}", flush=True)
+        ops = TritonOps(tuned_configs=configs, **{"pdl": False, **switches})
         runner.graphs = None
         gc.collect()
         runner.ops = ops

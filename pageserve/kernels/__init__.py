@@ -14,15 +14,17 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 
 ``reference`` holds the plain-PyTorch math each kernel is checked against. This package
 imports torch and triton and nothing else of pageserve (``pageserve.model.triton_ops`` is
-the layer that uses it). Importing it changes no process-wide state: to run the kernels on
-Triton's CPU interpreter, set ``TRITON_INTERPRET=1`` before triton is first imported.
+the layer that uses it). Importing it changes no process-wide state, and nothing here keeps
+a setting between calls: each wrapper takes its launch options (``pdl=``, and the GEMVs' tuned
+``configs=``) as arguments. To run the kernels on Triton's CPU interpreter, set
+``TRITON_INTERPRET=1`` before triton is first imported.
 """
 from __future__ import annotations
 
 from . import reference  # noqa: F401
 from .activation import silu_and_mul
-from ._util import interpreting, set_pdl
-from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, silu_mul_gemv
+from ._util import interpreting
+from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
 from .kv_write import write_kv
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
@@ -31,6 +33,7 @@ from .rope_kv import rotary_write_kv
 from .rotary import rotary
 
 __all__ = [
-    "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "set_pdl", "load_device_configs", "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
+    "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,9 +55,10 @@ class GemvConfig:
     defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
 
 
-# config_key(M, N, K[, silu_mul]) -> config, filled by tuning runs (bench.bench_gemv, bench.sweep_gemv_m1)
-# or from their JSON by apply_configs; the heuristic covers the rest
-GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
+# Tuned configs are a plain mapping config_key(...) -> GemvConfig that the caller owns and passes
+# (``configs=``): TritonOps holds the one for its GPU (``load_device_configs``), the lab's sweeps
+# build their own (``parse_configs`` reads their JSON). Shapes without an entry use the heuristic.
+GemvConfigs = Mapping[tuple, GemvConfig]
 
 
 def config_key(M: int, N: int, K: int, silu_mul: bool = False) -> tuple:
@@ -75,24 +77,24 @@ def parse_config(text: str) -> GemvConfig:
     return GemvConfig(*args, **{kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
 
 
-def apply_configs(configs: dict) -> int:
-    """Install tuned configs into GEMV_CONFIGS; returns how many.
+def parse_configs(record: Mapping) -> dict[tuple, GemvConfig]:
+    """Tuned configs as a new dict ``config_key -> GemvConfig`` (nothing is installed anywhere).
 
-    ``configs`` maps ``str(config_key(...))`` to ``repr(GemvConfig)``, as ``kernels_bench.json``
+    ``record`` maps ``str(config_key(...))`` to ``repr(GemvConfig)``, as ``kernels_bench.json``
     holds them under ``gemv_tuned_configs`` (every config tuned in that run) and
     ``bench.sweep_m1_gemv_configs`` (the M = 1 sweep's). A whole record, or its ``bench`` dict,
     is also accepted (its ``gemv_tuned_configs``, else the sweep's)."""
-    if any(name in configs for name in ("bench", "gemv_tuned_configs", "sweep_m1_gemv_configs")):
-        bench = configs.get("bench", configs)
-        configs = configs.get("gemv_tuned_configs") or bench.get("sweep_m1_gemv_configs") or {}
-    for key, text in configs.items():
-        k = ast.literal_eval(key) if isinstance(key, str) else tuple(key)
-        GEMV_CONFIGS[tuple(k)] = text if isinstance(text, GemvConfig) else parse_config(text)
-    return len(configs)
+    if any(name in record for name in ("bench", "gemv_tuned_configs", "sweep_m1_gemv_configs")):
+        bench = record.get("bench", record)
+        record = record.get("gemv_tuned_configs") or bench.get("sweep_m1_gemv_configs") or {}
+    out = {}
+    for key, text in record.items():
+        k = ast.literal_eval(key) if isinstance(key, str) else key
+        out[tuple(k)] = text if isinstance(text, GemvConfig) else parse_config(text)
+    return out
 
 
 CONFIG_DIR = Path(__file__).parent / "configs"  # <device slug>.json: configs tuned on that GPU
-_devices_loaded: set[str] = set()
 
 
 def device_config_path(device_name: str) -> Path:
@@ -100,17 +102,14 @@ def device_config_path(device_name: str) -> Path:
     return CONFIG_DIR / (re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") + ".json")
 
 
-def load_device_configs(device_name: str) -> int:
-    """Install the GEMV configs tuned on this GPU model, once, if the package ships them
-    (``python -m pageserve.lab.kernel_bench --parts sweep_m1`` measures them). Returns how many."""
-    if device_name in _devices_loaded:
-        return 0
-    _devices_loaded.add(device_name)
+def load_device_configs(device_name: str) -> dict[tuple, GemvConfig]:
+    """The GEMV configs tuned on this GPU model if the package ships them (``python -m
+    pageserve.lab.kernel_bench --parts sweep_m1`` measures them), else an empty dict."""
     path = device_config_path(device_name)
     if not path.exists():
-        return 0
+        return {}
     with open(path) as f:
-        return apply_configs(json.load(f))
+        return parse_configs(json.load(f))
 
 
 @triton.jit
@@ -204,10 +203,11 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tuned: bool = True,
+def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", configs: GemvConfigs | None = None,
                 silu_mul: bool = False) -> GemvConfig:
-    """Tuned entry if present (under ``"never"``: only a one-split entry), else the heuristic.
-    ``silu_mul``: for ``silu_mul_gemv`` (its own GEMV_CONFIGS entry first, then the plain one).
+    """The entry of ``configs`` (tuned, keyed by ``config_key``) if present (under ``"never"``: only
+    a one-split entry), else the heuristic. ``silu_mul``: for ``silu_mul_gemv`` (its own entry
+    first, then the plain one). ``configs`` None or empty: the heuristic.
 
     ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
     the grid covers the SMs about four times, each split at least two tiles long.
@@ -218,10 +218,10 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tun
     if split_k not in SPLIT_K_MODES:
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
     tuned = None
-    if use_tuned:
-        tuned = GEMV_CONFIGS.get(config_key(M, N, K, silu_mul))
+    if configs:
+        tuned = configs.get(config_key(M, N, K, silu_mul))
         if tuned is None:
-            tuned = GEMV_CONFIGS.get(config_key(M, N, K))
+            tuned = configs.get(config_key(M, N, K))
     if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
     return _heuristic_config(M, N, K, sms, split_k)
@@ -246,18 +246,19 @@ def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvCon
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: GemvConfig | None, split_k: str, silu_mul: bool = False) -> torch.Tensor:
+            config: GemvConfig | None, split_k: str, configs: GemvConfigs | None, pdl: bool | None,
+            silu_mul: bool = False) -> torch.Tensor:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
-    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, silu_mul=silu_mul)
+    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
     use_dot = M > 1 and cfg.block_n >= 16
     block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     b = bias if bias is not None else weight  # unused pointers point at something valid
-    pdl = pdl_args(x, M)
+    launch = pdl_args(x, M, pdl)
     _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
         x, weight, b, out, part,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
@@ -265,13 +266,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
         BLOCK = 256
         _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
             part, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-            num_warps=2, **pdl,
+            num_warps=2, **launch,
         )
     return out
 
@@ -283,9 +284,12 @@ def _check_out(out, M, N, x) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto") -> torch.Tensor:
+         config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
+         configs: GemvConfigs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] (M small), weight: [N, K] row-major, bias: [N] or None -> [M, N].
-    ``split_k`` ("auto" | "never") picks the heuristic when no ``config`` is given."""
+    ``config``: this launch's tiles; without it the entry of ``configs`` (tuned, keyed by
+    ``config_key``) for this shape, else the ``split_k`` ("auto" | "never") heuristic.
+    ``pdl``: see ``_util.use_pdl``."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     M, K = x.shape
     check("weight", weight, shape=(None, K), dtype=x.dtype)
@@ -297,13 +301,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_device(**tensors)
     if M > 64:
         raise ValueError(f"gemv is for small M (got M={M}); use torch.nn.functional.linear")
-    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, silu_mul=False)
+    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-                  out: torch.Tensor | None = None, split_k: str = "auto") -> torch.Tensor:
+                  out: torch.Tensor | None = None, split_k: str = "auto", configs: GemvConfigs | None = None,
+                  pdl: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), weight: [N, I] -> SiLU(gate) * up @ weight^T: [M, N],
-    in one pass (plus the split-K reduce when the config splits)."""
+    in one pass (plus the split-K reduce when the config splits). ``config`` / ``configs`` /
+    ``split_k`` / ``pdl`` as ``gemv`` (its own ``config_key(..., silu_mul=True)`` entry first)."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -312,6 +318,5 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
     check_device(gate_up=gate_up, weight=weight)
     if M > 64:
         raise ValueError(f"silu_mul_gemv is for small M (got M={M})")
-    return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k,
-                   silu_mul=True)
-
+    return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k, configs,
+                   pdl, silu_mul=True)

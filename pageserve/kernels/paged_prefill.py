@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
-from ._util import check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
+from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+                    online_softmax_step)
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 

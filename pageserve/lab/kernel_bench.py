@@ -33,7 +33,7 @@ import triton.language as tl  # noqa: E402
 
 from . import kernel_checks as checks  # noqa: E402
 from ..kernels.activation import silu_and_mul  # noqa: E402
-from ..kernels.gemv import GEMV_CONFIGS, GemvConfig, config_key, gemv, gemv_config, silu_mul_gemv, silu_mul_linear_reference  # noqa: E402
+from ..kernels.gemv import GemvConfig, config_key, gemv, gemv_config, silu_mul_gemv, silu_mul_linear_reference  # noqa: E402
 from ..kernels.kv_write import write_kv  # noqa: E402
 from ..kernels.norm import add_rms_norm, rms_norm  # noqa: E402
 from ..kernels.paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention  # noqa: E402
@@ -372,7 +372,7 @@ def bench_prefill_attention(dtype=torch.bfloat16, calls: int = 5) -> dict:
 
 
 def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
-    base = gemv_config(M, N, K, sms, use_tuned=False)
+    base = gemv_config(M, N, K, sms)
     cands = {base}
     for bn in (8, 16, 32, 64):
         for bk in (256, 512) if M == 1 else (64, 128):
@@ -387,9 +387,9 @@ def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
 
 
 def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: float = 256e6,
-               shapes: dict = GEMV_SHAPES, device: str = "cuda") -> dict:
+               shapes: dict = GEMV_SHAPES, device: str = "cuda", tuned: dict | None = None) -> dict:
     """Each 3B linear at batch M: the GEMV (tuned over ``gemv_candidates``, best kept in
-    GEMV_CONFIGS) against torch.nn.functional.linear (cuBLAS). Both timed the same way: calls
+    into ``tuned`` under ``config_key`` when given) against torch.nn.functional.linear (cuBLAS). Both timed the same way: calls
     back to back in a CUDA graph (``timed_ms``), each call on the next of ``_weight_copies``
     so the weights stream from HBM as they do in a decode step."""
     es = torch.tensor([], dtype=dtype).element_size()
@@ -411,7 +411,7 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
 
         t_cublas = timed_ms(r, f"cublas_{name}_m{M}",
                             lambda i: torch.nn.functional.linear(x, ws[i % len(ws)], b), calls)
-        heuristic = gemv_config(M, N, K, sms, use_tuned=False)
+        heuristic = gemv_config(M, N, K, sms)
         timed = {}
         for cfg in gemv_candidates(M, N, K, sms) if tune else [heuristic]:
             try:
@@ -421,7 +421,8 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
         if not timed:
             raise RuntimeError(f"{key}: no GEMV config ran (last error: {r.get(f'{key}_cfg_error')})")
         best_cfg = min(timed, key=timed.get)
-        GEMV_CONFIGS[config_key(M, N, K)] = best_cfg
+        if tuned is not None:
+            tuned[config_key(M, N, K)] = best_cfg
         t_gemv = timed_ms(r, key, run(best_cfg), calls)
         r[f"{key}_ms"], r[f"{key}_gbps"] = t_gemv, _gbps(nbytes, t_gemv)
         if heuristic in timed:
@@ -441,7 +442,7 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
 
 # ------------------------------------------------------------------------------ decode switches
 def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHAPES, device: str = "cuda",
-                   min_bytes: float = 256e6) -> dict:
+                   min_bytes: float = 256e6, configs: dict | None = None) -> dict:
     """The TritonOps decode switches, each variant in a CUDA graph (``graph_ms``), figures in µs:
 
     - ``sw_gemv_<shape>_m<M>_{auto,never}_us``: every 3B linear, split-K heuristic vs one kernel
@@ -462,8 +463,8 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
             b = torch.randn(N, device=dev, dtype=dtype, generator=g) if name == "qkv" else None
             out = torch.empty(M, N, device=dev, dtype=dtype)
             key = f"sw_gemv_{name}_m{M}"
-            auto = gemv_config(M, N, K, sms, "auto", use_tuned=False)
-            never = gemv_config(M, N, K, sms, "never", use_tuned=False)
+            auto = gemv_config(M, N, K, sms, "auto")
+            never = gemv_config(M, N, K, sms, "never")
             sweep = {never, GemvConfig(never.block_n, never.block_k, 1, 8, never.num_stages, never.defer_reduce)}
             for bn in (never.block_n // 2, never.block_n * 2):
                 if bn >= (1 if M == 1 else 4):
@@ -491,9 +492,9 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
         act = torch.empty(M, K, device=dev, dtype=dtype)
         calls = len(ws)
         variants = {
-            "unfused": lambda i: gemv(silu_and_mul(gu, out=act), ws[i % calls], out=out),
-            "fused": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out),
-            "fused_never": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, split_k="never"),
+            "unfused": lambda i: gemv(silu_and_mul(gu, out=act), ws[i % calls], out=out, configs=configs),
+            "fused": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, configs=configs),
+            "fused_never": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, split_k="never", configs=configs),
         }
         for v, fn in variants.items():
             try:
@@ -621,8 +622,8 @@ def _sweep_m1_target(r: dict, p: str, N: int, K: int, silu: bool, bias: bool, dt
         except Exception as e:  # does not compile, out of resources, no capture: skip it
             failed[cfg] = f"{cfg}: {type(e).__name__}: {e}"[:300]
 
-    heuristic = gemv_config(1, N, K, sms, "auto", use_tuned=False)
-    never = gemv_config(1, N, K, sms, "never", use_tuned=False)
+    heuristic = gemv_config(1, N, K, sms, "auto")
+    never = gemv_config(1, N, K, sms, "never")
     time_config(heuristic, budgeted=False)
     time_config(never, budgeted=False)
     first, groups = m1_sweep_rounds(m1_sweep_space(N, K, sms, es))
@@ -659,7 +660,8 @@ def _sweep_m1_target(r: dict, p: str, N: int, K: int, silu: bool, bias: bool, dt
 
 
 def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: float = 256e6,
-                  shapes: dict = GEMV_SHAPES, device: str = "cuda", replays: int = 10) -> dict:
+                  shapes: dict = GEMV_SHAPES, device: str = "cuda", replays: int = 10,
+                  tuned: dict | None = None) -> dict:
     """GemvConfig sweep at M = 1 for every 3B linear, and for ``silu_mul_gemv`` on the down
     shape (``silu_down``), each config timed in a CUDA graph with the weights rotated out of L2
     (``graph_ms``), in three rounds over ``m1_sweep_space`` (``m1_sweep_rounds``). Compiles
@@ -668,12 +670,12 @@ def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: floa
     ``_skipped`` (the heuristic configs are always timed). Compile errors, out-of-resources and
     failed captures skip the config; a target that fails as a whole records ``_error``.
 
-    Per target ``sweep_m1_<shape>_``: ``best_config`` (a GemvConfig repr for GEMV_CONFIGS),
+    Per target ``sweep_m1_<shape>_``: ``best_config`` (a GemvConfig repr),
     ``best_us`` / ``best_gbps``, ``heuristic_{config,us,gbps}`` (``split_k="auto"``, the default),
     ``never_{config,us}``, ``cublas_us`` / ``cublas_gbps`` (torch: F.linear; for silu_down
     TorchOps.silu_mul_linear), ``best_vs_cublas`` and ``best_vs_heuristic`` (> 1: best is faster),
     ``top5``, ``key`` and counts. ``sweep_m1_gemv_configs`` maps ``str(config_key)`` to the best
-    config for ``gemv.apply_configs``; the bests are also installed in GEMV_CONFIGS."""
+    config (``kernels.parse_configs`` reads it back); the bests also go into ``tuned`` when given."""
     gen = torch.Generator(device=device).manual_seed(0)
     sms = sm_count_for(torch.empty(1, device=device))
     targets = [(name, N, K, False) for name, (N, K) in shapes.items()] + [("silu_down", *shapes["down"], True)]
@@ -693,7 +695,8 @@ def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: floa
             traceback.print_exc()
             continue
         if best is not None:
-            GEMV_CONFIGS[key] = best
+            if tuned is not None:
+                tuned[key] = best
             best_configs[str(key)] = repr(best)
     r["sweep_m1_gemv_configs"] = best_configs
     r["sweep_m1_elapsed_s"] = time.perf_counter() - t_start
@@ -705,17 +708,21 @@ DEFAULT_PARTS = BENCH_PARTS[:-1]  # sweep_m1 (~2 min of compiles) only when aske
 
 
 def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1, 4, 8),
-                   decode_batch: int = 64, decode_context: int = 2048, parts: tuple = DEFAULT_PARTS) -> dict:
+                   decode_batch: int = 64, decode_context: int = 2048, parts: tuple = DEFAULT_PARTS,
+                   tuned: dict | None = None) -> dict:
     """The named ``parts`` of ``BENCH_PARTS`` (CUDA only; default: all but sweep_m1). Failures
     are recorded as ``<part>_error`` and skipped. Kernel timings are GPU time, calls back to
-    back in a CUDA graph (``graph_ms``); only the ceilings are timed eagerly."""
+    back in a CUDA graph (``graph_ms``); only the ceilings are timed eagerly. The GEMV parts put
+    their best configs into ``tuned`` (``config_key -> GemvConfig``), which the later parts use."""
+    tuned = {} if tuned is None else tuned
     # 1: kernels over at most PDL_MAX_TOKENS rows launch with PDL (the M <= 8 GEMVs; not batch 64)
     figures: dict = {"pdl_launch": int(use_pdl(torch.empty(0, device="cuda"), 1))}
     table = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
              ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]
-    table += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv)) for m in gemv_batches]
-    table += [("switches", lambda: bench_switches(dtype)), ("sweep_m1", lambda: sweep_gemv_m1(dtype))]
+    table += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv, tuned=tuned)) for m in gemv_batches]
+    table += [("switches", lambda: bench_switches(dtype, configs=tuned)),
+              ("sweep_m1", lambda: sweep_gemv_m1(dtype, tuned=tuned))]
     for part, fn in table:
         if ("gemv" if part.startswith("gemv_m") else part) not in parts:
             continue
@@ -795,8 +802,9 @@ def main(argv=None) -> int:
         record["checks"] = run_checks(dtypes, full=cuda)
         save()
     if cuda and not args.skip_bench:
-        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts)
-        record["gemv_tuned_configs"] = {str(k): repr(v) for k, v in GEMV_CONFIGS.items()}
+        tuned: dict = {}
+        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts, tuned=tuned)
+        record["gemv_tuned_configs"] = {str(k): repr(v) for k, v in tuned.items()}
     save()
 
     checks_ = record.get("checks", {})
