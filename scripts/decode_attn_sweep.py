@@ -16,7 +16,8 @@ import os
 import torch
 
 from pageserve.lab import kernel_checks as checks
-from pageserve.lab.kernel_bench import HEAD_DIM, HKV, HQ, graph_ms
+from pageserve.lab.kernel_bench.shapes import HEAD_DIM, HKV, HQ
+from pageserve.lab.kernel_bench.timing import graph_ms
 from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention
 
 

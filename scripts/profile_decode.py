@@ -15,7 +15,7 @@ import os
 import torch
 
 from pageserve.lab.decode_bench import decode_step_ms
-from pageserve.lab import kernel_bench as kbench
+from pageserve.lab.kernel_bench.sweeps import bench_decode_attention
 from pageserve.engine.llm import LLM
 
 
@@ -63,7 +63,7 @@ def main() -> None:
                                 "kernels": [{"name": n, "us": us, "launches": c} for n, us, c in rows]}
     del llm, runner
     torch.cuda.empty_cache()
-    r = kbench.bench_decode_attention()
+    r = bench_decode_attention()
     print("\n== decode attention, batch 64 x 2048:", {k: v for k, v in r.items() if not k.startswith("paged_decode_attn_sweep_error")})
     record["decode_attention"] = r
     os.makedirs(args.out, exist_ok=True)

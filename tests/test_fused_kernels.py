@@ -20,7 +20,7 @@ from pageserve.model.triton_ops import TritonOps  # noqa: E402
 from pageserve.lab import kernel_checks as checks  # noqa: E402
 from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
 from pageserve.kernels.gemv import GemvConfig, gemv_config  # noqa: E402
-from pageserve.lab.kernel_bench import GEMV_SHAPES as SHAPES_3B  # noqa: E402
+from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES as SHAPES_3B  # noqa: E402
 from pageserve.model.ops import TorchOps, rope_cos_sin  # noqa: E402
 
 CUDA = torch.cuda.is_available()

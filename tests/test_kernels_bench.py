@@ -1,4 +1,4 @@
-"""The kernel bench's plumbing (pageserve.lab.kernel_bench): sweep grids, tuned-config round trip,
+"""The kernel bench's plumbing (the pageserve.lab.kernel_bench package): sweep grids, tuned-config round trip,
 timing fallback, the M = 1 sweep end to end on tiny shapes. CPU: the Triton interpreter; the
 timings themselves only mean something on the GPU."""
 import json
@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pageserve.lab import kernel_bench as bench  # noqa: E402
+from pageserve.lab.kernel_bench import run, shapes, sweeps, timing  # noqa: E402
 from pageserve.kernels.gemv import (  # noqa: E402
     GemvConfig, config_key, gemv, gemv_config, linear_reference, parse_config, parse_configs,
 )
@@ -29,29 +29,61 @@ def test_bench_help_lists_the_sweep_part():
     assert "sweep_m1" in res.stdout and "--json" in res.stdout
 
 
-def test_sweep_m1_is_a_part_but_not_a_default_one():
-    assert "sweep_m1" in bench.BENCH_PARTS and "sweep_m1" not in bench.DEFAULT_PARTS
-    assert set(bench.DEFAULT_PARTS) == set(bench.BENCH_PARTS) - {"sweep_m1"}
+def test_run_benchmarks_runs_the_asked_parts_in_order_and_survives_a_failing_one(monkeypatch):
+    """The default run leaves out the M = 1 sweep, runs the GEMV part once per batch, feeds the
+    GEMV part's tuned configs to the switches, records a failing part and goes on, and reads
+    the *_gbps figures against the read ceiling measured in the same run."""
+    calls = []
+
+    def stub(name, figures):
+        def fn(*args, **kw):
+            calls.append((name, args, kw))
+            if name == "decode_attn":
+                raise RuntimeError("out of resources")
+            if name == "gemv":
+                kw["tuned"][("M", args[0])] = "best"
+            return figures
+        return fn
+
+    monkeypatch.setattr(run, "measure_ceilings", stub("ceilings", {"read_gbps": 4000.0, "copy_gbps": 3000.0}))
+    monkeypatch.setattr(run, "bench_elementwise", stub("elementwise", {"rms_norm_gbps": 2000.0}))
+    monkeypatch.setattr(run, "bench_decode_attention", stub("decode_attn", {}))
+    monkeypatch.setattr(run, "bench_prefill_attention", stub("prefill_attn", {}))
+    monkeypatch.setattr(run, "bench_gemv", stub("gemv", {}))
+    monkeypatch.setattr(run, "bench_switches", stub("switches", {}))
+    monkeypatch.setattr(run, "sweep_gemv_m1", stub("sweep_m1", {}))
+    tuned: dict = {}
+    figures = run.run_benchmarks(gemv_batches=(1, 8), tuned=tuned)
+    assert [c[0] for c in calls] == ["ceilings", "elementwise", "decode_attn", "prefill_attn", "gemv", "gemv",
+                                     "switches"]
+    assert [c[1][0] for c in calls if c[0] == "gemv"] == [1, 8]
+    assert tuned == {("M", 1): "best", ("M", 8): "best"}
+    assert next(c for c in calls if c[0] == "switches")[2]["configs"] is tuned
+    assert figures["decode_attn_error"] == "RuntimeError: out of resources"
+    assert figures["rms_norm_read_frac"] == 0.5
+    calls.clear()
+    run.run_benchmarks(parts=("sweep_m1",))
+    assert [c[0] for c in calls] == ["sweep_m1"]
 
 
 def test_decode_split_choices_are_auto_multiples_and_fixed_values_capped():
-    assert bench.decode_split_choices(5) == [5, 8, 10, 15, 16, 20, 32]
-    big = bench.decode_split_choices(40)
+    assert sweeps.decode_split_choices(5) == [5, 8, 10, 15, 16, 20, 32]
+    big = sweeps.decode_split_choices(40)
     assert max(big) == MAX_SPLITS and 40 in big and len(big) == len(set(big))
 
 
-@pytest.mark.parametrize("name", list(bench.GEMV_SHAPES))
+@pytest.mark.parametrize("name", list(shapes.GEMV_SHAPES))
 def test_m1_sweep_space_fills_an_h200_fits_registers_and_stays_small(name):
-    N, K = bench.GEMV_SHAPES[name]
+    N, K = shapes.GEMV_SHAPES[name]
     sms = 132
-    space = bench.m1_sweep_space(N, K, sms)
+    space = sweeps.m1_sweep_space(N, K, sms)
     assert space
     for c in space:
         per_thread = c.block_n * c.block_k // (32 * c.num_warps)
         assert 16 <= per_thread <= 64, c
         assert sms <= math.ceil(N / c.block_n) * c.split_k <= 128 * sms, c
         assert c.defer_reduce == (per_thread <= 32), c
-    first, groups = bench.m1_sweep_rounds(space)
+    first, groups = sweeps.m1_sweep_rounds(space)
     assert len(first) == len(groups)  # one config per grid shape in round 1
     assert {(c.block_n, c.split_k) for c in first} == set(groups)
     # the budget: round 1, the three biggest groups of round 2, num_stages on the best two, heuristics
@@ -83,12 +115,12 @@ def test_parse_config_accepts_only_a_gemv_config_call():
 
 def test_timed_ms_marks_an_eager_fallback_when_the_capture_fails(monkeypatch):
     def no_capture(fn, calls=20, replays=20):
-        raise bench.CaptureFailed("capture not supported")
+        raise timing.CaptureFailed("capture not supported")
 
-    monkeypatch.setattr(bench, "graph_ms", no_capture)
-    monkeypatch.setattr(bench, "_ms", lambda fn, warmup=25, rep=100: 1.5)
+    monkeypatch.setattr(timing, "graph_ms", no_capture)
+    monkeypatch.setattr(timing, "eager_ms", lambda fn, warmup=25, rep=100: 1.5)
     r = {}
-    assert bench.timed_ms(r, "rms_norm", lambda i: None) == 1.5
+    assert timing.timed_ms(r, "rms_norm", lambda i: None) == 1.5
     assert r["rms_norm_timing"] == "eager" and "capture not supported" in r["rms_norm_capture_error"]
 
 
@@ -96,7 +128,7 @@ def test_timed_ms_marks_an_eager_fallback_when_the_capture_fails(monkeypatch):
 def test_sweep_gemv_m1_writes_its_keys_and_working_configs():
     shapes = {"qkv": (24, 64), "down": (16, 128)}
     tuned: dict = {}
-    r = bench.sweep_gemv_m1(torch.float32, budget_s=5.0, min_bytes=0, shapes=shapes, device="cpu", replays=1,
+    r = sweeps.sweep_gemv_m1(torch.float32, budget_s=5.0, min_bytes=0, shapes=shapes, device="cpu", replays=1,
                             tuned=tuned)
     for name in ("qkv", "down", "silu_down"):
         p = f"sweep_m1_{name}"
@@ -114,7 +146,7 @@ def test_sweep_gemv_m1_writes_its_keys_and_working_configs():
 
 @pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
 def test_bench_decode_attention_times_the_default_and_ranks_what_the_sweep_reached():
-    r = bench.bench_decode_attention(batch=2, ctx=40, dtype=torch.float32, calls=1, device="cpu", sweep_budget_s=2.0)
+    r = sweeps.bench_decode_attention(batch=2, ctx=40, dtype=torch.float32, calls=1, device="cpu", sweep_budget_s=2.0)
     assert r["paged_decode_attn_ms"] > 0 and r["paged_decode_attn_gbps"] > 0
     top = r["paged_decode_attn_top5"]
     assert [t["ms"] for t in top] == sorted(t["ms"] for t in top)
@@ -126,7 +158,7 @@ def test_bench_decode_attention_times_the_default_and_ranks_what_the_sweep_reach
 def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best():
     shapes = {"qkv": (24, 64), "lm_head": (40, 64)}
     tuned: dict = {}
-    r = bench.bench_gemv(1, torch.float32, tune=False, min_bytes=0, shapes=shapes, device="cpu", tuned=tuned)
+    r = sweeps.bench_gemv(1, torch.float32, tune=False, min_bytes=0, shapes=shapes, device="cpu", tuned=tuned)
     for name, (N, K) in shapes.items():
         assert r[f"gemv_{name}_m1_ms"] > 0 and r[f"cublas_{name}_m1_ms"] > 0
         assert parse_config(r[f"gemv_{name}_m1_config"]) == tuned[config_key(1, N, K)]
