@@ -8,6 +8,7 @@ and a tiny decoder that must give the same logits with every switch on or off. C
 Triton interpreter on tiny shapes; CUDA: the same tests on the GPU.
 """
 import os
+import zlib
 
 import pytest
 import torch
@@ -30,7 +31,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.fixture
 def gen(request):
-    return torch.Generator().manual_seed(hash(request.node.name) % (2**31))
+    # seeded from the test's name, the same in every process (hash() of a str is salted per process)
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
 
 
 def _ok(err, dtype):
@@ -101,18 +103,20 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
     assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv  # on by default (measured, kernels/NOTES.md)
 
 
-SWITCHES = {
-    "all_off": {},
-    "fuse_silu_down": {"fuse_silu_down": True},
-    "fuse_rope_kv": {"fuse_rope_kv": True},
-    "gemv_never_split": {"gemv_split_k": "never"},
-    "all_on": {"fuse_silu_down": True, "fuse_rope_kv": True, "gemv_split_k": "never"},
+FUSED = {"silu_mul_gemv", "rotary_write_kv"}  # the kernels the two fusion switches turn on
+SWITCHES = {  # TritonOps keywords -> the fused kernels the decode step must run (the defaults: both on)
+    "all_off": ({"fuse_silu_down": False, "fuse_rope_kv": False}, set()),
+    "fuse_silu_down": ({"fuse_silu_down": True, "fuse_rope_kv": False}, {"silu_mul_gemv"}),
+    "fuse_rope_kv": ({"fuse_silu_down": False, "fuse_rope_kv": True}, {"rotary_write_kv"}),
+    "defaults": ({}, FUSED),
+    "all_on_never_split": ({"fuse_silu_down": True, "fuse_rope_kv": True, "gemv_split_k": "never"}, FUSED),
 }
 
 
-def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen):
+def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen, monkeypatch):
     """Prefill (T > gemv_max_m: cuBLAS + fused RoPE/KV) then a 2-row decode (GEMV, fused MLP)
-    through PagedAttention, and a prompt through phase 01's contiguous cache (no attend_rope)."""
+    through PagedAttention, and a prompt through phase 01's contiguous cache (no attend_rope).
+    Each setting runs exactly the fused kernels it switches on; off, the separate ones instead."""
     from pageserve.model.attention import PagedAttention
     from pageserve.model.config import ModelConfig
     from pageserve.model.decoder import Decoder
@@ -145,6 +149,18 @@ def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen):
         return decode, prompt_logits(model, ids[:5].tolist())
 
     ref = run(TorchOps())
-    for name, switches in SWITCHES.items():
+    called: set = set()
+    for kernel in FUSED | {"silu_and_mul", "rotary", "write_kv"}:  # the names TritonOps calls
+        real = getattr(triton_ops, kernel)
+        monkeypatch.setattr(triton_ops, kernel, lambda *a, _n=kernel, _f=real, **kw: called.add(_n) or _f(*a, **kw))
+    for name, (switches, fused) in SWITCHES.items():
+        called.clear()
         for got, want in zip(run(TritonOps(**switches)), ref):
             assert checks.rel_err(got, want) < 1e-5, name
+        assert called & FUSED == fused, (name, called)
+        if "silu_mul_gemv" not in fused:  # the 2-row decode's MLP: SiLU·mul kernel, then the GEMV
+            assert "silu_and_mul" in called, name
+        if "rotary_write_kv" not in fused:
+            assert {"rotary", "write_kv"} <= called, name
+        else:
+            assert "write_kv" not in called, name
