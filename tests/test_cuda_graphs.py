@@ -88,15 +88,10 @@ def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
 
 
 def test_programmatic_dependent_launch_is_off_where_unsupported():
-    from pageserve.kernels._util import set_pdl, use_pdl
+    from pageserve.kernels._util import use_pdl
 
-    try:
-        set_pdl(True)  # asked for, but a CPU tensor (interpreter) never launches with PDL
-        assert not use_pdl(torch.zeros(1), 1)
-        set_pdl(False)
-        assert not use_pdl(torch.zeros(1, device=DEVICE), 1)
-    finally:
-        set_pdl(None)
+    assert not use_pdl(torch.zeros(1), 1, pdl=True)  # asked for, but a CPU tensor (interpreter) never launches with PDL
+    assert not use_pdl(torch.zeros(1, device=DEVICE), 1, pdl=False)
 
 
 def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
@@ -117,14 +112,11 @@ def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
 def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config):
     # PDL only changes when each kernel starts: every logit of every step (batches of 1-24,
     # PDL on up to 8 rows) must be bit-identical to plain launches.
-    from pageserve.kernels._util import pdl_supported, set_pdl
+    from pageserve.kernels._util import pdl_supported
 
     if not pdl_supported(0):
         pytest.skip("PDL needs sm_90+")
-    try:
-        plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False)
-        tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True)
-        assert tokens == plain_tokens
-        assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
-    finally:
-        set_pdl(None)
+    plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False)
+    tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True)
+    assert tokens == plain_tokens
+    assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
