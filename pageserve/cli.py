@@ -2,8 +2,8 @@
 
     pageserve generate "Why is the sky blue?" [--model M] [--max-tokens N] [--device D] [--dtype T]
 
-``generate`` streams a greedy chat reply from the phase-01 loop (``naive_generate``).
-Subcommands are argparse sub-parsers, so ``serve`` slots in beside it.
+``generate`` streams a greedy chat reply from the phase-01 loop (``naive_generate``);
+``serve`` runs the OpenAI-compatible server (``pageserve serve --help``, ``pageserve.serve.cli``).
 """
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="an optional system message")
     gen.add_argument("--raw", action="store_true", help="encode the prompt as plain text, no chat template")
     gen.set_defaults(func=cmd_generate)
+    from .serve.cli import add_serve_parser  # the server's flags; its imports are deferred to run time
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -44,7 +44,7 @@ def build_app(
     served_model_name: str | list[str] | None = None,
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes: int | None = None,
 ) -> FastAPI:
     """An app serving ``engine``. The engine thread starts and stops with the app's lifespan."""
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_waiting_requests)
@@ -67,7 +67,7 @@ def build_app(
     app.state.server = server
     app.state.engine = aengine
     app.add_middleware(_AuthMiddleware, api_key=api_key)
-    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
