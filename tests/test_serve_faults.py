@@ -180,3 +180,30 @@ def test_every_engine_config_field_is_a_serve_flag():
         assert "--" + name.replace("_", "-") in help_text
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--triton-options", "[1]"])
+
+
+# ------------------------------------------------------------------------ no tokenizer
+def test_a_model_without_tokenizer_answers_with_token_ids():
+    from pageserve.serve.api import build_app
+    from pageserve.serve.background import build_engine, start_server_in_background
+
+    engine = build_engine(model="smollm2-135m", device="cpu", dtype="float32", num_blocks=32, max_model_len=256)
+    srv = start_server_in_background(build_app(engine))
+    try:
+        body = {"model": "smollm2-135m", "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3, "ignore_eos": True,
+                "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        assert [c["text"] for c in r["choices"]] == ["", ""]
+        assert all(len(c["token_ids"]) == 3 for c in r["choices"])
+        s = httpx.post(srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60)
+        chunks = [json.loads(l[6:]) for l in s.text.splitlines() if l.startswith("data: {")]
+        streamed = {0: [], 1: []}
+        for c in chunks:
+            for choice in c["choices"]:
+                streamed[choice["index"]] += choice["token_ids"]
+        assert streamed == {c["index"]: c["token_ids"] for c in r["choices"]}
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "prompt": "text"}).status_code == 400
+        chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert chat.status_code == 400
+    finally:
+        srv.stop()
