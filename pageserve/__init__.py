@@ -1,16 +1,16 @@
 """pageserve: a paged-KV LLM serving engine written from scratch in PyTorch + Triton."""
-from .config import EngineConfig
-from .sampling_params import SamplingParams
+from .engine.config import EngineConfig
+from .engine.sampling_params import SamplingParams
 
 
 def __getattr__(name):
     # LLM pulls in the engine (and torch models); import it on first use
     if name == "LLM":
-        from .llm import LLM
+        from .engine.llm import LLM
 
         return LLM
     if name == "LLMEngine":
-        from .engine import LLMEngine
+        from .engine.llm_engine import LLMEngine
 
         return LLMEngine
     raise AttributeError(f"module 'pageserve' has no attribute {name!r}")

@@ -14,9 +14,9 @@ import argparse
 
 import torch
 
-from pageserve.attention import AttentionMetadata, PagedAttention
-from pageserve.loader import load_model
-from pageserve.ops import TorchOps
+from pageserve.model.attention import AttentionMetadata, PagedAttention
+from pageserve.model.loader import load_model
+from pageserve.model.ops import TorchOps
 
 
 def bf16(t: torch.Tensor) -> torch.Tensor:

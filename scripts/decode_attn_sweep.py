@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from pageserve.kernels import checks
-from pageserve.kernels.bench import HEAD_DIM, HKV, HQ, graph_ms
+from pageserve.lab import kernel_checks as checks
+from pageserve.lab.kernel_bench import HEAD_DIM, HKV, HQ, graph_ms
 from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention
 
 

@@ -13,7 +13,7 @@ import traceback
 import torch
 
 from pageserve import LLM
-from pageserve.bench import random_workload, run_pageserve, warmup
+from pageserve.lab.bench import random_workload, run_pageserve, warmup
 
 
 def main() -> None:

@@ -32,11 +32,12 @@ Q3B="-p MODEL qwen2.5-3b -p DEVICE cuda"
 for st in $stages; do
   s=${st%%:*}; t=${st##*:}
   case $s in
-    tests) timeout "$t" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fused_kernels.py \
-             tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1; echo "tests rc=$?"; tail -n 15 "$RES/gpu_tests.log" ;;
-    switches) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts switches --skip-checks \
+    tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
+             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1
+           echo "tests rc=$? ($(grep -cE "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu_tests.log") named results in gpu_tests.log/.xml)"; tail -n 15 "$RES/gpu_tests.log" ;;
+    switches) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts switches --skip-checks \
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
-    sweep_m1) timeout "$t" python3 -m pageserve.kernels.bench --out "$RES" --parts sweep_m1 --skip-checks \
+    sweep_m1) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts sweep_m1 --skip-checks \
                 --json kernels_sweep_m1.json > "$RES/sweep_m1.log" 2>&1; echo "sweep_m1 rc=$?"; tail -n 12 "$RES/sweep_m1.log" ;;
     decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" ${DECODE_SWITCHES_ARGS:-} \
                 > "$RES/decode_switches.log" 2>&1

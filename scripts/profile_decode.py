@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from pageserve.decode_bench import decode_step_ms
-from pageserve.kernels import bench as kbench
-from pageserve.llm import LLM
+from pageserve.lab.decode_bench import decode_step_ms
+from pageserve.lab import kernel_bench as kbench
+from pageserve.engine.llm import LLM
 
 
 def kernel_breakdown(graph: torch.cuda.CUDAGraph, replays: int = 20) -> list[tuple[str, float, int]]:

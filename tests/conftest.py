@@ -1,14 +1,23 @@
 """Shared fixtures. Keep this small: fixtures that several test files reuse."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run on Triton's CPU interpreter. The flag is read when a
+# kernel is decorated, so it is set here, before any test module imports triton
+# (pageserve.kernels itself changes no process-wide state).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (real weights, from the default model's GGUF) in fp32 on the
-    CPU, as a ``pageserve.loader.LoadedModel`` (model, config, tokenizer, source)."""
-    from pageserve.loader import load_model
+    CPU, as a ``pageserve.model.loader.LoadedModel`` (model, config, tokenizer, source)."""
+    from pageserve.model.loader import load_model
 
     return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
 
@@ -16,7 +25,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2):
     """The transformers LlamaForCausalLM twin of ``smollm2`` (same weights, fp32, CPU)."""
-    from pageserve.hf_reference import build_hf_model
+    from pageserve.lab.hf_reference import build_hf_model
 
     return build_hf_model(smollm2.model)
 
@@ -24,7 +33,7 @@ def smollm2_hf(smollm2):
 @pytest.fixture(scope="session")
 def tiny_qwen2_config():
     """A 2-layer random-weight Qwen2 shape (q/k/v bias, GQA 2) for fast engine tests."""
-    from pageserve.config import ModelConfig
+    from pageserve.model.config import ModelConfig
 
     return ModelConfig(
         architecture="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,

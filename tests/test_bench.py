@@ -7,14 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pageserve import bench
-from pageserve.bench import (
-    make_result,
-    mixed_workload,
-    random_workload,
-    request_row,
-    shared_prefix_workload,
-)
+from pageserve.lab import bench
+from pageserve.lab.bench import make_result, mixed_workload, random_workload, request_row, shared_prefix_workload
 
 
 # ------------------------------------------------------------------ workloads
@@ -155,7 +149,7 @@ def tiny_hf_model():
 
 
 def test_hf_generate_serial_emits_exactly_max_tokens(tiny_hf_model):
-    from pageserve.hf_baselines import hf_generate_serial
+    from pageserve.lab.hf_baselines import hf_generate_serial
 
     w = random_workload(3, 12, 7, vocab_size=256, seed=1)
     r = hf_generate_serial(tiny_hf_model, w)
@@ -164,7 +158,7 @@ def test_hf_generate_serial_emits_exactly_max_tokens(tiny_hf_model):
 
 
 def test_hf_generate_batch_matches_serial_greedy_tokens(tiny_hf_model):
-    from pageserve.hf_baselines import hf_generate_batch, hf_generate_serial
+    from pageserve.lab.hf_baselines import hf_generate_batch, hf_generate_serial
 
     w = random_workload(4, 12, 6, vocab_size=256, seed=2)
     serial = hf_generate_serial(tiny_hf_model, w)
@@ -179,7 +173,7 @@ def test_hf_generate_batch_matches_serial_greedy_tokens(tiny_hf_model):
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny_qwen2_config):
-    from pageserve.model import Decoder
+    from pageserve.model.decoder import Decoder
 
     model = Decoder(tiny_qwen2_config)
     model.init_dummy_weights(seed=1, std=0.3)
@@ -187,7 +181,7 @@ def tiny_model(tiny_qwen2_config):
 
 
 def _llm(model, **kw):
-    from pageserve.llm import LLM
+    from pageserve.engine.llm import LLM
 
     return LLM.from_model(model, device="cpu", dtype="float32", num_blocks=128, **kw)
 

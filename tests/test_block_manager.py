@@ -1,9 +1,9 @@
 """BlockManager with no model: allocation, reference counts, the LRU free queue, prefix hits."""
 import pytest
 
-from pageserve.block_manager import BlockManager
-from pageserve.sampling_params import SamplingParams
-from pageserve.sequence import Sequence
+from pageserve.engine.block_manager import BlockManager
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.engine.sequence import Sequence
 
 BS = 4
 

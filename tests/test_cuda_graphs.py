@@ -7,10 +7,10 @@ on CUDA the same tests capture and replay real graphs.
 import pytest
 import torch
 
-from pageserve.cuda_graphs import bucket_sizes
-from pageserve.decode_bench import graph_vs_eager, staggered_decode_workload
-from pageserve.llm import LLM
-from pageserve.model import Decoder
+from pageserve.engine.cuda_graphs import bucket_sizes
+from pageserve.lab.decode_bench import capture_logits, graph_vs_eager, staggered_decode_workload
+from pageserve.engine.llm import LLM
+from pageserve.model.decoder import Decoder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -53,6 +53,17 @@ def test_graphed_decode_loop_matches_eager_token_for_token(tiny_llm):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_capture_logits_sees_every_sampling_step_and_unwraps(tiny_llm):
+    from pageserve.engine.sampling_params import SamplingParams
+
+    sampler = tiny_llm.engine.runner.sampler
+    with capture_logits(tiny_llm.engine.runner) as steps:
+        out = tiny_llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert "sample" not in vars(sampler)  # the sampler's own method again
+    assert len(steps.logits) == 6 and all(t.shape[0] == 1 for t in steps.logits)
+    assert [int(t[0].argmax()) for t in steps.logits] == out[0].outputs[0].token_ids
+
+
 def test_padding_rows_write_no_kv(tiny_llm):
     runner = tiny_llm.engine.runner
     g = runner.graphs
@@ -68,7 +79,7 @@ def test_padding_rows_write_no_kv(tiny_llm):
 
 
 def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
-    from pageserve.model_runner import select_ops
+    from pageserve.engine.model_runner import select_ops
 
     ops = select_ops(True, torch.device("cpu"), {"fuse_rope_kv": True, "gemv_split_k": "never"})
     assert ops.name == "triton" and ops.fuse_rope_kv and ops.gemv_split_k == "never"
@@ -89,7 +100,7 @@ def test_programmatic_dependent_launch_is_off_where_unsupported():
 
 
 def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
-    from pageserve.bench import run_pageserve_online
+    from pageserve.lab.bench import run_pageserve_online
 
     model = Decoder(cfg).to(DEVICE)
     model.init_dummy_weights(seed=3, std=0.3)
@@ -97,9 +108,9 @@ def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
                          max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl})
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs  # captured with these launches
-    runner.last_logits = []
-    res = run_pageserve_online(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
-    return [list(r["token_ids"]) for r in res.per_request], [t.cpu() for t in runner.last_logits]
+    with capture_logits(runner) as steps:
+        res = run_pageserve_online(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
+    return [list(r["token_ids"]) for r in res.per_request], steps.logits
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")

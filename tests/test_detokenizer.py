@@ -4,7 +4,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pageserve.detokenizer import IncrementalDetokenizer
+from pageserve.engine.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "héllo wörld 日本語 🙂 the quick brown fox jumps over the lazy dog",

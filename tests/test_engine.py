@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pageserve.attention import AttentionMetadata, PagedAttention
-from pageserve.config import EngineConfig, ModelConfig
-from pageserve.engine import LLMEngine
-from pageserve.llm import LLM
-from pageserve.model import Decoder
-from pageserve.sampling_params import SamplingParams
+from pageserve.model.attention import AttentionMetadata, PagedAttention
+from pageserve.engine.config import EngineConfig
+from pageserve.model.config import ModelConfig
+from pageserve.engine.llm_engine import LLMEngine
+from pageserve.engine.llm import LLM
+from pageserve.model.decoder import Decoder
+from pageserve.engine.sampling_params import SamplingParams
 
 GEN_LEN = 24
 
@@ -349,7 +350,7 @@ def smol(request):
     try:
         return request.getfixturevalue("smollm2")
     except pytest.FixtureLookupError:
-        from pageserve.loader import load_model
+        from pageserve.model.loader import load_model
 
         return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
 
@@ -359,7 +360,7 @@ def hf_twin(request, smol):
     try:
         return request.getfixturevalue("smollm2_hf")
     except pytest.FixtureLookupError:
-        from pageserve.hf_reference import build_hf_model
+        from pageserve.lab.hf_reference import build_hf_model
 
         return build_hf_model(smol.model)
 
@@ -398,7 +399,7 @@ def smol_prompts(smol) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_expected(smol, hf_twin, smol_prompts) -> list[list[int]]:
-    from pageserve.hf_reference import hf_generate
+    from pageserve.lab.hf_reference import hf_generate
 
     return [hf_generate(hf_twin, p, GEN_LEN, smol.eos_token_ids) for p in smol_prompts]
 

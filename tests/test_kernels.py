@@ -6,6 +6,9 @@ CUDA: the same tests on larger shapes in fp32, fp16 and bf16, plus CUDA-graph ca
 Outputs are poisoned with NaN first; a NaN left anywhere fails the check (rel_err = inf).
 """
 import os
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -13,8 +16,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pageserve.kernels import TritonOps, checks  # noqa: E402
-from pageserve.kernels.checks import TOLERANCE  # noqa: E402
+from pageserve.model.triton_ops import TritonOps
+
+from pageserve.lab import kernel_checks as checks  # noqa: E402
+from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
 from pageserve.kernels.gemv import GemvConfig  # noqa: E402
 from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention  # noqa: E402
 
@@ -114,7 +119,7 @@ def test_add_rms_norm_matches_reference_and_returns_the_sum(T, H, dtype, gen):
 
 def test_add_rms_norm_in_place_on_the_residual(gen):
     from pageserve.kernels import add_rms_norm
-    from pageserve.ops import TorchOps
+    from pageserve.model.ops import TorchOps
 
     x, r = (torch.randn(4, 96, generator=gen).to(DEVICE) for _ in range(2))
     w = torch.rand(96, generator=gen).to(DEVICE) + 0.5
@@ -166,9 +171,60 @@ def test_wrappers_reject_bad_arguments_with_named_errors():
         write_kv(k, k, cache, cache, torch.zeros(2, dtype=torch.int64, device=DEVICE))
 
 
+def test_pdl_is_chosen_per_call_and_only_for_launches_over_few_rows(monkeypatch):
+    from pageserve.kernels import _util
+
+    monkeypatch.setattr(_util, "pdl_supported", lambda device_index: True)  # as on an sm_90 GPU
+    cuda_like = types.SimpleNamespace(is_cuda=True, device=types.SimpleNamespace(index=0))
+    assert _util.pdl_args(cuda_like, 1) == {"USE_PDL": True, "launch_pdl": True}  # None: on where supported
+    assert _util.pdl_args(cuda_like, 1, pdl=False) == {"USE_PDL": False}
+    assert _util.use_pdl(cuda_like, 1)  # the call above left nothing behind
+    assert _util.use_pdl(cuda_like, _util.PDL_MAX_TOKENS, pdl=True)
+    assert not _util.use_pdl(cuda_like, _util.PDL_MAX_TOKENS + 1, pdl=True)  # batch 64 measured slower with it
+    assert not _util.use_pdl(torch.zeros(1), 1, pdl=True)  # a CPU tensor (the interpreter) never
+
+
+def test_two_triton_ops_keep_their_own_gemv_configs_and_pdl(monkeypatch, gen):
+    """Each TritonOps passes its own tuned GEMV configs and PDL setting to every call: building
+    or using one changes nothing for another, and the GEMV takes the tuned entry for its shape."""
+    import importlib
+
+    import pageserve.model.triton_ops as triton_ops
+    from pageserve.kernels import reference
+    from pageserve.kernels.gemv import config_key
+
+    gemv_mod = importlib.import_module("pageserve.kernels.gemv")  # the package exports a function of that name
+    M, N, K = 1, 40, 96
+    tuned_cfg = GemvConfig(block_n=8, block_k=32, split_k=3)
+    heuristic = gemv_mod.gemv_config(M, N, K, gemv_mod.sm_count_for(torch.empty(0, device=DEVICE)))
+    assert heuristic != tuned_cfg
+    chosen, pdl_seen = [], []
+    real_config, real_norm = gemv_mod.gemv_config, triton_ops.rms_norm
+    monkeypatch.setattr(gemv_mod, "gemv_config", lambda *a, **kw: chosen.append(real_config(*a, **kw)) or chosen[-1])
+    monkeypatch.setattr(triton_ops, "rms_norm", lambda *a, **kw: pdl_seen.append(kw["pdl"]) or real_norm(*a, **kw))
+    tuned = TritonOps(tuned_configs={config_key(M, N, K): tuned_cfg}, pdl=False)
+    plain = TritonOps(tuned_configs=False, pdl=True)
+    assert tuned.gemv_configs == {config_key(M, N, K): tuned_cfg} and plain.gemv_configs == {}
+    x, w, b = (torch.randn(*s, generator=gen).to(DEVICE) for s in ((M, K), (N, K), (N,)))
+    nw = torch.rand(K, generator=gen).to(DEVICE) + 0.5
+    for ops in (tuned, plain, tuned):
+        torch.testing.assert_close(ops.linear(x, w, b), reference.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        ops.rms_norm(x, nw, 1e-6)
+    assert chosen == [tuned_cfg, heuristic, tuned_cfg]
+    assert pdl_seen == [False, True, False]
+
+
+def test_importing_the_kernels_sets_no_environment_variable():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import os; before = dict(os.environ); import pageserve.kernels, pageserve.model.triton_ops; "
+            "changed = sorted(set(os.environ.items()) ^ set(before.items())); assert not changed, changed")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def _tiny_decoder(ops):
-    from pageserve.config import ModelConfig
-    from pageserve.model import Decoder
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
 
     cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=128, intermediate_size=192, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=32, attention_bias=True, tie_word_embeddings=True,
@@ -179,8 +235,8 @@ def _tiny_decoder(ops):
 
 
 def test_triton_ops_drive_the_decoder_like_torch_ops_through_prefill_and_decode(gen):
-    from pageserve.attention import PagedAttention
-    from pageserve.ops import TorchOps
+    from pageserve.model.attention import PagedAttention
+    from pageserve.model.ops import TorchOps
 
     model, cfg = _tiny_decoder(TorchOps())
     bs, nb = 16, 8

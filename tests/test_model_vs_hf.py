@@ -4,11 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pageserve.config import ModelConfig
-from pageserve.hf_reference import (
-    PARITY_CHAT_PROMPTS, build_hf_model, compare_logits, greedy_parity, hf_state_dict, random_prompts,
-)
-from pageserve.loader import build_decoder
+from pageserve.model.config import ModelConfig
+from pageserve.lab.hf_reference import PARITY_CHAT_PROMPTS, build_hf_model, compare_logits, greedy_parity, hf_state_dict, random_prompts
+from pageserve.model.loader import build_decoder
 
 CHAT_PROMPTS = PARITY_CHAT_PROMPTS
 
@@ -64,7 +62,7 @@ def test_smollm2_greedy_64_tokens_identical_to_hf_generate(smollm2, smollm2_hf):
 
 def test_smollm2_answers_sensibly(smollm2):
     """Catches a wrong GGUF Q/K row order, which parity with HF (same weights) cannot."""
-    from pageserve.naive import naive_generate
+    from pageserve.lab.naive import naive_generate
 
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": CHAT_PROMPTS[0]}])

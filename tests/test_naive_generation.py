@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pageserve.config import ModelConfig
-from pageserve.loader import build_decoder
-from pageserve.naive import ContiguousKVCache, forward_tokens, naive_generate, prompt_logits
+from pageserve.model.config import ModelConfig
+from pageserve.model.loader import build_decoder
+from pageserve.lab.naive import ContiguousKVCache, forward_tokens, naive_generate, prompt_logits
 
 
 @pytest.fixture(scope="module")

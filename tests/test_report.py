@@ -1,8 +1,8 @@
 """The README's results tables come from the JSON record, never from typed-in numbers."""
 import json
 
-from pageserve import report
-from pageserve.results import write_figures
+from pageserve.lab import report
+from pageserve.lab.results import write_figures
 
 
 def test_tables_show_exactly_the_figures_a_notebook_wrote(tmp_path):
@@ -18,3 +18,25 @@ def test_tables_show_exactly_the_figures_a_notebook_wrote(tmp_path):
 
 def test_no_records_says_so(tmp_path):
     assert "No GPU results" in report.render(tmp_path)
+
+
+def test_provenance_is_read_from_git_and_an_env_commit_is_marked(tmp_path, monkeypatch):
+    import subprocess
+
+    from pageserve.lab import results
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=results.__file__.rsplit("/pageserve/", 1)[0],
+                          capture_output=True, text=True).stdout.strip()
+    monkeypatch.setenv("PAGESERVE_GIT_COMMIT", "declared")  # ignored where git answers
+    p = results.provenance()
+    assert p["git_commit"] == head and p["git_commit_source"] == "git" and isinstance(p["git_dirty"], bool)
+
+    def no_git(*args):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(results, "_git", no_git)  # a copied working tree with no .git
+    assert results.provenance() == {"git_commit": "declared", "git_dirty": None, "git_commit_source": "env"}
+    write_figures("04_cuda_graphs", {}, {"batch1_ms_per_token": 3.0}, tmp_path / "h200")
+    assert "as declared by $PAGESERVE_GIT_COMMIT" in report.render(tmp_path)
+    monkeypatch.delenv("PAGESERVE_GIT_COMMIT")
+    assert results.provenance()["git_commit"] == "unknown"

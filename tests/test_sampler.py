@@ -2,13 +2,9 @@
 import pytest
 import torch
 
-from pageserve.sampler import (
-    Sampler,
-    sample_reference,
-    seeded_uniform,
-    seeded_uniform_tensor,
-)
-from pageserve.sampling_params import SamplingParams, child_seed
+from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor
+from pageserve.lab.sampling_reference import sample_reference, sampler_probs
+from pageserve.engine.sampling_params import SamplingParams, child_seed
 
 V = 96
 
@@ -77,7 +73,7 @@ def test_child_seed_keeps_index_zero_and_gives_distinct_children():
 def test_vectorised_hash_matches_python_definition():
     seeds = [0, 1, 12345, -7, 2**63 - 1, 2**64 - 5]
     steps = [0, 3, 1000, 5, 0, 9]
-    from pageserve.sampler import _signed64
+    from pageserve.engine.sampler import _signed64
 
     got = seeded_uniform_tensor(
         torch.tensor([_signed64(s) for s in seeds]), torch.tensor(steps), 40
@@ -174,7 +170,7 @@ def test_seeded_sampling_picks_the_reference_tokens(kw):
     prompts, outs = token_lists(B, 10, seed=2), token_lists(B, 4, seed=3)
     seeds = [10 * i + 1 for i in range(B)]
     got = Sampler(V, "cpu").sample(logits, params, prompts, outs, seeds)
-    want, _ = sample_reference(logits, params, prompts, outs, seeds)
+    want = sample_reference(logits, params, prompts, outs, seeds)
     assert got.token_ids == want.token_ids
 
 
@@ -207,8 +203,8 @@ def test_filtered_probabilities_match_reference(kw):
     logits = rand_logits(B, seed=4)
     params = [SamplingParams(**kw)] * (B - 1) + [SamplingParams(temperature=0.8)]
     prompts, outs = [[1]] * B, [[]] * B
-    got = Sampler(V, "cpu").probs(logits, params, prompts, outs)
-    _, want = sample_reference(logits, params, prompts, outs, [None] * B)
+    got = sampler_probs(Sampler(V, "cpu"), logits, params, prompts, outs)
+    want = sample_reference(logits, params, prompts, outs, [None] * B).probs
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -216,13 +212,13 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     s = Sampler(4, "cpu")
     for top_p, kept in [(0.5, 1), (0.51, 2), (0.8, 2), (0.81, 3), (0.99, 4)]:
-        probs = s.probs(logits, [SamplingParams(top_p=top_p)], [[0]], [[]])[0]
+        probs = sampler_probs(s, logits, [SamplingParams(top_p=top_p)], [[0]], [[]])[0]
         assert (probs > 0).sum().item() == kept, top_p
 
 
 def test_min_p_filters_low_probability_tokens():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    probs = Sampler(4, "cpu").probs(logits, [SamplingParams(min_p=0.2)], [[0]], [[]])[0]
+    probs = sampler_probs(Sampler(4, "cpu"), logits, [SamplingParams(min_p=0.2)], [[0]], [[]])[0]
     # threshold = 0.2 * 0.5 = 0.1: 0.05 goes, the rest is renormalised
     torch.testing.assert_close(probs, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
 
@@ -230,7 +226,7 @@ def test_min_p_filters_low_probability_tokens():
 def test_rows_with_filters_off_are_unaffected_by_filtered_rows():
     logits = rand_logits(3)
     params = [SamplingParams(top_k=3), SamplingParams(temperature=0.7), SamplingParams(top_p=0.2)]
-    probs = Sampler(V, "cpu").probs(logits, params, [[1]] * 3, [[]] * 3)
+    probs = sampler_probs(Sampler(V, "cpu"), logits, params, [[1]] * 3, [[]] * 3)
     torch.testing.assert_close(probs[1], (logits[1] / 0.7).softmax(-1))
     assert (probs[0] > 0).sum() == 3
 
@@ -241,15 +237,15 @@ def test_repetition_penalty_matches_reference():
     logits = rand_logits(B, seed=5)
     params = [SamplingParams(temperature=1.0, repetition_penalty=r) for r in (1.0, 1.1, 1.5, 0.8)]
     prompts, outs = token_lists(B, 30, seed=6), token_lists(B, 12, seed=7)
-    got = Sampler(V, "cpu").probs(logits, params, prompts, outs)
-    _, want = sample_reference(logits, params, prompts, outs, [None] * B)
+    got = sampler_probs(Sampler(V, "cpu"), logits, params, prompts, outs)
+    want = sample_reference(logits, params, prompts, outs, [None] * B).probs
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     p = SamplingParams(temperature=1.0, repetition_penalty=2.0)
-    probs = Sampler(4, "cpu").probs(logits, [p], [[0]], [[1]])  # 0 from prompt, 1 from output
+    probs = sampler_probs(Sampler(4, "cpu"), logits, [p], [[0]], [[1]])  # 0 from prompt, 1 from output
     want = torch.tensor([1.0, -4.0, 1.0, 0.5]).softmax(-1)
     torch.testing.assert_close(probs[0], want)
 
@@ -257,7 +253,7 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.zeros(1, 4)
     p = SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.25)
-    probs = Sampler(4, "cpu").probs(logits, [p], [[3, 3, 3]], [[0, 0, 1]])
+    probs = sampler_probs(Sampler(4, "cpu"), logits, [p], [[3, 3, 3]], [[0, 0, 1]])
     want = torch.tensor([-(0.5 + 0.5), -(0.5 + 0.25), 0.0, 0.0]).softmax(-1)
     torch.testing.assert_close(probs[0], want)
 
@@ -272,8 +268,8 @@ def test_presence_frequency_penalties_match_reference_in_mixed_batch():
         SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0, top_k=30),
     ]
     prompts, outs = token_lists(B, 20, seed=9), [[], [1, 1], [2, 2, 3], [4] * 9 + [5]]
-    got = Sampler(V, "cpu").probs(logits, params, prompts, outs)
-    _, want = sample_reference(logits, params, prompts, outs, [None] * B)
+    got = sampler_probs(Sampler(V, "cpu"), logits, params, prompts, outs)
+    want = sample_reference(logits, params, prompts, outs, [None] * B).probs
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
@@ -315,7 +311,7 @@ def test_logprobs_include_penalties_but_not_temperature():
     logits = rand_logits(1, seed=13)
     p = SamplingParams(temperature=0.5, repetition_penalty=1.5, logprobs=1, seed=0)
     out = Sampler(V, "cpu").sample(logits, [p], [[3, 4]], [[5]], [0])
-    ref, _ = sample_reference(logits, [p], [[3, 4]], [[5]], [0])
+    ref = sample_reference(logits, [p], [[3, 4]], [[5]], [0])
     assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
     assert out.top_logprobs[0][0][0] == ref.top_logprobs[0][0][0]
 

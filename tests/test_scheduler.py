@@ -2,10 +2,10 @@
 so recomputation after preemption must reproduce it."""
 import random
 
-from pageserve.block_manager import BlockManager
-from pageserve.sampling_params import SamplingParams
-from pageserve.scheduler import Scheduler
-from pageserve.sequence import Sequence, SequenceStatus
+from pageserve.engine.block_manager import BlockManager
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.engine.scheduler import Scheduler
+from pageserve.engine.sequence import Sequence, SequenceStatus
 
 BS = 4
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from pageserve.default_model import default_model_dir
-from pageserve.detokenizer import IncrementalDetokenizer
+from pageserve.model.default_model import default_model_dir
+from pageserve.engine.detokenizer import IncrementalDetokenizer
 
 HARD_STRINGS = [
     "日本語のテキストと中文字符，한국어 문장도。",

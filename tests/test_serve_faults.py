@@ -8,7 +8,7 @@ import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
-from pageserve.config import EngineConfig
+from pageserve.engine.config import EngineConfig
 
 MODEL = "smollm2-135m-instruct"
 

@@ -1,4 +1,4 @@
-"""Triton kernels for pageserve, and ``TritonOps``: the ops object that uses them.
+"""pageserve's Triton kernels.
 
 One file per kernel family, each with its plain-PyTorch reference importable beside it:
 
@@ -10,125 +10,30 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``rotary``        rotate-half RoPE on q and k in one launch
 - ``rope_kv``       RoPE fused with the paged KV write (one launch instead of two)
 - ``gemv``          GEMV / skinny GEMM for M <= 8, split-K or not (large M stays on cuBLAS);
-                    also the down projection fused with SiLU(gate) * up, and the qkv / gate_up
-                    projections fused with the residual add + RMSNorm before them
+                    also the down projection fused with SiLU(gate) * up
 
-Without CUDA, importing this package sets ``TRITON_INTERPRET=1`` (unless already set) so
-that the kernels run on Triton's CPU interpreter: the flag is read when a kernel is
-decorated, so it must be set before the kernel modules are imported.
+``reference`` holds the plain-PyTorch math each kernel is checked against. This package
+imports torch and triton and nothing else of pageserve (``pageserve.model.triton_ops`` is
+the layer that uses it). Importing it changes no process-wide state, and nothing here keeps
+a setting between calls: each wrapper takes its launch options (``pdl=``, and the GEMVs' tuned
+``configs=``) as arguments. To run the kernels on Triton's CPU interpreter, set
+``TRITON_INTERPRET=1`` before triton is first imported.
 """
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from ..attention import AttentionMetadata  # noqa: E402
-from ..ops import TorchOps  # noqa: E402
-from .activation import silu_and_mul  # noqa: E402
-from ._util import interpreting, set_pdl  # noqa: E402
-from .gemv import SPLIT_K_MODES, GemvConfig, add_rms_norm_gemv, gemv, load_device_configs, silu_mul_gemv  # noqa: E402
-from .kv_write import write_kv  # noqa: E402
-from .norm import add_rms_norm, rms_norm  # noqa: E402
-from .paged_decode import paged_decode_attention  # noqa: E402
-from .paged_prefill import paged_prefill_attention  # noqa: E402
-from .rope_kv import rotary_write_kv  # noqa: E402
-from .rotary import rotary  # noqa: E402
+from . import reference  # noqa: F401
+from .activation import silu_and_mul
+from ._util import interpreting
+from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
+from .kv_write import write_kv
+from .norm import add_rms_norm, rms_norm
+from .paged_decode import paged_decode_attention
+from .paged_prefill import paged_prefill_attention
+from .rope_kv import rotary_write_kv
+from .rotary import rotary
 
 __all__ = [
-    "TritonOps", "GemvConfig", "gemv", "silu_mul_gemv", "add_rms_norm_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
+    "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
 ]
-
-
-class TritonOps(TorchOps):
-    """Same methods and signatures as ``TorchOps``; each runs a Triton kernel.
-
-    ``gemv``: use the GEMV for ``linear`` when the batch has at most ``gemv_max_m`` rows
-    (larger batches, and ``gemv=False``, go to cuBLAS through torch).
-    ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
-    few programs; ``"never"`` always runs one kernel with narrower row tiles.
-    ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
-    Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
-    CUDA-graph-safe decode kernel; anything else the prefill kernel.
-
-    Kernel-count switches for the decode path (on by default: on the H200 each made the
-    batch-1 step faster and batch 64 no slower, results/h200/diagnostics/decode_switches.json; off, each
-    op runs as the separate kernels it replaces):
-    ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
-    ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
-    ``fuse_norm_gemv`` (off by default: not yet measured on a GPU, kernels/NOTES.md):
-    ``add_rms_norm_linear`` as one GEMV whose activation load adds the residual and
-    normalises (M <= gemv_max_m); off, the add+RMSNorm kernel then ``linear``.
-    ``tuned_configs``: on CUDA, install the GEMV configs tuned for this GPU model if the
-    package ships them (``kernels/configs/<gpu>.json``); else the shape heuristic.
-    ``pdl``: programmatic dependent launch (process-wide, ``_util.set_pdl``) for the
-    decode-path kernels over at most 8 rows: each kernel's launch overlaps the tail of the
-    one before it (H200, batch-1 step 2.41 -> 2.20 ms). None = on where the GPU (sm_90+)
-    and Triton support it.
-    """
-
-    name = "triton"
-
-    def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
-                 gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 fuse_norm_gemv: bool = False, tuned_configs: bool = True, pdl: bool | None = None) -> None:
-        if gemv_split_k not in SPLIT_K_MODES:
-            raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
-        if tuned_configs and torch.cuda.is_available() and not interpreting():
-            load_device_configs(torch.cuda.get_device_name())
-        self.use_gemv = gemv
-        self.gemv_max_m = gemv_max_m
-        self.decode_num_splits = decode_num_splits
-        self.gemv_split_k = gemv_split_k
-        self.fuse_silu_down = fuse_silu_down
-        self.fuse_rope_kv = fuse_rope_kv
-        self.fuse_norm_gemv = fuse_norm_gemv
-        set_pdl(pdl)
-
-    def _gemv_fits(self, x: torch.Tensor) -> bool:
-        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._gemv_fits(x):
-            return gemv(x, weight, bias, split_k=self.gemv_split_k)
-        return torch.nn.functional.linear(x, weight, bias)
-
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self.fuse_silu_down and self._gemv_fits(gate_up):
-            return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k)
-        return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        return add_rms_norm(x, residual, weight, eps)
-
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias):
-        if self.fuse_norm_gemv and self._gemv_fits(x):
-            return add_rms_norm_gemv(x, residual, norm_weight, eps, weight, bias, split_k=self.gemv_split_k)
-        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)  # norm kernel, then linear
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up)
-
-    def rotary(self, q, k, positions, cos_sin):
-        return rotary(q, k, positions, cos_sin)
-
-    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv(k, v, k_cache, v_cache, slot_mapping)
-
-    def rotary_write_kv(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
-        if self.fuse_rope_kv:
-            return rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-        return super().rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-
-    def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
-            return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                          num_splits=self.decode_num_splits)
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale)

@@ -50,7 +50,7 @@ def check_device(**tensors: torch.Tensor) -> None:
     if dev.type != "cuda" and not interpreting():
         raise ValueError(
             f"Triton kernels need CUDA tensors (got {dev}); on the CPU set TRITON_INTERPRET=1 "
-            "before importing triton, or use pageserve.ops.TorchOps"
+            "before importing triton, or use pageserve.model.ops.TorchOps"
         )
 
 
@@ -100,16 +100,8 @@ import triton.language as tl  # noqa: E402
 # launch and ramp overlap its predecessor's tail. Measured on the H200 (3B shape, graphed
 # decode step, kernels/NOTES.md): batch 1 2.41 -> 2.20 ms; batch 64 a little slower (3.39 ->
 # 3.43-3.50 ms), so only launches over at most PDL_MAX_TOKENS rows (the GEMV's batches) use it.
-# One process-wide switch: ``set_pdl`` (TritonOps(pdl=...)); None = on where supported.
-_pdl_setting: bool | None = None
+# Each wrapper takes ``pdl`` (TritonOps(pdl=...) passes its own): None = on where supported.
 PDL_MAX_TOKENS = 8
-
-
-def set_pdl(enabled: bool | None) -> None:
-    """Process-wide: True / False force programmatic dependent launch on / off (on needs
-    sm_90+ and is ignored elsewhere); None: on wherever the GPU and Triton support it."""
-    global _pdl_setting
-    _pdl_setting = enabled
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,19 +116,19 @@ def pdl_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def use_pdl(t: torch.Tensor, tokens: int) -> bool:
-    """Whether a kernel over ``tokens`` rows (tokens, sequences) on ``t``'s device launches
-    with PDL now (see ``set_pdl``; never above PDL_MAX_TOKENS)."""
-    if _pdl_setting is False or not t.is_cuda or tokens > PDL_MAX_TOKENS:
+def use_pdl(t: torch.Tensor, tokens: int, pdl: bool | None = None) -> bool:
+    """Whether a kernel over ``tokens`` rows (tokens, sequences) on ``t``'s device launches with
+    programmatic dependent launch. ``pdl``: False = never; True or None = where the GPU and
+    Triton support it (``pdl_supported``); never above PDL_MAX_TOKENS rows."""
+    if pdl is False or not t.is_cuda or tokens > PDL_MAX_TOKENS:
         return False
     return pdl_supported(t.device.index or 0)
 
 
-def pdl_args(t: torch.Tensor, tokens: int) -> dict:
+def pdl_args(t: torch.Tensor, tokens: int, pdl: bool | None = None) -> dict:
     """A launch's PDL keywords (``use_pdl``): the kernels' ``USE_PDL`` constexpr, and
     ``launch_pdl`` only when on (the interpreter knows no such option)."""
-    on = use_pdl(t, tokens)
-    return {"USE_PDL": True, "launch_pdl": True} if on else {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(t, tokens, pdl) else {"USE_PDL": False}
 
 
 @triton.jit

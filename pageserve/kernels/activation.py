@@ -1,6 +1,6 @@
 """Fused SiLU(gate) * up over the fused gate|up projection output.
 
-Reference: ``TorchOps.silu_and_mul``. The kernel computes in fp32 and rounds once.
+Reference: ``reference.silu_and_mul``. The kernel computes in fp32 and rounds once.
 """
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, cdiv, pdl_args, pdl_enter
 
-silu_and_mul_reference = TorchOps().silu_and_mul
+silu_and_mul_reference = reference.silu_and_mul
 
 
 @triton.jit
@@ -26,8 +26,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """gate_up: [T, 2I] -> [T, I]."""
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """gate_up: [T, 2I] -> [T, I]. ``pdl``: see ``_util.use_pdl``."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     check_device(gate_up=gate_up)
     T, I2 = gate_up.shape
@@ -39,7 +39,6 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     if T == 0:
         return out
     BLOCK = 1024 if I >= 1024 else 128
-    pdl = pdl_args(gate_up, T)
     _silu_and_mul_kernel[(T, cdiv(I, BLOCK))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=BLOCK,
-                                              num_warps=4, **pdl)
+                                              num_warps=4, **pdl_args(gate_up, T, pdl))
     return out

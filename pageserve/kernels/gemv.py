@@ -1,6 +1,6 @@
 """GEMV / skinny GEMM for decode-sized batches: out[M, N] = x[M, K] @ W[N, K]^T + b.
 
-Reference: ``TorchOps.linear`` (torch.nn.functional.linear). Large M belongs to cuBLAS;
+Reference: ``reference.linear`` (torch.nn.functional.linear). Large M belongs to cuBLAS;
 this kernel is for M <= ~8, where the product is a pass over the weights and the goal is
 to stream them at close to the memory bandwidth.
 
@@ -20,21 +20,14 @@ Two ways to get enough programs for a skinny N (``split_k``):
 
 ``silu_mul_gemv`` is the same kernel reading the fused gate|up activation: it loads gate
 and up and applies SiLU(gate) * up to each K tile of x before the product, so the MLP's
-down projection needs no separate activation kernel (reference: ``TorchOps.silu_mul_linear``).
-
-``add_rms_norm_gemv`` is the same kernel reading the pre-norm activation: a prologue sums the
-squares of each row of h = x + residual (rounded to the storage dtype, as ``add_rms_norm``
-stores it) over the full K, then the K loop normalises each tile it loads exactly as the norm
-kernel does, so the residual add + RMSNorm before qkv and gate_up needs no launch of its own
-(reference: ``TorchOps.add_rms_norm_linear``). Every program, every K split included, reads
-the whole row for its statistics; program (0, 0) alone writes h to ``residual_out``.
+down projection needs no separate activation kernel (reference: ``reference.silu_mul_linear``).
 """
 from __future__ import annotations
 
 import ast
-import dataclasses
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,13 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_args,
                     pdl_enter, sm_count_for)
 
-linear_reference = TorchOps().linear
-silu_mul_linear_reference = TorchOps().silu_mul_linear
-add_rms_norm_linear_reference = TorchOps().add_rms_norm_linear
+linear_reference = reference.linear
+silu_mul_linear_reference = reference.silu_mul_linear
 
 SPLIT_K_MODES = ("auto", "never")
 
@@ -63,19 +55,17 @@ class GemvConfig:
     defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
 
 
-# config_key(M, N, K[, silu_mul | norm]) -> config, filled by tuning runs (bench.bench_gemv, bench.sweep_gemv_m1)
-# or from their JSON by apply_configs; the heuristic covers the rest
-GEMV_CONFIGS: dict[tuple, GemvConfig] = {}
+# Tuned configs are a plain mapping config_key(...) -> GemvConfig that the caller owns and passes
+# (``configs=``): TritonOps holds the one for its GPU (``load_device_configs``), the lab's sweeps
+# build their own (``parse_configs`` reads their JSON). Shapes without an entry use the heuristic.
+GemvConfigs = Mapping[tuple, GemvConfig]
 
 
-def config_key(M: int, N: int, K: int, silu_mul: bool = False, norm: bool = False) -> tuple:
-    """The GEMV_CONFIGS key: (next_pow2(M), N, K), plus "silu_mul" for ``silu_mul_gemv`` (which
-    falls back to the plain key when it has no entry of its own) or "norm" for
-    ``add_rms_norm_gemv`` (which does not: see ``gemv_config``)."""
-    if silu_mul and norm:
-        raise ValueError("a GEMV fuses SiLU·mul or RMSNorm into its activation load, not both")
+def config_key(M: int, N: int, K: int, silu_mul: bool = False) -> tuple:
+    """The tuned-config key: (next_pow2(M), N, K), plus "silu_mul" for ``silu_mul_gemv`` (which
+    falls back to the plain key when it has no entry of its own)."""
     key = (next_pow2(M), N, K)
-    return key + ("silu_mul",) if silu_mul else key + ("norm",) if norm else key
+    return key + ("silu_mul",) if silu_mul else key
 
 
 def parse_config(text: str) -> GemvConfig:
@@ -87,24 +77,24 @@ def parse_config(text: str) -> GemvConfig:
     return GemvConfig(*args, **{kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
 
 
-def apply_configs(configs: dict) -> int:
-    """Install tuned configs into GEMV_CONFIGS; returns how many.
+def parse_configs(record: Mapping) -> dict[tuple, GemvConfig]:
+    """Tuned configs as a new dict ``config_key -> GemvConfig`` (nothing is installed anywhere).
 
-    ``configs`` maps ``str(config_key(...))`` to ``repr(GemvConfig)``, as ``kernels_bench.json``
+    ``record`` maps ``str(config_key(...))`` to ``repr(GemvConfig)``, as ``kernels_bench.json``
     holds them under ``gemv_tuned_configs`` (every config tuned in that run) and
     ``bench.sweep_m1_gemv_configs`` (the M = 1 sweep's). A whole record, or its ``bench`` dict,
     is also accepted (its ``gemv_tuned_configs``, else the sweep's)."""
-    if any(name in configs for name in ("bench", "gemv_tuned_configs", "sweep_m1_gemv_configs")):
-        bench = configs.get("bench", configs)
-        configs = configs.get("gemv_tuned_configs") or bench.get("sweep_m1_gemv_configs") or {}
-    for key, text in configs.items():
-        k = ast.literal_eval(key) if isinstance(key, str) else tuple(key)
-        GEMV_CONFIGS[tuple(k)] = text if isinstance(text, GemvConfig) else parse_config(text)
-    return len(configs)
+    if any(name in record for name in ("bench", "gemv_tuned_configs", "sweep_m1_gemv_configs")):
+        bench = record.get("bench", record)
+        record = record.get("gemv_tuned_configs") or bench.get("sweep_m1_gemv_configs") or {}
+    out = {}
+    for key, text in record.items():
+        k = ast.literal_eval(key) if isinstance(key, str) else key
+        out[tuple(k)] = text if isinstance(text, GemvConfig) else parse_config(text)
+    return out
 
 
 CONFIG_DIR = Path(__file__).parent / "configs"  # <device slug>.json: configs tuned on that GPU
-_devices_loaded: set[str] = set()
 
 
 def device_config_path(device_name: str) -> Path:
@@ -112,105 +102,40 @@ def device_config_path(device_name: str) -> Path:
     return CONFIG_DIR / (re.sub(r"[^a-z0-9]+", "_", device_name.lower()).strip("_") + ".json")
 
 
-def load_device_configs(device_name: str) -> int:
-    """Install the GEMV configs tuned on this GPU model, once, if the package ships them
-    (``python -m pageserve.kernels.bench --parts sweep_m1`` measures them). Returns how many."""
-    if device_name in _devices_loaded:
-        return 0
-    _devices_loaded.add(device_name)
+def load_device_configs(device_name: str) -> dict[tuple, GemvConfig]:
+    """The GEMV configs tuned on this GPU model if the package ships them (``python -m
+    pageserve.lab.kernel_bench --parts sweep_m1`` measures them), else an empty dict."""
     path = device_config_path(device_name)
     if not path.exists():
-        return 0
+        return {}
     with open(path) as f:
-        return apply_configs(json.load(f))
+        return parse_configs(json.load(f))
 
 
 @triton.jit
-def _load_h(x_ptr, res_ptr, m, k, mmask, kmask, stride_xm, stride_rm, HAS_RESIDUAL: tl.constexpr,
-            ONE_ROW: tl.constexpr):
-    """The pre-norm activation tile in x's dtype: x, or x + residual rounded once (as
-    ``add_rms_norm`` stores it). [BLOCK_K] for one row, else [BLOCK_M, BLOCK_K]."""
-    if ONE_ROW:
-        x = tl.load(x_ptr + k, mask=kmask, other=0.0)
-    else:
-        mask = mmask[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        if ONE_ROW:
-            r = tl.load(res_ptr + k, mask=kmask, other=0.0)
-        else:
-            r = tl.load(res_ptr + m[:, None] * stride_rm + k[None, :], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _row_rstd(x_ptr, res_ptr, res_out_ptr, m, mmask, K, stride_xm, stride_rm, stride_rom, eps, k_write,
-              HAS_RESIDUAL: tl.constexpr, ONE_ROW: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr):
-    """The fused RMSNorm's prologue: 1 / sqrt(mean(h^2) + eps) over the full row of h (a scalar
-    for one row, else [BLOCK_M]), fp32 as in the norm kernel. Columns below ``k_write`` (K in one
-    program of the grid, 0 in the rest) of h also go to ``res_out_ptr``: never in place, other
-    programs still read residual. ROW_BLOCK: the prologue's tile, the whole row where it fits."""
-    if ONE_ROW:
-        sq = tl.zeros([ROW_BLOCK], tl.float32)
-    else:
-        sq = tl.zeros([BLOCK_M, ROW_BLOCK], tl.float32)
-    for k0 in range(0, K, ROW_BLOCK):
-        k = k0 + tl.arange(0, ROW_BLOCK)
-        kmask = k < K
-        h = _load_h(x_ptr, res_ptr, m, k, mmask, kmask, stride_xm, stride_rm, HAS_RESIDUAL, ONE_ROW)
-        if HAS_RESIDUAL:
-            wmask = k < k_write
-            if ONE_ROW:
-                tl.store(res_out_ptr + k, h, mask=wmask)
-            else:
-                tl.store(res_out_ptr + m[:, None] * stride_rom + k[None, :], h, mask=mmask[:, None] & wmask[None, :])
-        hf = h.to(tl.float32)
-        sq += hf * hf
-    if ONE_ROW:
-        var = tl.sum(sq, axis=0) / K
-    else:
-        var = tl.sum(sq, axis=1) / K
-    return 1.0 / tl.sqrt(var + eps)
-
-
-@triton.jit
-def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE_ROW: tl.constexpr,
-            res_ptr, nw_ptr, rstd, stride_rm, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE_ROW: tl.constexpr):
     """The activation tile in x's dtype: [BLOCK_K] for one row, else [BLOCK_M, BLOCK_K]. With
     SILU_MUL, x is the gate|up output [M, 2K]: SiLU(gate) * up in fp32, rounded once to x's
-    dtype (as ``silu_and_mul`` stores it). With NORM, x is the pre-norm input (plus residual):
-    h * rstd rounded to x's dtype, times the norm weight, rounded again (as the norm kernel)."""
-    if NORM:
-        h = _load_h(x_ptr, res_ptr, m, k, mmask, kmask, stride_xm, stride_rm, HAS_RESIDUAL, ONE_ROW)
-        nw = tl.load(nw_ptr + k, mask=kmask, other=0.0).to(tl.float32)
-        if ONE_ROW:
-            normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-            x = (normed * nw).to(h.dtype)
-        else:
-            normed = (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
-            x = (normed * nw[None, :]).to(h.dtype)
+    dtype (as ``silu_and_mul`` stores it)."""
+    if ONE_ROW:
+        ptrs = x_ptr + k
+        mask = kmask
     else:
-        if ONE_ROW:
-            ptrs = x_ptr + k
-            mask = kmask
-        else:
-            ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
-            mask = mmask[:, None] & kmask[None, :]
-        x = tl.load(ptrs, mask=mask, other=0.0)
-        if SILU_MUL:
-            g = x.to(tl.float32)
-            u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
+        ptrs = x_ptr + m[:, None] * stride_xm + k[None, :]
+        mask = mmask[:, None] & kmask[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU_MUL:
+        g = x.to(tl.float32)
+        u = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * u).to(x.dtype)
     return x
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, res_ptr, nw_ptr, res_out_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om, stride_rm, stride_rom, eps,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
@@ -232,17 +157,11 @@ def _gemv_kernel(
             acc = tl.zeros([BLOCK_N], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    rstd = 1.0
-    if NORM:  # full-row statistics, whatever slice of K this program multiplies
-        k_write = tl.where((pid_n == 0) & (pid_k == 0), K, 0)  # program (0, 0) writes residual_out
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, m, mmask, K, stride_xm, stride_rm, stride_rom, eps, k_write,
-                         HAS_RESIDUAL, BLOCK_M == 1, BLOCK_M, NORM_BLOCK)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1,
-                    res_ptr, nw_ptr, rstd, stride_rm, NORM, HAS_RESIDUAL)
+        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
         if BLOCK_M == 1:  # x: [BLOCK_K]
             if DEFER_REDUCE:
                 acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -284,13 +203,11 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
-def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tuned: bool = True,
-                silu_mul: bool = False, norm: bool = False) -> GemvConfig:
-    """Tuned entry if present (under ``"never"``: only a one-split entry), else the heuristic.
-    ``silu_mul``: for ``silu_mul_gemv`` (its own GEMV_CONFIGS entry first, then the plain one).
-    ``norm``: for ``add_rms_norm_gemv``: its own entry only, else ``_norm_heuristic_config``
-    (wider tiles: every program re-reads the whole activation row and residual for its
-    statistics, which the plain GEMV's tuned 2-row tiles would multiply).
+def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", configs: GemvConfigs | None = None,
+                silu_mul: bool = False) -> GemvConfig:
+    """The entry of ``configs`` (tuned, keyed by ``config_key``) if present (under ``"never"``: only
+    a one-split entry), else the heuristic. ``silu_mul``: for ``silu_mul_gemv`` (its own entry
+    first, then the plain one). ``configs`` None or empty: the heuristic.
 
     ``"auto"``: 16-row tiles (32 at M > 1), 256-512 wide K tiles, and enough K splits that
     the grid covers the SMs about four times, each split at least two tiles long.
@@ -301,33 +218,13 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", use_tun
     if split_k not in SPLIT_K_MODES:
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
     tuned = None
-    if use_tuned:
-        tuned = GEMV_CONFIGS.get(config_key(M, N, K, silu_mul, norm))
-        if tuned is None and not norm:
-            tuned = GEMV_CONFIGS.get(config_key(M, N, K))
+    if configs:
+        tuned = configs.get(config_key(M, N, K, silu_mul))
+        if tuned is None:
+            tuned = configs.get(config_key(M, N, K))
     if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
-    return _norm_heuristic_config(M, N, K, sms, split_k) if norm else _heuristic_config(M, N, K, sms, split_k)
-
-
-def _norm_heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvConfig:
-    """``add_rms_norm_gemv``'s default. At M = 1 one kernel (a K split's reduce launch would cost
-    what folding the norm saves) with 16-row tiles, halved down to 4 rows only while rows give
-    fewer than 2 programs per SM (qkv on an H200: 8 rows, 320 programs; gate_up: 16 rows, 1,376):
-    every program re-reads the whole activation row (2 x 4 KB in bf16 at K = 2048, from L2) for
-    its statistics, so 2-row tiles would read 90 MB of L2 for gate_up. Above M = 1 the plain
-    heuristic with at least 16 rows (``tl.dot``)."""
-    if M == 1:
-        block_n = 16
-        while block_n > 4 and cdiv(N, block_n) < 2 * sms:
-            block_n //= 2
-        # [16, 256] tiles at 2 warps: the plain GEMV's 3rd-best gate_up tile on the H200 (22.8 µs vs
-        # 22.7 for the tuned 2-row tile; 16 x 512 at 4 warps took 24.7), deferred reduction where the
-        # accumulator stays within 32 registers a thread (as the M = 1 sweep's rule)
-        return GemvConfig(block_n=block_n, block_k=256, split_k=1, num_warps=2,
-                          defer_reduce=block_n * 256 <= 32 * 64)
-    cfg = _heuristic_config(M, N, K, sms, split_k)
-    return cfg if cfg.block_n >= 16 else dataclasses.replace(cfg, block_n=16)
+    return _heuristic_config(M, N, K, sms, split_k)
 
 
 def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvConfig:
@@ -349,42 +246,33 @@ def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvCon
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: GemvConfig | None, split_k: str, silu_mul: bool = False, residual: torch.Tensor | None = None,
-            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-            residual_out: torch.Tensor | None = None) -> torch.Tensor:
-    """The GEMV launch; ``norm_weight`` given: the RMSNorm-fused variant (``add_rms_norm_gemv``)."""
+            config: GemvConfig | None, split_k: str, configs: GemvConfigs | None, pdl: bool | None,
+            silu_mul: bool = False) -> torch.Tensor:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
-    norm = norm_weight is not None
-    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, silu_mul=silu_mul, norm=norm)
+    cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
     use_dot = M > 1 and cfg.block_n >= 16
     block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    b = bias if bias is not None else weight
-    r = residual if residual is not None else x  # unused pointers point at something valid
-    r_out = residual_out if residual_out is not None else x
-    pdl = pdl_args(x, M)
+    b = bias if bias is not None else weight  # unused pointers point at something valid
+    launch = pdl_args(x, M, pdl)
     _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
-        x, weight, b, out, part, r, norm_weight if norm else x, r_out,
-        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0), r.stride(0), r_out.stride(0), float(eps),
+        x, weight, b, out, part,
+        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul,
-        NORM=norm, HAS_RESIDUAL=residual is not None,
-        # the prologue's tile: at M = 1 the whole row in one load where K <= 2048 (one L2 latency
-        # instead of K / BLOCK_K), else the GEMV's tile
-        NORM_BLOCK=(min(next_pow2(K), 2048) if block_m == 1 else cfg.block_k) if norm else 1,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
         BLOCK = 256
         _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
             part, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-            num_warps=2, **pdl,
+            num_warps=2, **launch,
         )
     return out
 
@@ -396,9 +284,12 @@ def _check_out(out, M, N, x) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto") -> torch.Tensor:
+         config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
+         configs: GemvConfigs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] (M small), weight: [N, K] row-major, bias: [N] or None -> [M, N].
-    ``split_k`` ("auto" | "never") picks the heuristic when no ``config`` is given."""
+    ``config``: this launch's tiles; without it the entry of ``configs`` (tuned, keyed by
+    ``config_key``) for this shape, else the ``split_k`` ("auto" | "never") heuristic.
+    ``pdl``: see ``_util.use_pdl``."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     M, K = x.shape
     check("weight", weight, shape=(None, K), dtype=x.dtype)
@@ -410,13 +301,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     check_device(**tensors)
     if M > 64:
         raise ValueError(f"gemv is for small M (got M={M}); use torch.nn.functional.linear")
-    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, silu_mul=False)
+    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-                  out: torch.Tensor | None = None, split_k: str = "auto") -> torch.Tensor:
+                  out: torch.Tensor | None = None, split_k: str = "auto", configs: GemvConfigs | None = None,
+                  pdl: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), weight: [N, I] -> SiLU(gate) * up @ weight^T: [M, N],
-    in one pass (plus the split-K reduce when the config splits)."""
+    in one pass (plus the split-K reduce when the config splits). ``config`` / ``configs`` /
+    ``split_k`` / ``pdl`` as ``gemv`` (its own ``config_key(..., silu_mul=True)`` entry first)."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -425,43 +318,5 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
     check_device(gate_up=gate_up, weight=weight)
     if M > 64:
         raise ValueError(f"silu_mul_gemv is for small M (got M={M})")
-    return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k,
-                   silu_mul=True)
-
-
-def add_rms_norm_gemv(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: torch.Tensor | None = None, config: GemvConfig | None = None, out: torch.Tensor | None = None,
-    residual_out: torch.Tensor | None = None, split_k: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [M, K] (M small; residual may be None), norm_weight: [K], weight: [N, K],
-    bias: [N] or None -> (out [M, N], residual_out [M, K]), as ``TorchOps.add_rms_norm_linear``:
-    h = x + residual (x itself without a residual), out = linear(rms_norm(h), weight, bias),
-    residual_out = h. One launch (plus the split-K reduce when the config splits).
-
-    ``residual_out`` must not alias ``residual`` or ``x``: one program writes it while the
-    others still read them. Without a residual it is ``x`` itself and nothing is written."""
-    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    M, K = x.shape
-    check("norm_weight", norm_weight, shape=(K,), dtype=KERNEL_DTYPES)
-    check("weight", weight, shape=(None, K), dtype=x.dtype)
-    N = weight.shape[0]
-    tensors = dict(x=x, norm_weight=norm_weight, weight=weight)
-    if bias is not None:
-        check("bias", bias, shape=(N,), dtype=x.dtype)
-        tensors["bias"] = bias
-    if residual is not None:
-        check("residual", residual, shape=(M, K), dtype=x.dtype)
-        tensors["residual"] = residual
-        residual_out = torch.empty_like(x) if residual_out is None else residual_out
-        check("residual_out", residual_out, shape=(M, K), dtype=x.dtype)
-        if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
-            raise ValueError("residual_out must not alias x or residual (other programs still read them)")
-    elif residual_out is not None:
-        raise ValueError("residual_out without a residual: the residual out is x itself")
-    check_device(**tensors)
-    if M > 64:
-        raise ValueError(f"add_rms_norm_gemv is for small M (got M={M})")
-    out = _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, residual=residual,
-                  norm_weight=norm_weight, eps=eps, residual_out=residual_out)
-    return out, (x if residual is None else residual_out)
+    return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k, configs,
+                   pdl, silu_mul=True)

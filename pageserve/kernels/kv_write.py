@@ -1,6 +1,6 @@
 """Store this step's K and V into the paged cache through ``slot_mapping``.
 
-Reference: ``pageserve.attention.write_kv_reference``. One program per token writes all
+Reference: ``pageserve.kernels.reference.write_kv``. One program per token writes all
 KV heads of K and V; a slot of -1 (padding) writes nothing. No host sync: the -1 test is
 an early exit inside the kernel, so the launch can be captured in a CUDA graph.
 """
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import write_kv_reference
+from .reference import write_kv as write_kv_reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
 __all__ = ["write_kv", "write_kv_reference"]
@@ -42,9 +42,10 @@ def _write_kv_kernel(
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, pdl: bool | None = None) -> None:
     """k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D];
-    slot_mapping: [T] int (-1 = skip). Slots are not bounds-checked on the device."""
+    slot_mapping: [T] int (-1 = skip). Slots are not bounds-checked on the device.
+    ``pdl``: see ``_util.use_pdl``."""
     check("k", k, ndim=3, dtype=KERNEL_DTYPES)
     T, Hkv, D = k.shape
     check("v", v, shape=(T, Hkv, D), dtype=k.dtype)
@@ -56,11 +57,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         slot_mapping = slot_mapping.contiguous()
     if T == 0:
         return
-    pdl = pdl_args(k, T)
     _write_kv_kernel[(T,)](
         k, v, k_cache, v_cache, slot_mapping, Hkv, D,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), num_warps=2, **pdl,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=next_pow2(Hkv), BLOCK_D=next_pow2(D), num_warps=2, **pdl_args(k, T, pdl),
     )

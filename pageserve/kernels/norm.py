@@ -1,6 +1,6 @@
 """RMSNorm and fused residual-add + RMSNorm: one program per row.
 
-Reference: ``TorchOps.rms_norm`` / ``TorchOps.add_rms_norm``. Rounding follows the
+Reference: ``reference.rms_norm`` / ``reference.add_rms_norm``. Rounding follows the
 reference: the residual sum is rounded to the storage dtype before it is normalised,
 the normalised row is rounded before the weight multiplies it.
 """
@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
-rms_norm_reference = TorchOps().rms_norm
-add_rms_norm_reference = TorchOps().add_rms_norm
+rms_norm_reference = reference.rms_norm
+add_rms_norm_reference = reference.add_rms_norm
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, residual_out):
+def _launch(x, residual, weight, eps, out, residual_out, pdl):
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     T, H = x.shape
     check("weight", weight, shape=(H,), dtype=KERNEL_DTYPES)
@@ -59,25 +59,25 @@ def _launch(x, residual, weight, eps, out, residual_out):
     BLOCK = next_pow2(H)
     num_warps = 4 if BLOCK <= 2048 else 8
     ro = residual_out if residual is not None else out
-    pdl = pdl_args(x, T)
     r = residual if residual is not None else x
     _rms_norm_kernel[(T,)](
         x, r, weight, out, ro, H, x.stride(0), r.stride(0), out.stride(0), ro.stride(0), float(eps),
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps, **pdl,
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=num_warps, **pdl_args(x, T, pdl),
     )
     return out, residual_out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, H] -> [T, H] (dtype of x)."""
-    return _launch(x, None, weight, eps, out, None)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+             pdl: bool | None = None) -> torch.Tensor:
+    """x: [T, H] -> [T, H] (dtype of x). ``pdl``: see ``_util.use_pdl``."""
+    return _launch(x, None, weight, eps, out, None, pdl)[0]
 
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual' = x + residual; returns (rms_norm(residual'), residual'). One pass:
     reads x, residual, weight once, writes both outputs once. ``residual_out`` may be
-    ``residual`` itself (in place)."""
-    return _launch(x, residual, weight, eps, out, residual_out)
+    ``residual`` itself (in place). ``pdl``: see ``_util.use_pdl``."""
+    return _launch(x, residual, weight, eps, out, residual_out, pdl)

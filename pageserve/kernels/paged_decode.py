@@ -1,6 +1,6 @@
 """Paged attention for decode: one query token per sequence, split-K over the context.
 
-Reference: ``pageserve.attention.paged_attention_reference`` with one query per sequence.
+Reference: ``pageserve.kernels.reference.paged_attention`` with one query per sequence.
 
 Layout of the work: program (b, h, s) takes sequence b, KV head h and split s. It loads
 the query rows of all ``group = Hq // Hkv`` heads that share KV head h (padded to 16 rows
@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import paged_attention_reference
-from ._util import pdl_args, pdl_enter, check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, sm_count_for
+from .reference import paged_attention as paged_attention_reference
+from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+                    online_softmax_step, pdl_args, pdl_enter, sm_count_for)
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -127,13 +128,13 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 2,
+    num_warps: int = 4, num_stages: int = 2, pdl: bool | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` (split kernel) are tuning knobs;
-    the defaults are what the engine runs."""
+    the defaults are what the engine runs. ``pdl``: see ``_util.use_pdl`` (rows = sequences)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -153,7 +154,7 @@ def paged_decode_attention(
     BLOCK_D = max(16, next_pow2(D))
     part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    pdl = pdl_args(q, B)
+    launch = pdl_args(q, B, pdl)
     _decode_split_kernel[(B, Hkv, S)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
         q.stride(0), q.stride(1),
@@ -161,12 +162,13 @@ def paged_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     _decode_merge_kernel[(B, Hq)](
         part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),
         HEAD_DIM=D, NUM_SPLITS=S, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        num_warps=2, **pdl,
+        num_warps=2, **launch,
     )
     return out

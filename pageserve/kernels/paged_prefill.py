@@ -1,6 +1,6 @@
 """Paged attention for prefill chunks (and mixed batches) over a cached prefix.
 
-Reference: ``pageserve.attention.paged_attention_reference``.
+Reference: ``pageserve.kernels.reference.paged_attention``.
 
 The batch is flattened: sequence i owns query rows ``query_start_loc[i]:query_start_loc[i+1]``,
 its last ``q_len`` positions, so query j of the chunk sits at position ``seq_len - q_len + j``
@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import AttentionMetadata, paged_attention_reference
-from ._util import check_paged_qkv, load_kv_tile, online_softmax_step, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2
+from .reference import paged_attention as paged_attention_reference
+from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+                    online_softmax_step)
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 
@@ -85,7 +86,7 @@ def prefill_block_m(group: int) -> int:
 
 
 def paged_prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].

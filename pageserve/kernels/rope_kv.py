@@ -1,6 +1,6 @@
 """RoPE on q and k fused with the paged KV-cache write: one program per token, all heads.
 
-Reference: ``TorchOps.rotary_write_kv`` (``rotary``, then ``write_kv``). Saves one launch per
+Reference: ``reference.rotary_write_kv`` (``rotary``, then ``write_kv``). Saves one launch per
 layer over the two kernels it replaces; the rotated k is rounded to the storage dtype once
 and that same value goes to ``k_out`` and to the cache, so the cache matches the two-kernel
 path bit for bit. A slot of -1 (padding) writes nothing to the cache; its q and k are still
@@ -12,11 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 from .rotary import _cos_sin, _rotate_heads
 
-rotary_write_kv_reference = TorchOps().rotary_write_kv
+rotary_write_kv_reference = reference.rotary_write_kv
 
 
 @triton.jit
@@ -60,12 +60,12 @@ def _rope_kv_kernel(
 
 def rotary_write_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k, v: [T, Hkv, D] (strided views are fine; last dim contiguous),
     positions: [T] int, cos_sin: [max_pos, D] fp32 (cos|sin), caches: [num_blocks, block_size,
     Hkv, D], slot_mapping: [T] int (-1 = skip; not bounds-checked on the device).
-    Returns new contiguous (q_rot, k_rot)."""
+    Returns new contiguous (q_rot, k_rot). ``pdl``: see ``_util.use_pdl``."""
     check("q", q, ndim=3, dtype=KERNEL_DTYPES)
     T, Hq, D = q.shape
     check("k", k, shape=(T, None, D), dtype=q.dtype)
@@ -87,7 +87,6 @@ def rotary_write_kv(
     if T == 0:
         return qo, ko
     half = D // 2
-    pdl = pdl_args(q, T)
     _rope_kv_kernel[(T,)](
         q, k, v, qo, ko, k_cache, v_cache, positions, cos_sin, slot_mapping, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -95,6 +94,6 @@ def rotary_write_kv(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=k_cache.shape[1], HALF=half, BLOCK_HALF=next_pow2(half),
-        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), num_warps=4, **pdl,
+        BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv), num_warps=4, **pdl_args(q, T, pdl),
     )
     return qo, ko

@@ -1,6 +1,6 @@
 """Rotate-half RoPE on q and k in one launch: one program per token, all heads.
 
-Reference: ``TorchOps.rotary``. q and k may be strided views (the model splits them out
+Reference: ``reference.rotary``. q and k may be strided views (the model splits them out
 of the fused qkv output); the last dimension must be contiguous.
 """
 from __future__ import annotations
@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import TorchOps
+from . import reference
 from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
 
-rotary_reference = TorchOps().rotary
+rotary_reference = reference.rotary
 
 
 @triton.jit
@@ -55,10 +55,12 @@ def _rotary_kernel(
 
 
 def rotary(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inplace: bool = False
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, inplace: bool = False,
+    pdl: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int, cos_sin: [max_pos, D] fp32 (cos|sin).
-    Returns rotated (q, k): new contiguous tensors, or q and k themselves when ``inplace``."""
+    Returns rotated (q, k): new contiguous tensors, or q and k themselves when ``inplace``.
+    ``pdl``: see ``_util.use_pdl``."""
     check("q", q, ndim=3, dtype=KERNEL_DTYPES)
     T, Hq, D = q.shape
     check("k", k, shape=(T, None, D), dtype=q.dtype)
@@ -75,12 +77,11 @@ def rotary(
     if T == 0:
         return qo, ko
     half = D // 2
-    pdl = pdl_args(q, T)
     _rotary_kernel[(T,)](
         q, k, qo, ko, positions, cos_sin, Hq, Hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), cos_sin.stride(0),
         HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_HQ=next_pow2(Hq), BLOCK_HKV=next_pow2(Hkv),
-        num_warps=4, **pdl,
+        num_warps=4, **pdl_args(q, T, pdl),
     )
     return qo, ko

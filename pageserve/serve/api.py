@@ -25,8 +25,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pageserve.engine import LLMEngine
-from pageserve.outputs import CompletionOutput, RequestOutput
+from pageserve.engine.llm_engine import LLMEngine
+from pageserve.engine.outputs import CompletionOutput, RequestOutput
 
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream, TextPrompt
 from .logprobs import TokenTable, chat_logprobs, completion_logprobs

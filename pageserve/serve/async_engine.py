@@ -23,9 +23,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from pageserve.engine import LLMEngine
-from pageserve.outputs import RequestOutput
-from pageserve.sampling_params import SamplingParams
+from pageserve.engine.llm_engine import LLMEngine
+from pageserve.engine.outputs import RequestOutput
+from pageserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pageserve.config import EngineConfig
-from pageserve.engine import LLMEngine
+from pageserve.engine.config import EngineConfig
+from pageserve.engine.llm_engine import LLMEngine
 
 from .api import build_app
 

@@ -14,7 +14,7 @@ import time
 import types
 import typing
 
-from pageserve.config import EngineConfig
+from pageserve.engine.config import EngineConfig
 
 from .tunnel import TunnelError, close_tunnel, open_tunnel, resolve_api_key
 
@@ -106,7 +106,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from pageserve.engine import LLMEngine
+    from pageserve.engine.llm_engine import LLMEngine
 
     from .api import build_app
     from .background import start_server_in_background

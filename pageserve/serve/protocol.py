@@ -12,7 +12,7 @@ from typing import Any, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pageserve.sampling_params import SamplingParams
+from pageserve.engine.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 

@@ -21,14 +21,12 @@ Logprobs (like vLLM's default) describe the model's distribution, not the sampli
 """
 from __future__ import annotations
 
-import math
-from collections import Counter
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from pageserve.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
+from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash
@@ -100,13 +98,6 @@ class SamplerOutput:
         self._packed = packed is not None
         self._parsed: tuple | None = None
 
-    @classmethod
-    def from_values(cls, token_ids: list[int], token_ids_gpu: Tensor, logprobs=None, top_logprobs=None) -> "SamplerOutput":
-        """An output whose host values are already known (the plain reference sampler)."""
-        out = cls(token_ids_gpu)
-        out._parsed = (list(token_ids), logprobs, top_logprobs)
-        return out
-
     def _parse(self) -> tuple:
         if self._parsed is None:
             if self._ready is not None:
@@ -123,11 +114,6 @@ class SamplerOutput:
                     top = [[(int(r[2 + k_max + j]), r[2 + j]) for j in range(k)] for r, k in zip(rows, self._top_k)]
                 self._parsed = (token_ids, logprobs, top)
         return self._parsed
-
-    @property
-    def ready(self) -> bool:
-        """True when reading the results will not wait for the device."""
-        return self._ready is None or self._ready.query()
 
     @property
     def token_ids(self) -> list[int]:
@@ -224,29 +210,6 @@ class Sampler:
             parts += [top_v, top_i.float()]
         top_k = [min(p.logprobs or 0, k_max) for p in params] if k_max else None
         return SamplerOutput(token_ids_gpu, torch.cat(parts, dim=1), top_k)
-
-    def probs(
-        self,
-        logits: Tensor,
-        params: list[SamplingParams],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
-    ) -> Tensor:
-        """The distribution each row draws from, [B, V] normalised; one-hot for greedy rows."""
-        logits = logits[:, : self.vocab_size]
-        penalised, probs, greedy_rows = self._process(
-            logits, params, prompt_token_ids, output_token_ids
-        )
-        if probs is None:
-            probs = torch.zeros_like(penalised)
-        else:
-            probs = probs / probs.sum(dim=-1, keepdim=True)
-        if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=probs.device)
-            one_hot = torch.zeros_like(probs[rows])
-            one_hot.scatter_(1, penalised[rows].argmax(dim=-1, keepdim=True), 1.0)
-            probs[rows] = one_hot
-        return probs
 
     # ---------------------------------------------------------------- helpers
     def _all_plain_greedy(self, params, num_outputs) -> bool:
@@ -388,83 +351,3 @@ class Sampler:
             else:
                 q[packed[0]] = noise
         return q
-
-
-# --------------------------------------------------------------- reference
-def sample_reference(
-    logits: Tensor,
-    params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
-    seeds: list[int | None],
-    eos_token_ids: Sequence[int] = (),
-    generator: torch.Generator | None = None,
-) -> tuple[SamplerOutput, Tensor]:
-    """Row-by-row plain version of ``Sampler.sample``, for tests.
-
-    Returns ``(output, probs)`` where ``probs[B, V]`` is the normalised distribution
-    each row draws from (one-hot for greedy rows). Seeded rows use ``seeded_uniform``
-    token by token, so they pick the same tokens as ``Sampler``; unseeded rows use
-    ``torch.multinomial``.
-    """
-    B, V = logits.shape
-    token_ids, logprobs, top_logprobs, all_probs = [], [], [], []
-    for i in range(B):
-        p, prompt, out = params[i], prompt_token_ids[i], output_token_ids[i]
-        row = logits[i].float().clone()
-        if len(out) < p.min_tokens:
-            for t in list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)):
-                if t < V:
-                    row[t] = float("-inf")
-        if p.repetition_penalty != 1.0:
-            for t in set(prompt) | set(out):
-                row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
-        for t, c in Counter(out).items():
-            row[t] -= p.frequency_penalty * c + p.presence_penalty
-        logp = torch.log_softmax(row, dim=-1)
-
-        if p.temperature == 0:
-            token = int(row.argmax())
-            probs = torch.zeros(V)
-            probs[token] = 1.0
-        else:
-            x = row / p.temperature
-            if p.top_k > 0:
-                sorted_x, order = x.sort(descending=True)
-                x = torch.full_like(x, float("-inf"))
-                x[order[: p.top_k]] = sorted_x[: p.top_k]
-            if p.top_p < 1.0:
-                sorted_x, order = x.sort(descending=True)
-                sp = sorted_x.softmax(-1)
-                kept, mass = [], 0.0
-                for j in range(V):
-                    if mass >= p.top_p:
-                        break
-                    kept.append(int(order[j]))
-                    mass += float(sp[j])
-                y = torch.full_like(x, float("-inf"))
-                y[kept] = x[kept]
-                x = y
-            probs = x.softmax(-1)
-            if p.min_p > 0:
-                probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
-            probs = probs / probs.sum()
-            if seeds[i] is not None:
-                step = len(out)
-                q = torch.tensor([-math.log(seeded_uniform(seeds[i], step, t)) for t in range(V)])
-                token = int((probs / q).argmax())
-            else:
-                token = int(torch.multinomial(probs, 1, generator=generator))
-        token_ids.append(token)
-        all_probs.append(probs)
-        logprobs.append(float(logp[token]))
-        k = p.logprobs or 0
-        top_v, top_i = logp.topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
-        top_logprobs.append(list(zip(top_i.tolist(), top_v.tolist())))
-    out = SamplerOutput.from_values(
-        token_ids,
-        torch.tensor(token_ids, device=logits.device),
-        logprobs if any(p.logprobs is not None for p in params) else None,
-        top_logprobs if any((p.logprobs or 0) > 0 for p in params) else None,
-    )
-    return out, torch.stack(all_probs)

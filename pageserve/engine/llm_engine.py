@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Iterable
 
@@ -56,7 +56,6 @@ class EngineStats:
     num_decode_tokens_computed: int = 0
     num_generated_tokens: int = 0
     step_time_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -71,7 +70,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Any = None, stream_outputs: bool = True) -> None:
         self.config = config
         if loaded is None:
-            from .loader import load_model
+            from ..model.loader import load_model
 
             loaded = load_model(
                 config.model, device=config.device, dtype=config.dtype, seed=config.seed,
@@ -151,7 +150,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(ids)} tokens; max_model_len is "
-                f"{self.max_model_len} (the prompt plus at least one generated token must fit)"
+                f"{self.max_model_len} (the prompt plus at least one generated token must fit); "
+                "shorten the prompt or raise max_model_len"
             )
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise ValueError(

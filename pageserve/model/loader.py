@@ -22,12 +22,17 @@ import torch
 
 from .config import SHIPPED_CONFIGS, ModelConfig, resolve_dtype
 from .default_model import DEFAULT_MODEL, default_model_dir
-from .model import Decoder
+from .decoder import Decoder
 from .tokenizer import Tokenizer
 
 DUMMY_ALIASES = ("qwen2.5-3b", "qwen2.5-0.5b", "smollm2-135m")
 DEFAULT_MAX_MODEL_LEN = 32768
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+class ModelLoadError(ValueError):
+    """The model, as named, cannot be loaded here (unknown name, hub unreachable, default
+    model not fetchable); the message says why and what to pass instead."""
 
 
 @dataclass
@@ -51,9 +56,23 @@ class LoadedModel:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` is cuda when available, else cpu. Raises ValueError for a device this torch
+    cannot use (a malformed name, or cuda on a CPU-only build or a machine with no GPU)."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {str(device)!r}; use auto, cpu, cuda or cuda:<index>") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch was built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(device)!r} asked for, but {why} (torch {torch.__version__}); use device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
+    elif dev.type not in ("cpu", "meta"):
+        raise ValueError(f"device {str(device)!r} is not supported; use auto, cpu, cuda or cuda:<index>")
+    return dev
 
 
 def build_decoder(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_model_len: int) -> Decoder:
@@ -83,7 +102,11 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "auto", 
     if name.lower() in DUMMY_ALIASES:
         return _load_dummy(name.lower(), device, dtype, seed, max_model_len)
     if name.lower() == DEFAULT_MODEL:
-        loaded = _load_hf_dir(default_model_dir(), device, dtype, max_model_len)
+        try:
+            model_dir = default_model_dir()
+        except RuntimeError as e:
+            raise ModelLoadError(str(e)) from None
+        loaded = _load_hf_dir(model_dir, device, dtype, max_model_len)
         loaded.source = DEFAULT_MODEL
         return loaded
 
@@ -95,10 +118,10 @@ def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "auto", 
             return _load_gguf(path, device, dtype, max_model_len)
         raise ValueError(f"{path}: not a model; pass an HF model directory or a .gguf file")
     if name.lower().endswith((".gguf", ".json", ".safetensors")) or name.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"model path not found: {path}")
+        raise FileNotFoundError(f"model path not found: {path}; pass an existing .gguf file or HF model directory")
     if _looks_like_hub_id(name):
         return _load_hf_dir(_download(name), device, dtype, max_model_len, source=name)
-    raise ValueError(
+    raise ModelLoadError(
         f"unknown model {name!r}: not a local path, not a hub id (org/name); known names: "
         f"{[DEFAULT_MODEL, *DUMMY_ALIASES]} and 'dummy:<config>' with configs "
         f"{sorted(p.stem for p in SHIPPED_CONFIGS.glob('*.json'))}"
@@ -130,8 +153,11 @@ def _download(repo_id: str) -> Path:
     try:
         return Path(snapshot_download(repo_id, allow_patterns=HUB_PATTERNS))
     except Exception as e:
-        raise RuntimeError(
-            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+        why = " ".join(str(e).split())  # hub errors span lines; this message is one
+        if len(why) > 300:
+            why = why[:300] + "…"
+        raise ModelLoadError(
+            f"could not fetch {repo_id!r} from the Hugging Face hub ({type(e).__name__}: {why}); "
             "pass a local model directory or .gguf file instead"
         ) from None
 

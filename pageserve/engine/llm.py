@@ -5,7 +5,7 @@ import itertools
 from typing import Any, Sequence as Seq
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -57,6 +57,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); results in input order."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError(
+                "prompts must be a string, a list of token ids, or a list of those; "
+                f"got {type(prompts).__name__}"
+            )
         if isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -74,6 +79,8 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer, so no chat template")
+        if not isinstance(messages, (list, tuple)):
+            raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts or a list of those; got {type(messages).__name__}")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
         return self._run(prompts, sampling_params, use_tqdm)

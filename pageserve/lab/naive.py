@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .model import Decoder
+from ..model.decoder import Decoder
 
 
 class ContiguousKVCache:

@@ -10,17 +10,19 @@ import math
 
 import torch
 
-from ..attention import AttentionMetadata, paged_attention_reference, write_kv_reference
-from ..ops import TorchOps, rope_cos_sin
-from .activation import silu_and_mul
-from .gemv import add_rms_norm_gemv, gemv, silu_mul_gemv
-from .kv_write import write_kv
-from .norm import add_rms_norm, rms_norm
-from .paged_decode import paged_decode_attention
-from .paged_prefill import paged_prefill_attention
-from .rope_kv import rotary_write_kv
-from .rotary import rotary
-from ._util import cdiv
+from ..model.attention import AttentionMetadata
+
+from ..kernels.reference import paged_attention as paged_attention_reference, write_kv as write_kv_reference
+from ..model.ops import TorchOps, rope_cos_sin
+from ..kernels.activation import silu_and_mul
+from ..kernels.gemv import gemv, silu_mul_gemv
+from ..kernels.kv_write import write_kv
+from ..kernels.norm import add_rms_norm, rms_norm
+from ..kernels.paged_decode import paged_decode_attention
+from ..kernels.paged_prefill import paged_prefill_attention
+from ..kernels.rope_kv import rotary_write_kv
+from ..kernels.rotary import rotary
+from ..kernels._util import cdiv
 
 # ||out - ref|| / ||ref|| limits (METHOD.md): fp32 arithmetic far under 1e-3; half types
 # carry one rounding of the output and of the softmax probabilities (~4e-3)
@@ -225,24 +227,6 @@ def check_silu_mul_gemv(M, N, I, dtype, device, gen, config=None, split_k="auto"
     return rel_err(out, TorchOps().silu_mul_linear(gate_up.double(), w.double()))
 
 
-def check_add_rms_norm_gemv(M, N, K, dtype, device, gen, residual=True, bias=True, config=None,
-                            split_k="auto") -> float:
-    """The projection fused with the residual add + RMSNorm before it vs
-    ``TorchOps.add_rms_norm_linear`` in float64: the larger error of out and residual_out."""
-    x = _rand((M, K), dtype, device, gen)
-    r = _rand((M, K), dtype, device, gen) if residual else None
-    nw = _rand((K,), dtype, device, gen, 0.5) + 1
-    w = _rand((N, K), dtype, device, gen, K ** -0.5)
-    b = _rand((N,), dtype, device, gen) if bias else None
-    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    res_out = torch.full((M, K), float("nan"), dtype=dtype, device=device) if residual else None
-    _, res_out = add_rms_norm_gemv(x, r, nw, 1e-6, w, b, config=config, out=out, residual_out=res_out,
-                                   split_k=split_k)
-    ref, ref_res = TorchOps().add_rms_norm_linear(x.double(), None if r is None else r.double(), nw.double(), 1e-6,
-                                                  w.double(), None if b is None else b.double())
-    return max(rel_err(out, ref), rel_err(res_out, ref_res))
-
-
 def full_size_checks(dtype, device, gen) -> dict:
     """The GPU checks at the 3B shapes, one name -> thunk returning a relative error."""
     Hq, Hkv, D, bs = 16, 2, 128, 16
@@ -266,10 +250,6 @@ def full_size_checks(dtype, device, gen) -> dict:
         "silu_mul_gemv_m1": lambda: check_silu_mul_gemv(1, 2048, 11008, dtype, device, gen),
         "silu_mul_gemv_nosplit_m1": lambda: check_silu_mul_gemv(1, 2048, 11008, dtype, device, gen, split_k="never"),
         "silu_mul_gemv_m8": lambda: check_silu_mul_gemv(8, 2048, 11008, dtype, device, gen),
-        "add_rms_norm_gemv_m1_qkv": lambda: check_add_rms_norm_gemv(1, 2560, 2048, dtype, device, gen),
-        "add_rms_norm_gemv_m1_gate_up": lambda: check_add_rms_norm_gemv(1, 22016, 2048, dtype, device, gen,
-                                                                        bias=False),
-        "add_rms_norm_gemv_m8": lambda: check_add_rms_norm_gemv(8, 2560, 2048, dtype, device, gen),
         "rotary_write_kv": lambda: check_rotary_write_kv([512, 1, 77], [512, 900, 1077], Hq, Hkv, D, bs, dtype,
                                                          device, gen),
     }

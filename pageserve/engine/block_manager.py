@@ -186,9 +186,3 @@ class BlockManager:
                     self.free_queue.append(b)
         seq.block_table = []
         seq.num_registered_blocks = 0
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their contents)."""
-        for b in self.cached.values():
-            b.block_hash = None
-        self.cached.clear()

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .config import ModelConfig
-from .model import Decoder
+from ..model.config import ModelConfig
+from ..model.decoder import Decoder
 from .naive import naive_generate, prompt_logits
 
 
@@ -287,7 +287,7 @@ class Bf16Floor:
 def bf16_floor(model_name: str, texts: Sequence[str], device: str | torch.device = "cpu") -> Bf16Floor:
     """Load ``model_name`` (a real checkpoint with a tokenizer) in fp32 and in bf16, prefill
     each chat prompt on pageserve-bf16, HF-bf16 and HF-fp32, and compare the logits."""
-    from .loader import load_model
+    from ..model.loader import load_model
 
     loaded = load_model(model_name, device=device, dtype="float32")
     tok = loaded.tokenizer

@@ -1,6 +1,6 @@
 """Regenerate the README's results tables from the JSON record in ``results/<hardware>/``.
 
-    python -m pageserve.report            # rewrites the block between the markers in README.md
+    python -m pageserve.lab.report            # rewrites the block between the markers in README.md
 
 Only figures that a notebook wrote are shown; nothing here is typed in by hand.
 """
@@ -58,6 +58,16 @@ def render_headlines(results_dir: Path = ROOT / "results", hardware: str = "h200
     return "\n".join([f"Headline figures on `{hardware}`:\n", "| figure | measured | goal | record |", "|---|---|---|---|", *rows, ""])
 
 
+def _provenance_note(rec: dict) -> str:
+    """What a reader must know about the commit: uncommitted changes, or a commit only declared."""
+    notes = []
+    if rec.get("git_dirty"):
+        notes.append("with uncommitted changes")
+    if rec.get("git_commit_source") == "env":
+        notes.append("as declared by $PAGESERVE_GIT_COMMIT")
+    return f" ({', '.join(notes)})" if notes else ""
+
+
 def render(results_dir: Path = ROOT / "results") -> str:
     headlines = render_headlines(results_dir)
     lines: list[str] = [headlines] if headlines else []
@@ -70,7 +80,7 @@ def render(results_dir: Path = ROOT / "results") -> str:
         for rec in records:
             lines.append(
                 f"**{rec['notebook']}** — {rec['hardware']}, torch {rec['torch']}, "
-                f"{rec['date']}, commit `{rec['git_commit'][:10]}` "
+                f"{rec['date']}, commit `{rec['git_commit'][:10]}`{_provenance_note(rec)} "
                 f"([notebook](results/{hw_dir.name}/{rec['notebook']}.ipynb))\n"
             )
             lines.append("| figure | value |\n|---|---|")

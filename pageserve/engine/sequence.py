@@ -89,17 +89,8 @@ class Sequence:
         return len(self.output_token_ids) + self.num_pending
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def is_prefill(self) -> bool:
-        """True until the whole prompt is in the cache."""
-        return self.num_computed_tokens < self.num_prompt_tokens
 
     def token_at(self, i: int) -> int:
         p = self.num_prompt_tokens

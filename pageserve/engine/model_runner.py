@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, PagedAttention
+from ..model.attention import AttentionMetadata, PagedAttention
 from .config import EngineConfig
-from .model import Decoder
-from .ops import TorchOps
+from ..model.decoder import Decoder
+from ..model.ops import TorchOps
 from .scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def select_ops(use_triton: bool | None, device: torch.device, options: dict | No
     want = use_triton if use_triton is not None else device.type == "cuda"
     if want:
         try:
-            from .kernels import TritonOps
+            from ..model.triton_ops import TritonOps
         except Exception as e:  # a missing or broken kernels package must not stop the engine
             warnings.warn(f"Triton ops unavailable ({type(e).__name__}: {e}); using the PyTorch reference ops")
             return TorchOps()
@@ -126,8 +126,6 @@ class ModelRunner:
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps
-        self.last_logits: list[torch.Tensor] | None = None  # when a list: every step's logits (tests)
-        self.graph_check: list[tuple[float, float]] | None = None  # when a list: graphed-vs-eager logit errors
         if self.device.type == "cuda" and not config.enforce_eager:
             if getattr(self.ops, "name", "") == "triton":
                 try:
@@ -301,8 +299,6 @@ class ModelRunner:
         if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
             # decode-only: every sequence samples; the graph ends with the output head
             logits = self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
-            if self.graph_check is not None:
-                self._check_graph_step(logits, d, input_ids)
         else:
             hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
             if x.logits_indices.shape[0] == 0:
@@ -311,8 +307,6 @@ class ModelRunner:
                 hidden = hidden[d.logits_indices]  # [S, H]
             logits = self.model.compute_logits(hidden)  # [S, V] fp32
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
-        if self.last_logits is not None:
-            self.last_logits.append(logits.detach().clone())
         return self.sampler.sample(
             logits,
             [s.params for s in seqs],
@@ -321,21 +315,3 @@ class ModelRunner:
             [s.seed for s in seqs],
             [s.num_output_tokens for s in seqs],
         )
-
-    def _check_graph_step(self, logits: torch.Tensor, d: "DeviceInputs", input_ids: torch.Tensor) -> None:
-        """Recompute a graphed decode step eagerly and record two relative logit differences
-        (each recomputation rewrites the same K/V slots with the same values):
-        - the same padded batch, eagerly, through the graph runner's static buffers: what
-          the graph must reproduce exactly if its buffers were refreshed right;
-        - the unpadded batch, eagerly: also differs by kernel choices that depend on the
-          batch size (GEMV tiles and splits, cuBLAS algorithms, attention splits), which
-          reorder sums: zero-ish in fp32, at the dtype's rounding level in bf16."""
-        bs = logits.shape[0]
-        same = self.graphs.eager_logits(bs)
-        hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
-        unpadded = self.model.compute_logits(hidden)
-
-        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-            return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-        self.graph_check.append((rel(logits, same), rel(logits, unpadded)))

@@ -23,7 +23,7 @@ import bisect
 
 import torch
 
-from .attention import AttentionMetadata, PagedAttention
+from ..model.attention import AttentionMetadata, PagedAttention
 
 
 def bucket_sizes(max_bs: int) -> list[int]:

@@ -285,7 +285,7 @@ def free_device_memory() -> None:
 
 def greedy_params(max_tokens: int):
     """The benchmark's sampling: greedy, exactly ``max_tokens`` tokens (EOS ignored)."""
-    from .sampling_params import SamplingParams
+    from ..engine.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 

@@ -1,7 +1,7 @@
 """The small fused operations of the decoder, in plain PyTorch.
 
-``TorchOps`` is the reference every fast path is tested against; ``pageserve.kernels``
-provides ``TritonOps`` with the same methods. The model holds one ops object and never
+``TorchOps`` is the reference every fast path is tested against; ``triton_ops.TritonOps``
+has the same methods, each running a kernel. The model holds one ops object and never
 branches on the backend itself.
 """
 from __future__ import annotations
@@ -10,26 +10,24 @@ import math
 
 import torch
 
+from ..kernels import reference
+
 
 class TorchOps:
+    """The decoder's small fused operations in plain PyTorch: each method runs the function
+    of the same name in ``pageserve.kernels.reference`` (the math the kernels are checked
+    against). ``TritonOps`` overrides them with kernels."""
+
     name = "torch"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # x: [T, K], weight: [N, K] -> [T, N]
-        return torch.nn.functional.linear(x, weight, bias)
+        return reference.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # x: [T, H]; statistics in fp32 whatever the storage dtype (as HF does)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
+        return reference.rms_norm(x, weight, eps)
 
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual' = x + residual; returns (rms_norm(residual'), residual')."""
-        residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
+    def add_rms_norm(self, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.add_rms_norm(x, residual, weight, eps)
 
     def add_rms_norm_linear(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -45,39 +43,19 @@ class TorchOps:
         return self.linear(normed, weight, bias), residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # gate_up: [T, 2I] -> [T, I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        return reference.silu_and_mul(gate_up)
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """The MLP's down projection of its gate|up output: linear(silu_and_mul(gate_up), weight).
-        gate_up: [T, 2I], weight: [N, I] -> [T, N]."""
+        """linear(silu_and_mul(gate_up), weight), through this object's own two ops."""
         return self.linear(self.silu_and_mul(gate_up), weight, None)
 
-    def rotary(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate-half RoPE. q: [T, Hq, D], k: [T, Hkv, D], cos_sin: [max_pos, D] fp32
-        (cos in the first half, sin in the second)."""
-        cs = cos_sin[positions]  # [T, D]
-        cos, sin = cs.chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
-
-        def rot(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-        return rot(q), rot(k)
+    def rotary(self, q, k, positions, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.rotary(q, k, positions, cos_sin)
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        from .attention import write_kv_reference
+        reference.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-        write_kv_reference(k, v, k_cache, v_cache, slot_mapping)
-
-    def rotary_write_kv(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_write_kv(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         """RoPE on q and k, then the rotated k and v into the paged cache (slot -1 skipped).
         Returns (q_rot, k_rot)."""
         q, k = self.rotary(q, k, positions, cos_sin)
@@ -85,9 +63,7 @@ class TorchOps:
         return q, k
 
     def paged_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-        from .attention import paged_attention_reference
-
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
 def rope_cos_sin(

@@ -1,6 +1,6 @@
 """Correctness at full size and speed against the measured ceilings, for every kernel.
 
-On the H200: ``python -m pageserve.kernels.bench --out <dir>`` runs the checks in bf16, fp16
+On the H200: ``python -m pageserve.lab.kernel_bench --out <dir>`` runs the checks in bf16, fp16
 and fp32 at the 3B shapes, measures the ceilings (device-to-device copy, a pure read, a bf16
 matmul; eager ``triton.testing.do_bench``) and times every kernel as GPU time: calls back to
 back in one CUDA graph, replays timed with CUDA events (``graph_ms``), since the engine runs
@@ -31,18 +31,17 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from . import checks  # noqa: E402
-from .activation import silu_and_mul  # noqa: E402
-from .gemv import (GEMV_CONFIGS, GemvConfig, add_rms_norm_gemv, config_key, gemv, gemv_config,  # noqa: E402
-                   silu_mul_gemv, silu_mul_linear_reference)
-from .kv_write import write_kv  # noqa: E402
-from .norm import add_rms_norm, rms_norm  # noqa: E402
-from .paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention  # noqa: E402
-from .paged_prefill import paged_prefill_attention  # noqa: E402
-from .rope_kv import rotary_write_kv  # noqa: E402
-from .rotary import rotary  # noqa: E402
-from ._util import cdiv, sm_count_for, use_pdl  # noqa: E402
-from ..ops import rope_cos_sin  # noqa: E402
+from . import kernel_checks as checks  # noqa: E402
+from ..kernels.activation import silu_and_mul  # noqa: E402
+from ..kernels.gemv import GemvConfig, config_key, gemv, gemv_config, silu_mul_gemv, silu_mul_linear_reference  # noqa: E402
+from ..kernels.kv_write import write_kv  # noqa: E402
+from ..kernels.norm import add_rms_norm, rms_norm  # noqa: E402
+from ..kernels.paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention  # noqa: E402
+from ..kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from ..kernels.rope_kv import rotary_write_kv  # noqa: E402
+from ..kernels.rotary import rotary  # noqa: E402
+from ..kernels._util import cdiv, sm_count_for, use_pdl  # noqa: E402
+from ..model.ops import rope_cos_sin  # noqa: E402
 
 # Qwen2.5-3B
 HIDDEN, INTER, HQ, HKV, HEAD_DIM, VOCAB, LAYERS = 2048, 11008, 16, 2, 128, 151936, 36
@@ -76,8 +75,6 @@ def small_checks(dtype, device="cpu", seed=0) -> dict:
         "gemv_nosplit_m4": lambda: checks.check_gemv(4, 96, 512, dtype, device, gen, split_k="never"),
         "silu_mul_gemv_m1": lambda: checks.check_silu_mul_gemv(1, 96, 512, dtype, device, gen),
         "silu_mul_gemv_m4": lambda: checks.check_silu_mul_gemv(4, 96, 512, dtype, device, gen),
-        "add_rms_norm_gemv_m1": lambda: checks.check_add_rms_norm_gemv(1, 96, 512, dtype, device, gen),
-        "add_rms_norm_gemv_m4": lambda: checks.check_add_rms_norm_gemv(4, 96, 512, dtype, device, gen),
         "rotary_write_kv": lambda: checks.check_rotary_write_kv([5, 1, 20], [40, 33, 20], 16, 2, 128, 16,
                                                                 dtype, device, gen),
     }
@@ -375,7 +372,7 @@ def bench_prefill_attention(dtype=torch.bfloat16, calls: int = 5) -> dict:
 
 
 def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
-    base = gemv_config(M, N, K, sms, use_tuned=False)
+    base = gemv_config(M, N, K, sms)
     cands = {base}
     for bn in (8, 16, 32, 64):
         for bk in (256, 512) if M == 1 else (64, 128):
@@ -390,9 +387,9 @@ def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
 
 
 def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: float = 256e6,
-               shapes: dict = GEMV_SHAPES, device: str = "cuda") -> dict:
+               shapes: dict = GEMV_SHAPES, device: str = "cuda", tuned: dict | None = None) -> dict:
     """Each 3B linear at batch M: the GEMV (tuned over ``gemv_candidates``, best kept in
-    GEMV_CONFIGS) against torch.nn.functional.linear (cuBLAS). Both timed the same way: calls
+    into ``tuned`` under ``config_key`` when given) against torch.nn.functional.linear (cuBLAS). Both timed the same way: calls
     back to back in a CUDA graph (``timed_ms``), each call on the next of ``_weight_copies``
     so the weights stream from HBM as they do in a decode step."""
     es = torch.tensor([], dtype=dtype).element_size()
@@ -414,7 +411,7 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
 
         t_cublas = timed_ms(r, f"cublas_{name}_m{M}",
                             lambda i: torch.nn.functional.linear(x, ws[i % len(ws)], b), calls)
-        heuristic = gemv_config(M, N, K, sms, use_tuned=False)
+        heuristic = gemv_config(M, N, K, sms)
         timed = {}
         for cfg in gemv_candidates(M, N, K, sms) if tune else [heuristic]:
             try:
@@ -424,7 +421,8 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
         if not timed:
             raise RuntimeError(f"{key}: no GEMV config ran (last error: {r.get(f'{key}_cfg_error')})")
         best_cfg = min(timed, key=timed.get)
-        GEMV_CONFIGS[config_key(M, N, K)] = best_cfg
+        if tuned is not None:
+            tuned[config_key(M, N, K)] = best_cfg
         t_gemv = timed_ms(r, key, run(best_cfg), calls)
         r[f"{key}_ms"], r[f"{key}_gbps"] = t_gemv, _gbps(nbytes, t_gemv)
         if heuristic in timed:
@@ -444,7 +442,7 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
 
 # ------------------------------------------------------------------------------ decode switches
 def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHAPES, device: str = "cuda",
-                   min_bytes: float = 256e6) -> dict:
+                   min_bytes: float = 256e6, configs: dict | None = None) -> dict:
     """The TritonOps decode switches, each variant in a CUDA graph (``graph_ms``), figures in µs:
 
     - ``sw_gemv_<shape>_m<M>_{auto,never}_us``: every 3B linear, split-K heuristic vs one kernel
@@ -452,11 +450,6 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
     - ``sw_silu_down_m<M>_{unfused,fused}_us`` (and ``fused_never``): silu_and_mul + down GEMV
       vs ``silu_mul_gemv``;
     - ``sw_rope_kv_t<T>_{unfused,fused}_us``: rotary + write_kv vs ``rotary_write_kv``;
-    - ``sw_norm_gemv_<qkv|gate_up>_m<M>_{unfused,fused}_us``: add_rms_norm + GEMV (the config the
-      engine would pick now: tuned if installed) vs ``add_rms_norm_gemv`` (its own key, else its
-      wider-tile heuristic), configs in ``_{unfused,fused}_config``; ``_fused_plain_config_us`` is the
-      fused kernel on the plain GEMV's tiles (2 rows when tuned: the row re-read cost), and a
-      sweep of BLOCK_N (``norm_gemv_candidates``) gives ``_fused_best_{us,config}``;
     - ``sw_layer_m<M>_saved_us_<switch>``: µs per decoder layer each switch saves (x36 per step).
     """
     dev = device
@@ -470,8 +463,8 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
             b = torch.randn(N, device=dev, dtype=dtype, generator=g) if name == "qkv" else None
             out = torch.empty(M, N, device=dev, dtype=dtype)
             key = f"sw_gemv_{name}_m{M}"
-            auto = gemv_config(M, N, K, sms, "auto", use_tuned=False)
-            never = gemv_config(M, N, K, sms, "never", use_tuned=False)
+            auto = gemv_config(M, N, K, sms, "auto")
+            never = gemv_config(M, N, K, sms, "never")
             sweep = {never, GemvConfig(never.block_n, never.block_k, 1, 8, never.num_stages, never.defer_reduce)}
             for bn in (never.block_n // 2, never.block_n * 2):
                 if bn >= (1 if M == 1 else 4):
@@ -499,9 +492,9 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
         act = torch.empty(M, K, device=dev, dtype=dtype)
         calls = len(ws)
         variants = {
-            "unfused": lambda i: gemv(silu_and_mul(gu, out=act), ws[i % calls], out=out),
-            "fused": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out),
-            "fused_never": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, split_k="never"),
+            "unfused": lambda i: gemv(silu_and_mul(gu, out=act), ws[i % calls], out=out, configs=configs),
+            "fused": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, configs=configs),
+            "fused_never": lambda i: silu_mul_gemv(gu, ws[i % calls], out=out, split_k="never", configs=configs),
         }
         for v, fn in variants.items():
             try:
@@ -531,10 +524,6 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
                 r[f"sw_rope_kv_t{T}_{v}_us"] = _graph_us(fn, 16)
             except Exception as e:
                 r[f"sw_rope_kv_t{T}_{v}_error"] = f"{type(e).__name__}: {e}"[:300]
-        # residual add + RMSNorm folded into the qkv / gate_up GEMV (the activations stay hot in L2)
-        for name in ("qkv", "gate_up"):
-            if name in shapes:
-                _bench_norm_gemv(r, name, M, *shapes[name], dtype, g, sms, min_bytes)
         # per decoder layer: what each switch saves (positive = faster)
         layer = ("qkv", "o", "gate_up", "down")
         r[f"sw_layer_m{M}_saved_us_gemv_split_k_never"] = sum(
@@ -543,71 +532,7 @@ def bench_switches(dtype=torch.bfloat16, batches=(1, 8), shapes: dict = GEMV_SHA
                                                        - r.get(f"sw_silu_down_m{M}_fused_us", math.nan))
         r[f"sw_layer_m{M}_saved_us_fuse_rope_kv"] = (r.get(f"sw_rope_kv_t{M}_unfused_us", math.nan)
                                                      - r.get(f"sw_rope_kv_t{M}_fused_us", math.nan))
-        r[f"sw_layer_m{M}_saved_us_fuse_norm_gemv"] = sum(
-            r.get(f"sw_norm_gemv_{n}_m{M}_unfused_us", math.nan) - r.get(f"sw_norm_gemv_{n}_m{M}_fused_us", math.nan)
-            for n in ("qkv", "gate_up"))
     return r
-
-
-def norm_gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
-    """Configs for ``add_rms_norm_gemv`` at one shape: the default (``gemv_config(norm=True)``) and
-    BLOCK_N 2 to 32, each as one kernel and with the "auto" rule's K splits (~4 programs per SM,
-    plus a reduce launch): fewer rows per program mean more programs, each re-reading the
-    activation row for its statistics."""
-    base = gemv_config(M, N, K, sms, norm=True, use_tuned=False)
-    cands = {base}
-    for bn in (2, 4, 8, 16, 32):
-        for split in {1, max(1, min(cdiv(4 * sms, cdiv(N, bn)), K // (2 * base.block_k)))}:
-            cands.add(GemvConfig(bn, base.block_k, split, base.num_warps, base.num_stages,
-                                 defer_reduce=M == 1 and bn * base.block_k <= 4096))
-    return sorted(cands, key=lambda c: (c.block_n, c.split_k))
-
-
-def _bench_norm_gemv(r: dict, name: str, M: int, N: int, K: int, dtype, g, sms: int, min_bytes: float) -> None:
-    """``bench_switches``' figures for ``fuse_norm_gemv`` at one shape (see its docstring)."""
-    dev = g.device
-    key = f"sw_norm_gemv_{name}_m{M}"
-    ws = _weight_copies(N, K, dtype, g, min_bytes)
-    calls = len(ws)
-    x, res = (torch.randn(M, K, device=dev, dtype=dtype, generator=g) for _ in range(2))
-    nw = torch.randn(K, device=dev, dtype=dtype, generator=g) * 0.1 + 1
-    b = torch.randn(N, device=dev, dtype=dtype, generator=g) if name == "qkv" else None
-    out = torch.empty(M, N, device=dev, dtype=dtype)
-    normed, res_out = torch.empty_like(x), torch.empty_like(x)
-    plain = gemv_config(M, N, K, sms)  # what the engine runs unfused now
-    fused = gemv_config(M, N, K, sms, norm=True)
-
-    def unfused(i):
-        add_rms_norm(x, res, nw, 1e-6, out=normed, residual_out=res_out)
-        gemv(normed, ws[i % calls], b, config=plain, out=out)
-
-    def fused_with(cfg):
-        return lambda i: add_rms_norm_gemv(x, res, nw, 1e-6, ws[i % calls], b, config=cfg, out=out,
-                                           residual_out=res_out)
-
-    variants = {"unfused": unfused, "fused": fused_with(fused), "fused_plain_config": fused_with(plain)}
-    for v, fn in variants.items():
-        try:
-            r[f"{key}_{v}_us"] = _graph_us(fn, calls)
-        except Exception as e:
-            r[f"{key}_{v}_error"] = f"{type(e).__name__}: {e}"[:300]
-    r[f"{key}_unfused_config"], r[f"{key}_fused_config"] = str(plain), str(fused)
-    timed = {fused: r[f"{key}_fused_us"]} if f"{key}_fused_us" in r else {}
-    for cfg in norm_gemv_candidates(M, N, K, sms):
-        if cfg in timed:
-            continue
-        try:
-            timed[cfg] = _graph_us(fused_with(cfg), calls)
-        except Exception as e:
-            r[f"{key}_error_{cfg.block_n}_{cfg.split_k}"] = f"{type(e).__name__}: {e}"[:300]
-    best = min(timed, key=timed.get, default=None)
-    if best is not None:
-        r[f"{key}_fused_best_us"], r[f"{key}_fused_best_config"] = timed[best], str(best)
-    nbytes = (N * K + M * N + (N if b is not None else 0)) * torch.tensor([], dtype=dtype).element_size()
-    for v in ("unfused", "fused"):
-        if f"{key}_{v}_us" in r:
-            r[f"{key}_{v}_gbps"] = nbytes / r[f"{key}_{v}_us"] / 1e3
-    del ws
 
 
 # ------------------------------------------------------------------------------ GEMV M = 1 sweep
@@ -697,8 +622,8 @@ def _sweep_m1_target(r: dict, p: str, N: int, K: int, silu: bool, bias: bool, dt
         except Exception as e:  # does not compile, out of resources, no capture: skip it
             failed[cfg] = f"{cfg}: {type(e).__name__}: {e}"[:300]
 
-    heuristic = gemv_config(1, N, K, sms, "auto", use_tuned=False)
-    never = gemv_config(1, N, K, sms, "never", use_tuned=False)
+    heuristic = gemv_config(1, N, K, sms, "auto")
+    never = gemv_config(1, N, K, sms, "never")
     time_config(heuristic, budgeted=False)
     time_config(never, budgeted=False)
     first, groups = m1_sweep_rounds(m1_sweep_space(N, K, sms, es))
@@ -735,7 +660,8 @@ def _sweep_m1_target(r: dict, p: str, N: int, K: int, silu: bool, bias: bool, dt
 
 
 def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: float = 256e6,
-                  shapes: dict = GEMV_SHAPES, device: str = "cuda", replays: int = 10) -> dict:
+                  shapes: dict = GEMV_SHAPES, device: str = "cuda", replays: int = 10,
+                  tuned: dict | None = None) -> dict:
     """GemvConfig sweep at M = 1 for every 3B linear, and for ``silu_mul_gemv`` on the down
     shape (``silu_down``), each config timed in a CUDA graph with the weights rotated out of L2
     (``graph_ms``), in three rounds over ``m1_sweep_space`` (``m1_sweep_rounds``). Compiles
@@ -744,12 +670,12 @@ def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: floa
     ``_skipped`` (the heuristic configs are always timed). Compile errors, out-of-resources and
     failed captures skip the config; a target that fails as a whole records ``_error``.
 
-    Per target ``sweep_m1_<shape>_``: ``best_config`` (a GemvConfig repr for GEMV_CONFIGS),
+    Per target ``sweep_m1_<shape>_``: ``best_config`` (a GemvConfig repr),
     ``best_us`` / ``best_gbps``, ``heuristic_{config,us,gbps}`` (``split_k="auto"``, the default),
     ``never_{config,us}``, ``cublas_us`` / ``cublas_gbps`` (torch: F.linear; for silu_down
     TorchOps.silu_mul_linear), ``best_vs_cublas`` and ``best_vs_heuristic`` (> 1: best is faster),
     ``top5``, ``key`` and counts. ``sweep_m1_gemv_configs`` maps ``str(config_key)`` to the best
-    config for ``gemv.apply_configs``; the bests are also installed in GEMV_CONFIGS."""
+    config (``kernels.parse_configs`` reads it back); the bests also go into ``tuned`` when given."""
     gen = torch.Generator(device=device).manual_seed(0)
     sms = sm_count_for(torch.empty(1, device=device))
     targets = [(name, N, K, False) for name, (N, K) in shapes.items()] + [("silu_down", *shapes["down"], True)]
@@ -769,7 +695,8 @@ def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: floa
             traceback.print_exc()
             continue
         if best is not None:
-            GEMV_CONFIGS[key] = best
+            if tuned is not None:
+                tuned[key] = best
             best_configs[str(key)] = repr(best)
     r["sweep_m1_gemv_configs"] = best_configs
     r["sweep_m1_elapsed_s"] = time.perf_counter() - t_start
@@ -781,17 +708,21 @@ DEFAULT_PARTS = BENCH_PARTS[:-1]  # sweep_m1 (~2 min of compiles) only when aske
 
 
 def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1, 4, 8),
-                   decode_batch: int = 64, decode_context: int = 2048, parts: tuple = DEFAULT_PARTS) -> dict:
+                   decode_batch: int = 64, decode_context: int = 2048, parts: tuple = DEFAULT_PARTS,
+                   tuned: dict | None = None) -> dict:
     """The named ``parts`` of ``BENCH_PARTS`` (CUDA only; default: all but sweep_m1). Failures
     are recorded as ``<part>_error`` and skipped. Kernel timings are GPU time, calls back to
-    back in a CUDA graph (``graph_ms``); only the ceilings are timed eagerly."""
+    back in a CUDA graph (``graph_ms``); only the ceilings are timed eagerly. The GEMV parts put
+    their best configs into ``tuned`` (``config_key -> GemvConfig``), which the later parts use."""
+    tuned = {} if tuned is None else tuned
     # 1: kernels over at most PDL_MAX_TOKENS rows launch with PDL (the M <= 8 GEMVs; not batch 64)
     figures: dict = {"pdl_launch": int(use_pdl(torch.empty(0, device="cuda"), 1))}
     table = [("ceilings", measure_ceilings), ("elementwise", lambda: bench_elementwise(dtype)),
              ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]
-    table += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv)) for m in gemv_batches]
-    table += [("switches", lambda: bench_switches(dtype)), ("sweep_m1", lambda: sweep_gemv_m1(dtype))]
+    table += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv, tuned=tuned)) for m in gemv_batches]
+    table += [("switches", lambda: bench_switches(dtype, configs=tuned)),
+              ("sweep_m1", lambda: sweep_gemv_m1(dtype, tuned=tuned))]
     for part, fn in table:
         if ("gemv" if part.startswith("gemv_m") else part) not in parts:
             continue
@@ -871,8 +802,9 @@ def main(argv=None) -> int:
         record["checks"] = run_checks(dtypes, full=cuda)
         save()
     if cuda and not args.skip_bench:
-        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts)
-        record["gemv_tuned_configs"] = {str(k): repr(v) for k, v in GEMV_CONFIGS.items()}
+        tuned: dict = {}
+        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts, tuned=tuned)
+        record["gemv_tuned_configs"] = {str(k): repr(v) for k, v in tuned.items()}
     save()
 
     checks_ = record.get("checks", {})

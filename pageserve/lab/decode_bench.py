@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .bench import BenchRequest, Workload, _random_ids, run_pageserve_online, synchronize
-from .sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
 
 
 def staggered_decode_workload(
@@ -74,12 +74,15 @@ def graph_vs_eager(llm, workload: Workload, check_logits: bool = True) -> GraphC
         runner.graphs = None
         eager = run_pageserve_online(llm, workload, name="eager")
         runner.graphs = graphs
-        runner.graph_check = [] if check_logits else None
-        graphed = run_pageserve_online(llm, workload, name="graphs")
-        errs = runner.graph_check or []
+        check = _graph_logit_check(runner) if check_logits else None
+        try:
+            graphed = run_pageserve_online(llm, workload, name="graphs")
+        finally:
+            if check is not None:
+                check.restore()
+        errs = check.errs if check is not None else []
     finally:
         runner.graphs = graphs
-        runner.graph_check = None
         counter.restore()
     a, b = _tokens(eager), _tokens(graphed)
     same = sum(x == y for x, y in zip(a, b))
@@ -103,6 +106,79 @@ class _count_graph_runs:
 
     def restore(self) -> None:
         self.graphs.run = self.orig
+
+
+class _graph_logit_check:
+    """Wraps a runner's ``to_device`` and ``graphs.run`` so that every graphed decode step
+    is recomputed eagerly, recording two relative logit differences in ``errs``
+    (each recomputation rewrites the same K/V slots with the same values):
+    - the same padded batch, eagerly, through the graph runner's static buffers: what
+      the graph must reproduce exactly if its buffers were refreshed right;
+    - the unpadded batch, eagerly: also differs by kernel choices that depend on the
+      batch size (GEMV tiles and splits, cuBLAS algorithms, attention splits), which
+      reorder sums: zero-ish in fp32, at the dtype's rounding level in bf16."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.errs = runner, []
+        self.graphs = runner.graphs
+        self._to_device, self._run = runner.to_device, self.graphs.run
+        self._inputs = None  # the DeviceInputs of the step being run
+
+        def to_device(x):
+            self._inputs = self._to_device(x)
+            return self._inputs
+
+        def run(input_ids, *args, **kwargs):
+            logits = self._run(input_ids, *args, **kwargs)
+            self.errs.append(self._compare(logits, input_ids))
+            return logits
+
+        runner.to_device = to_device
+        self.graphs.run = run
+
+    def _compare(self, logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, float]:
+        from ..model.attention import PagedAttention
+
+        r, d = self.runner, self._inputs
+        same = self.graphs.eager_logits(logits.shape[0])
+        hidden = r.model(input_ids, d.positions, PagedAttention(r.kv_cache, d.metadata(), r.ops))
+        unpadded = r.model.compute_logits(hidden)
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+        return rel(logits, same), rel(logits, unpadded)
+
+    def restore(self) -> None:
+        self.runner.__dict__.pop("to_device", None)
+        self.graphs.run = self._run
+
+
+class capture_logits:
+    """Record the logits of every step that samples (``[S, V]`` fp32, CPU copies) by
+    wrapping ``runner.sampler.sample``; use as a context manager::
+
+        with capture_logits(llm.engine.runner) as steps:
+            ...  # run the engine
+        steps.logits  # one tensor per sampling step
+    """
+
+    def __init__(self, runner) -> None:
+        self.sampler = runner.sampler
+        self.logits: list[torch.Tensor] = []
+
+    def __enter__(self) -> "capture_logits":
+        orig = self.sampler.sample
+
+        def sample(logits, *args, **kwargs):
+            self.logits.append(logits.detach().clone().cpu())
+            return orig(logits, *args, **kwargs)
+
+        self.sampler.sample = sample
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sampler.__dict__.pop("sample", None)
 
 
 def decode_step_ms(llm, batch_size: int, context_len: int, steps: int = 32, vocab_size: int | None = None,

@@ -1,7 +1,6 @@
-"""Configuration: the model's shape (from an HF config.json) and the engine's knobs.
+"""The model's shape (from an HF config.json or a shipped config) and the dtype rule.
 
-Both are dataclasses that validate themselves; notebook parameters map one-to-one onto
-their fields.
+A dataclass that validates itself; ``ModelConfig.shipped(name)`` reads ``configs/<name>.json``.
 """
 from __future__ import annotations
 
@@ -144,44 +143,3 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device) -> torch
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.float32 if device.type == "cpu" else torch.bfloat16
-
-
-@dataclass
-class EngineConfig:
-    """Knobs of the paged engine. Every field is a keyword of ``LLM(...)``."""
-
-    model: str = "smollm2-135m-instruct"
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    num_blocks: int | None = None  # None: sized from gpu_memory_utilization (or 1 GiB on the CPU)
-    gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False  # True: no CUDA graphs
-    use_triton: bool | None = None  # None: Triton kernels on CUDA, PyTorch reference on the CPU
-    triton_options: dict = field(default_factory=dict)  # keywords of pageserve.kernels.TritonOps (fusion switches)
-    cuda_graph_max_bs: int = 512
-    # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
-    # False: every step is postprocessed before step() returns
-    async_scheduling: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-
-    @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in fields(cls)}

@@ -129,8 +129,3 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
-
-    @property
-    def has_filters(self) -> bool:
-        """Whether top-k, top-p or min-p truncate the distribution."""
-        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0

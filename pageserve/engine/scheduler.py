@@ -74,10 +74,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager

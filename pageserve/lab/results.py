@@ -1,7 +1,8 @@
 """The verification record: every notebook's last cell writes what it measured here.
 
-Format (../shared/RESULTS.md): notebook, hardware, torch, git_commit, date, parameters,
-figures. ``figures`` holds plain numbers written by the code that measured them.
+Format: notebook, hardware, torch, git_commit, git_dirty, git_commit_source, date,
+parameters, figures. ``figures`` holds plain numbers written by the code that measured
+them. ``provenance()`` gives the git fields alone, for scripts that write their own JSON.
 """
 from __future__ import annotations
 
@@ -23,17 +24,34 @@ def hardware_name() -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def git_commit() -> str:
-    """$PAGESERVE_GIT_COMMIT when set (a copied working tree's .git can be stale), else HEAD."""
-    if os.environ.get("PAGESERVE_GIT_COMMIT"):
-        return os.environ["PAGESERVE_GIT_COMMIT"]
+def _git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True, timeout=30).stdout
+
+
+def provenance() -> dict:
+    """Which code produced a result, read from git, not declared:
+
+    ``git_commit`` (``git rev-parse HEAD``), ``git_dirty`` (``git status --porcelain`` shows
+    changes: the result may come from code no commit holds) and ``git_commit_source``
+    ("git"). Where there is no usable ``.git`` (a copied working tree on the GPU machine),
+    ``$PAGESERVE_GIT_COMMIT`` is taken as given, ``git_commit_source: "env"`` and
+    ``git_dirty: None`` (unknown); with neither, ``git_commit: "unknown"``."""
     try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return "unknown"
+        commit = _git("rev-parse", "HEAD").strip()
+        dirty = bool(_git("status", "--porcelain").strip())
+        return {"git_commit": commit, "git_dirty": dirty, "git_commit_source": "git"}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    env = os.environ.get("PAGESERVE_GIT_COMMIT")
+    if env:
+        return {"git_commit": env, "git_dirty": None, "git_commit_source": "env"}
+    return {"git_commit": "unknown", "git_dirty": None, "git_commit_source": "none"}
+
+
+def git_commit() -> str:
+    """The commit of ``provenance()``."""
+    return provenance()["git_commit"]
 
 
 def _plain(x):
@@ -61,7 +79,7 @@ def write_figures(
         "notebook": notebook,
         "hardware": hardware_name(),
         "torch": torch.__version__,
-        "git_commit": git_commit(),
+        **provenance(),
         "date": datetime.date.today().isoformat(),
         "parameters": {k: _plain(v) if not isinstance(v, (list, dict, tuple)) else v for k, v in parameters.items()},
         "figures": {k: _plain(v) for k, v in figures.items()},

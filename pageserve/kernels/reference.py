@@ -1,0 +1,110 @@
+"""The plain-PyTorch math every kernel here is checked against.
+
+One function per operation, written for clarity, not speed; ``pageserve.model.decoder.ops.TorchOps``
+runs these same functions, so the model's reference path and the kernels' references are
+one piece of code. Shapes: T tokens, H hidden, Hq / Hkv query / KV heads, D head_dim.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # x: [T, K], weight: [N, K] -> [T, N]
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [T, H]; statistics in fp32 whatever the storage dtype (as HF does)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual' = x + residual; returns (rms_norm(residual'), residual')."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    # gate_up: [T, 2I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection of its gate|up output: linear(silu_and_mul(gate_up), weight).
+    gate_up: [T, 2I], weight: [N, I] -> [T, N]."""
+    return linear(silu_and_mul(gate_up), weight, None)
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE. q: [T, Hq, D], k: [T, Hkv, D], cos_sin: [max_pos, D] fp32
+    (cos in the first half, sin in the second)."""
+    cs = cos_sin[positions]  # [T, D]
+    cos, sin = cs.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """k, v: [T, Hkv, D] into caches [N, block_size, Hkv, D] at slot_mapping [T] (-1 skipped)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def rotary_write_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q and k, then the rotated k and v into the paged cache (slot -1 skipped).
+    Returns (q_rot, k_rot)."""
+    q, k = rotary(q, k, positions, cos_sin)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
+) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]. One sequence at a time: slow and plainly right.
+    ``meta``: an ``AttentionMetadata`` (query_start_loc, seq_lens, block_tables; the host
+    copies ``query_start_loc_cpu`` / ``seq_lens_cpu`` when set, to avoid syncs)."""
+    T, Hq, D = q.shape
+    block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    out = torch.zeros_like(q)
+    qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    for i, ctx in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0 or ctx == 0:
+            continue
+        n_blocks = (ctx + block_size - 1) // block_size
+        blocks = meta.block_tables[i, :n_blocks].long()
+        kk = k_cache[blocks].reshape(-1, Hkv, D)[:ctx]  # [ctx, Hkv, D]
+        vv = v_cache[blocks].reshape(-1, Hkv, D)[:ctx]
+        qi = q[start:end].float().transpose(0, 1)  # [Hq, q_len, D]
+        kk = kk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        vv = vv.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(qi, kk.transpose(1, 2)) * scale  # [Hq, q_len, ctx]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        k_pos = torch.arange(ctx, device=q.device)
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        out[start:end] = torch.matmul(scores.softmax(-1), vv).transpose(0, 1).to(q.dtype)
+    return out

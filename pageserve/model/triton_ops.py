@@ -1,0 +1,107 @@
+"""``TritonOps``: the decoder's ops object that runs pageserve's Triton kernels.
+
+Same methods and signatures as ``TorchOps`` (the plain-PyTorch reference it is tested
+against). Without CUDA the kernels run only on Triton's CPU interpreter, which must be
+switched on (``TRITON_INTERPRET=1``) before triton is first imported: tests and notebooks
+do that themselves; importing this module changes no process-wide state.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, paged_decode_attention,
+                       paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
+                       write_kv)
+from .attention import AttentionMetadata
+from .ops import TorchOps
+
+
+class TritonOps(TorchOps):
+    """Same methods and signatures as ``TorchOps``; each runs a Triton kernel.
+
+    ``gemv``: use the GEMV for ``linear`` when the batch has at most ``gemv_max_m`` rows
+    (larger batches, and ``gemv=False``, go to cuBLAS through torch).
+    ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
+    few programs; ``"never"`` always runs one kernel with narrower row tiles.
+    ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
+    Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
+    CUDA-graph-safe decode kernel; anything else the prefill kernel.
+
+    Kernel-count switches for the decode path (on by default: on the H200 each made the
+    batch-1 step faster and batch 64 no slower, results/h200/diagnostics/decode_switches.json; off, each
+    op runs as the separate kernels it replaces):
+    ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
+    ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
+
+    Launch settings, held by this object and passed to every kernel call (two objects with
+    different settings run side by side):
+    ``tuned_configs``: the GEMV tile configs by shape (``self.gemv_configs``). True: on CUDA,
+    the ones tuned for this GPU model if the package ships them (``kernels/configs/<gpu>.json``);
+    False: none; a mapping ``config_key -> GemvConfig`` (``kernels.parse_configs`` reads a bench
+    JSON): these. Shapes without an entry use the heuristic.
+    ``pdl``: programmatic dependent launch for the decode-path kernels over at most 8 rows
+    (``self.pdl``): each kernel's launch overlaps the tail of the one before it (H200,
+    batch-1 step 2.41 -> 2.20 ms). None = on where the GPU (sm_90+) and Triton support it.
+    """
+
+    name = "triton"
+
+    def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
+                 gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
+                 tuned_configs: bool | Mapping = True, pdl: bool | None = None) -> None:
+        if gemv_split_k not in SPLIT_K_MODES:
+            raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
+        if isinstance(tuned_configs, Mapping):
+            self.gemv_configs = dict(tuned_configs)
+        elif tuned_configs and torch.cuda.is_available() and not interpreting():
+            self.gemv_configs = load_device_configs(torch.cuda.get_device_name())
+        else:
+            self.gemv_configs = {}
+        self.use_gemv = gemv
+        self.gemv_max_m = gemv_max_m
+        self.decode_num_splits = decode_num_splits
+        self.gemv_split_k = gemv_split_k
+        self.fuse_silu_down = fuse_silu_down
+        self.fuse_rope_kv = fuse_rope_kv
+        self.pdl = pdl
+
+    def _gemv_fits(self, x: torch.Tensor) -> bool:
+        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._gemv_fits(x):
+            return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl)
+        return torch.nn.functional.linear(x, weight, bias)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fuse_silu_down and self._gemv_fits(gate_up):
+            return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl)
+        return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps, pdl=self.pdl)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return add_rms_norm(x, residual, weight, eps, pdl=self.pdl)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(gate_up, pdl=self.pdl)
+
+    def rotary(self, q, k, positions, cos_sin):
+        return rotary(q, k, positions, cos_sin, pdl=self.pdl)
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping, pdl=self.pdl)
+
+    def rotary_write_kv(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        if self.fuse_rope_kv:
+            return rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl=self.pdl)
+        return super().rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+            return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
+                                          num_splits=self.decode_num_splits, pdl=self.pdl)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
