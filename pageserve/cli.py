@@ -4,7 +4,7 @@
 
 ``generate`` runs one request through the paged engine (``LLMEngine``) and streams the
 reply's text as the engine's incremental detokenizer releases it. ``build_parser`` makes
-one argparse sub-parser per subcommand, so ``serve`` slots in beside ``generate``.
+one argparse sub-parser per subcommand, and ``serve`` (the OpenAI-compatible server, ``pageserve.serve.cli``) sits beside ``generate``.
 
 Bad input (an unknown model, a missing file, a bad flag value, a prompt longer than the
 context, a device this torch cannot use) ends with one line on stderr and exit status 2.
@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the model's chat template (default; --no-chat: plain text)")
     gen.set_defaults(func=cmd_generate)
+    from .serve.cli import add_serve_parser  # the server's flags; its imports are deferred to run time
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -196,6 +196,13 @@ class LLMEngine:
 
     abort = abort_request
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request and drop the step in flight: the way back to a clean engine
+        after ``step()`` raised (the server then keeps serving new requests)."""
+        outs = self.abort_request(list(self.requests))
+        self._inflight = None
+        return outs
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -1,0 +1,496 @@
+"""The OpenAI-compatible HTTP app: ``build_app(engine, ...)`` returns a FastAPI app.
+
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
+``/metrics``. Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
+"code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
+401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over the
+limit, 500 when the engine failed the request, 503 when the queue is full.
+
+Handlers only parse, queue, and encode JSON; the engine thread does the model work and the
+detokenization (see ``async_engine``).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pageserve.engine.llm_engine import LLMEngine
+from pageserve.engine.outputs import CompletionOutput, RequestOutput
+
+from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream, TextPrompt
+from .logprobs import TokenTable, chat_logprobs, completion_logprobs
+from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+_DISCONNECT_POLL_S = 0.25
+
+
+def build_app(
+    engine: LLMEngine | AsyncEngine,
+    served_model_name: str | list[str] | None = None,
+    api_key: str | None = None,
+    max_waiting_requests: int | None = None,
+    max_request_bytes: int | None = None,
+) -> FastAPI:
+    """An app serving ``engine``. The engine thread starts and stops with the app's lifespan."""
+    aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_waiting_requests)
+    llm = aengine.engine
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+    names = names or [llm.config.model]
+    metrics = ServerMetrics(lambda: aengine.stats, names[0])
+    table = TokenTable(llm.tokenizer.hf if llm.tokenizer is not None else None, llm.model_config.vocab_size)
+    server = _Server(aengine, names, metrics, table)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(aengine.shutdown)
+
+    app = FastAPI(title="pageserve", lifespan=lifespan)
+    app.state.server = server
+    app.state.engine = aengine
+    app.add_middleware(_AuthMiddleware, api_key=api_key)
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid request")
+        if loc and loc[0] == "prompt":  # a union: pydantic reports every branch
+            param, msg = "prompt", "must be a string, a list of strings, token ids or a list of token-id lists"
+        more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
+        message = f"{param}: {msg}{more}" if param else f"{msg}{more}"
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_parameter"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not aengine.is_running:
+            return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        now = int(time.time())
+        return {"object": "list", "data": [
+            {"id": n, "object": "model", "created": now, "owned_by": "pageserve", "max_model_len": llm.max_model_len}
+            for n in names
+        ]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.complete(body, request)
+
+    return app
+
+
+class _Choice:
+    """Streaming bookkeeping of one choice: how much text and how many tokens were sent."""
+
+    __slots__ = ("index", "text_len", "num_tokens", "finished")
+
+    def __init__(self, index: int) -> None:
+        self.index, self.text_len, self.num_tokens, self.finished = index, 0, 0, False
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, table: TokenTable) -> None:
+        self.engine = engine
+        self.names = names
+        self.metrics = metrics
+        self.table = table
+        self.has_tokenizer = engine.tokenizer is not None
+
+    # ---------------------------------------------------------------- shared
+    def _check_model(self, model: str | None) -> str:
+        if model is None:
+            return self.names[0]
+        if model not in self.names:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.names}",
+                              param="model", code="model_not_found")
+        return model
+
+    async def _submit(self, rid: str, prompts: list, params) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params))
+        except BaseException as e:
+            for s in streams:
+                s.close()
+            self.metrics.count("rejected")
+            if isinstance(e, ValueError):
+                raise OpenAIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+            if isinstance(e, QueueFullError):
+                raise OpenAIError(503, str(e), "server_overloaded", code="queue_full") from None
+            if isinstance(e, EngineDeadError):
+                raise OpenAIError(503, str(e), "server_error") from None
+            if isinstance(e, EngineStepError):
+                raise OpenAIError(500, str(e), "server_error") from None
+            raise
+        return streams
+
+    async def _collect(self, streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+        """The final outputs; aborts everything if the client goes away first."""
+
+        async def last(s: RequestStream) -> RequestOutput:
+            out = None
+            async for out in s:
+                pass
+            return out
+
+        task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    raise OpenAIError(499, "client disconnected")
+        except EngineStepError as e:
+            self.metrics.count("error")
+            raise OpenAIError(500, str(e), "server_error") from None
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e), "server_error") from None
+        finally:
+            if not task.done():
+                task.cancel()
+            for s in streams:
+                s.close()
+
+    def _finish(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            self.metrics.observe(out.metrics)
+        failed = any(c.finish_reason == "error" for out in outs for c in out.outputs)
+        self.metrics.count("error" if failed else "ok")
+        if failed:
+            raise OpenAIError(500, "the engine failed this request while generating it", "server_error")
+
+    @staticmethod
+    def _usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
+        prompt = sum(len(o.prompt_token_ids) for o in outs)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---------------------------------------------------------------- chat
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        model = self._check_model(body.model)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise OpenAIError(400, f"model {model!r} has no tokenizer, so no chat template: use /v1/completions "
+                                   "with token ids", param="messages")
+        try:
+            params = body.to_sampling_params()
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        messages = [m.as_template_dict() for m in body.messages]
+        try:
+            if tok.has_chat_template:
+                prompt = TextPrompt(tok.render_chat(messages, body.add_generation_prompt), add_special_tokens=False)
+            else:
+                prompt = TextPrompt("\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:")
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(rid, [prompt], params)
+        created = int(time.time())
+        k = params.logprobs
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(self._chat_events(streams, rid, created, model, params.n, k, include_usage))
+        outs = await self._collect(streams, request)
+        self._finish(outs)
+        choices = []
+        for c in outs[0].outputs:
+            choice: dict[str, Any] = {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None if k is None else chat_logprobs(self.table, c.token_ids, c.logprobs or [], k),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            choices.append(choice)
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": self._usage(outs, params.n),
+        })
+
+    async def _chat_events(self, streams, rid, created, model, n, k, include_usage) -> AsyncIterator[dict]:
+        base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        usage_none = {"usage": None} if include_usage else {}
+        choices = [_Choice(i) for i in range(n)]
+        yield {**base, "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)
+        ], **usage_none}
+        last = None
+        async for _, out in _merge(streams):
+            last = out
+            delta_choices = []
+            for c in out.outputs:
+                st = choices[c.index]
+                new = self._delta(st, c)
+                if new is None:
+                    continue
+                text, ids = new
+                entry: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
+                                         "logprobs": None, "finish_reason": c.finish_reason}
+                if k is not None and ids:
+                    lps = (c.logprobs or [])[st.num_tokens - len(ids): st.num_tokens]
+                    entry["logprobs"] = chat_logprobs(self.table, ids, lps, k)
+                if c.finish_reason is not None:
+                    entry["stop_reason"] = c.stop_reason
+                delta_choices.append(entry)
+            if delta_choices:
+                yield {**base, "choices": delta_choices, **usage_none}
+        self._finish([last] if last is not None else [])
+        if include_usage and last is not None:
+            yield {**base, "choices": [], "usage": self._usage([last], n)}
+
+    def _delta(self, st: _Choice, c: CompletionOutput) -> tuple[str, list[int]] | None:
+        """New text and token ids of a choice since the last chunk (None: nothing to send)."""
+        if st.finished:
+            return None
+        text = c.text[st.text_len:]
+        ids = c.token_ids[st.num_tokens:]
+        st.text_len, st.num_tokens = len(c.text), len(c.token_ids)
+        st.finished = c.finish_reason is not None
+        if not (text or ids or st.finished):
+            return None
+        if not (text or st.finished) and self.has_tokenizer:
+            # tokens whose text is held back (a partial character or a possible stop string):
+            # their text and logprobs go out with the chunk that releases it
+            st.num_tokens -= len(ids)
+            return None
+        return text, ids
+
+    # ---------------------------------------------------------------- completions
+    async def complete(self, body: CompletionRequest, request: Request):
+        model = self._check_model(body.model)
+        try:
+            params = body.to_sampling_params()
+            raw = body.prompts()
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        if any(isinstance(p, str) for p in raw) and not self.has_tokenizer:
+            raise OpenAIError(400, f"model {model!r} has no tokenizer: send the prompt as token ids", param="prompt")
+        prompts = [TextPrompt(p) if isinstance(p, str) else p for p in raw]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = await self._submit(rid, prompts, params)
+        created = int(time.time())
+        k = params.logprobs
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(self._completion_events(streams, rid, created, model, params.n, k, include_usage))
+        outs = await self._collect(streams, request)
+        self._finish(outs)
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                choices.append(self._completion_choice(i * params.n + c.index, c.text, c.token_ids,
+                                                       c.logprobs, k, c.finish_reason, c.stop_reason))
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": self._usage(outs, params.n),
+        })
+
+    def _completion_choice(self, index, text, ids, lps, k, finish_reason, stop_reason, offset=0) -> dict:
+        choice: dict[str, Any] = {
+            "index": index, "text": text,
+            "logprobs": None if k is None else completion_logprobs(self.table, ids, lps or [], k, offset),
+            "finish_reason": finish_reason, "stop_reason": stop_reason,
+        }
+        if not self.has_tokenizer:
+            choice["token_ids"] = list(ids)
+        return choice
+
+    async def _completion_events(self, streams, rid, created, model, n, k, include_usage) -> AsyncIterator[dict]:
+        base = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        usage_none = {"usage": None} if include_usage else {}
+        choices: dict[int, _Choice] = {}
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in _merge(streams):
+            if out.finished:
+                finals[i] = out
+            delta_choices = []
+            for c in out.outputs:
+                index = i * n + c.index
+                st = choices.setdefault(index, _Choice(index))
+                offset = st.text_len
+                new = self._delta(st, c)
+                if new is None:
+                    continue
+                text, ids = new
+                lps = (c.logprobs or [])[st.num_tokens - len(ids): st.num_tokens]
+                delta_choices.append(self._completion_choice(index, text, ids, lps, k, c.finish_reason,
+                                                             c.stop_reason, offset))
+            if delta_choices:
+                yield {**base, "choices": delta_choices, **usage_none}
+        outs = [finals[i] for i in sorted(finals)]
+        self._finish(outs)
+        if include_usage:
+            yield {**base, "choices": [], "usage": self._usage(outs, n)}
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events: one ``data: <json>`` per chunk, then ``data: [DONE]``. An error
+    after the headers went out is sent as an ``{"error": ...}`` event."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        except OpenAIError as e:
+            yield f"data: {json.dumps(e.body())}\n\n".encode()
+        except (EngineStepError, EngineDeadError) as e:
+            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n".encode()
+        finally:
+            await events.aclose()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# -------------------------------------------------------------------- ASGI middleware
+class _BodyLimitMiddleware:
+    """413 for request bodies over ``max_bytes``: by Content-Length up front, and by
+    counting the bytes actually received (chunked bodies have no length)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.max_bytes
+        message = f"the request body is larger than the limit of {limit} bytes"
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    return await _send_json(send, 413, error_body(message, "invalid_request_error",
+                                                                  code="request_too_large"))
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > limit:
+                    # FastAPI re-raises HTTPExceptions from body reading; the handler shapes it
+                    raise StarletteHTTPException(413, message)
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+
+class _AuthMiddleware:
+    """``Authorization: Bearer <key>`` on every path but ``/health`` when a key is set."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            return await _send_json(send, 401, error_body(
+                "invalid or missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+                code="invalid_api_key"))
+        await self.app(scope, receive, send)
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

@@ -1,0 +1,96 @@
+"""Run a server on a thread of this process (notebooks, tests) and wait until it answers.
+
+``start_server_in_background(model="smollm2-135m-instruct")`` loads the model, builds the
+app, binds a free loopback port and returns a ``BackgroundServer`` once ``/health`` is 200.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pageserve.engine.config import EngineConfig
+from pageserve.engine.llm_engine import LLMEngine
+
+from .api import build_app
+
+
+@dataclass
+class BackgroundServer:
+    url: str  # http://host:port
+    port: int
+    app: Any
+    server: Any  # uvicorn.Server
+    thread: threading.Thread
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI client's ``base_url``."""
+        return self.url + "/v1"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop uvicorn (the app's lifespan stops the engine thread) and wait for it."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> "BackgroundServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def build_engine(loaded: Any = None, **config: Any) -> LLMEngine:
+    """An ``LLMEngine`` for serving; keywords are ``EngineConfig`` fields."""
+    return LLMEngine(EngineConfig(**config), loaded, stream_outputs=True)
+
+
+def start_server_in_background(
+    app: Any = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_waiting_requests: int | None = None,
+    startup_timeout_s: float = 300.0,
+    log_level: str = "warning",
+    **engine_config: Any,
+) -> BackgroundServer:
+    """Serve ``app`` (or a new app over an engine built from ``engine_config``) on a thread.
+
+    ``port=0`` takes a free port. Returns once ``/health`` answers 200; raises
+    ``RuntimeError`` if the server stops or does not answer within ``startup_timeout_s``.
+    """
+    import httpx
+    import uvicorn
+
+    if app is None:
+        app = build_app(build_engine(**engine_config), served_model_name=served_model_name, api_key=api_key,
+                        max_waiting_requests=max_waiting_requests)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="pageserve-uvicorn", daemon=True)
+    thread.start()
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}"
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if not thread.is_alive():
+            raise RuntimeError(f"the server on {url} stopped during startup (see the log above)")
+        if server.started:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    return BackgroundServer(url, port, app, server, thread, api_key)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.05)
+    server.should_exit = True
+    raise RuntimeError(f"the server on {url} did not become healthy within {startup_timeout_s:.0f} s")

@@ -1,0 +1,134 @@
+"""``pageserve serve``: every ``EngineConfig`` field as a flag, plus the server's own.
+
+Flags are generated from the dataclass, so a new engine knob is a new flag with no edit
+here: ``--block-size 32``, ``--enable-prefix-caching / --no-enable-prefix-caching``,
+``--triton-options '{"fuse_norm": true}'`` (dict fields as JSON), ``--num-blocks none``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import types
+import typing
+
+from pageserve.engine.config import EngineConfig
+
+from .tunnel import TunnelError, close_tunnel, open_tunnel, resolve_api_key
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _optional(parse):
+    def convert(text: str):
+        return None if text.lower() in ("none", "null") else parse(text)
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field, typed from its annotation."""
+    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine (EngineConfig fields)")
+    for f in dataclasses.fields(EngineConfig):
+        tp = hints[f.name]
+        args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else ()
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), tp)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"EngineConfig.{f.name} (default: {default!r})"
+        if base is bool:
+            group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif base is dict or typing.get_origin(base) is dict:
+            group.add_argument(_flag(f.name), type=_json_dict, default=default, help=help_text + ", JSON")
+        else:
+            parse = base if base in (int, float, str) else str
+            group.add_argument(_flag(f.name), type=_optional(parse) if optional else parse, default=default,
+                               help=help_text + (" ('none' for None)" if optional else ""))
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: getattr(args, name) for name in EngineConfig.field_names()})
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``serve`` to the ``pageserve`` command's sub-parsers."""
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                              description="Serve a model over the OpenAI API (chat, completions, models, metrics).")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--served-model-name", default=None, nargs="+",
+                   help="name(s) clients use in 'model' (default: --model)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>'; 'auto' generates one and prints it")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests that may wait beyond the running batch before 503 (default max(1024, 4*max_num_seqs))")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body, else 413 (default 4 MiB)")
+    p.add_argument("--tunnel", action="store_true",
+                   help="also open a public Cloudflare quick tunnel (needs --api-key)")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    add_engine_config_args(p)
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, serve until Ctrl-C. Returns the exit status."""
+    api_key = resolve_api_key(args.api_key)
+    if args.tunnel and not api_key:
+        print("error: --tunnel makes the server public; it needs --api-key <key> (or --api-key auto)",
+              file=sys.stderr)
+        return 2
+    if args.api_key == "auto":
+        print(f"API key (generated): {api_key}", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use it",
+              file=sys.stderr)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from pageserve.engine.llm_engine import LLMEngine
+
+    from .api import build_app
+    from .background import start_server_in_background
+
+    engine = LLMEngine(config, stream_outputs=True)
+    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+                    max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes)
+    server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
+    print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
+    if args.tunnel:
+        try:
+            public = open_tunnel(server.port, api_key)
+            print(f"public URL: {public}/v1  (send 'Authorization: Bearer <key>')", flush=True)
+        except TunnelError as e:
+            print(f"tunnel: {e}", file=sys.stderr, flush=True)
+    try:
+        while server.thread.is_alive():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("pageserve: shutting down", file=sys.stderr)
+    finally:
+        if args.tunnel:
+            close_tunnel(server.port)
+        server.stop()
+    return 0

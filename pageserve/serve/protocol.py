@@ -1,0 +1,160 @@
+"""The OpenAI wire format: request models (unknown fields ignored), errors, and the mapping
+from a request onto ``SamplingParams``.
+
+Requests are parsed leniently where OpenAI is lenient (``stop`` as a string or a list,
+``max_completion_tokens`` beside the older ``max_tokens``) and carry the usual extensions of
+open servers: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pageserve.engine.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class OpenAIError(Exception):
+    """An error the API answers with ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """``SamplingParams`` for this request (raises ``ValueError`` with the rule broken)."""
+        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": self.seed}
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+                     "skip_special_tokens", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        if kw["n"] > 128:
+            raise ValueError(f"n must be at most 128, got {kw['n']}")
+        return SamplingParams(**kw)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = "text"
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        content = self.content
+        if isinstance(content, list):
+            other = [p.type for p in content if p.type != "text"]
+            if other:
+                raise OpenAIError(400, f"only text content parts are supported, got {other}", param="messages")
+            content = "".join(p.text or "" for p in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        top = self.top_logprobs or 0
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(limit, top if self.logprobs else None)
+
+
+# a completion prompt: text, texts, token ids, or lists of token ids
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(_Request):
+    prompt: PromptType
+    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (each text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        return list(p)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
