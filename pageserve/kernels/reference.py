@@ -1,6 +1,6 @@
 """The plain-PyTorch math every kernel here is checked against.
 
-One function per operation, written for clarity, not speed; ``pageserve.model.decoder.ops.TorchOps``
+One function per operation, written for clarity, not speed; ``pageserve.model.ops.TorchOps``
 runs these same functions, so the model's reference path and the kernels' references are
 one piece of code. Shapes: T tokens, H hidden, Hq / Hkv query / KV heads, D head_dim.
 """

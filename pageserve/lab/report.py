@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (pageserve/lab/report.py)
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 

@@ -72,7 +72,7 @@ def write_figures(
     ``out_dir`` defaults to ``$PAGESERVE_RESULTS_DIR`` or ``results/<hardware>``-style
     ``results/local`` so CPU smoke runs never overwrite the committed GPU record.
     """
-    default = Path(__file__).resolve().parent.parent / "results" / "local"
+    default = Path(__file__).resolve().parents[2] / "results" / "local"  # the repo's results/, not pageserve/
     out_dir = Path(out_dir or os.environ.get("PAGESERVE_RESULTS_DIR") or default)
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {
