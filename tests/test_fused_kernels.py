@@ -1,8 +1,8 @@
 """The decode-path fusions (each behind a TritonOps switch) against their references.
 
-- ``silu_mul_gemv``: down projection reading gate|up (``TorchOps.silu_mul_linear``)
-- ``gemv(split_k="never")``: the GEMV as one kernel (``TorchOps.linear``)
-- ``rotary_write_kv``: RoPE fused with the paged KV write (``TorchOps.rotary_write_kv``)
+- ``silu_mul_gemv``: down projection reading gate|up (``reference.silu_mul_linear``)
+- ``gemv(split_k="never")``: the GEMV as one kernel (``reference.linear``)
+- ``rotary_write_kv``: RoPE fused with the paged KV write (``reference.rotary_write_kv``)
 
 and a tiny decoder that must give the same logits with every switch on or off. CPU: the
 Triton interpreter on tiny shapes; CUDA: the same tests on the GPU.

@@ -118,7 +118,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     """Splits per sequence, from shapes only: enough programs to fill the GPU about three
     times over, no piece shorter than MIN_SPLIT_TOKENS at the largest context the block
     table can hold. (Three, not four: on the H200 at batch 64, 4 splits beat 5 at contexts
-    512 and 2,048 — results/h200/decode_attn_sweep.json.)"""
+    512 and 2,048 — results/h200/diagnostics/decode_attn_sweep.json.)"""
     want = cdiv(3 * sms, max(1, batch * num_kv_heads))
     cap = max(1, cdiv(max_blocks * block_size, MIN_SPLIT_TOKENS))
     return max(1, min(want, cap, MAX_SPLITS))

@@ -1,4 +1,4 @@
-"""Random inputs and kernel-vs-reference checks, shared by tests/test_kernels.py and bench.py.
+"""Random inputs and kernel-vs-reference checks, shared by the kernel tests and ``lab.kernel_bench.checks``.
 
 Every check draws fresh random inputs, poisons the kernel's output with NaN, runs the
 kernel and its plain-PyTorch reference (in float64 on upcast inputs), and returns the
@@ -24,7 +24,7 @@ from ..kernels.rope_kv import rotary_write_kv
 from ..kernels.rotary import rotary
 from ..kernels._util import cdiv
 
-# ||out - ref|| / ||ref|| limits (METHOD.md): fp32 arithmetic far under 1e-3; half types
+# ||out - ref|| / ||ref|| limits against the float64 reference: fp32 arithmetic lands far under 1e-4; half types
 # carry one rounding of the output and of the softmax probabilities (~4e-3)
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
@@ -177,7 +177,7 @@ def check_rotary(T, num_heads, num_kv_heads, head_dim, dtype, device, gen, inpla
 
 def check_rotary_write_kv(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
                           pad_tokens=2, max_pos=4096) -> float:
-    """The fused RoPE + KV write vs ``TorchOps.rotary_write_kv`` in float64, on strided q/k/v
+    """The fused RoPE + KV write vs ``kernels.reference.rotary_write_kv`` in float64, on strided q/k/v
     views of one qkv row: max relative error of q_rot, k_rot and the written cache slots.
     Cache slots nobody writes (padding rows have slot -1) must keep their old bits: inf if not."""
     _, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, 1, num_kv_heads, head_dim, block_size,
@@ -219,7 +219,7 @@ def check_gemv(M, N, K, dtype, device, gen, bias=True, config=None, split_k="aut
 
 
 def check_silu_mul_gemv(M, N, I, dtype, device, gen, config=None, split_k="auto") -> float:
-    """The down projection fused with SiLU(gate) * up vs ``TorchOps.silu_mul_linear`` in float64."""
+    """The down projection fused with SiLU(gate) * up vs ``kernels.reference.silu_mul_linear`` in float64."""
     gate_up = _rand((M, 2 * I), dtype, device, gen, 2.0)
     w = _rand((N, I), dtype, device, gen, I ** -0.5)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)

@@ -315,7 +315,7 @@ def sweep_gemv_m1(dtype=torch.bfloat16, budget_s: float = 100.0, min_bytes: floa
     Per target ``sweep_m1_<shape>_``: ``best_config`` (a GemvConfig repr),
     ``best_us`` / ``best_gbps``, ``heuristic_{config,us,gbps}`` (``split_k="auto"``, the default),
     ``never_{config,us}``, ``cublas_us`` / ``cublas_gbps`` (torch: F.linear; for silu_down
-    TorchOps.silu_mul_linear), ``best_vs_cublas`` and ``best_vs_heuristic`` (> 1: best is faster),
+    ``kernels.reference.silu_mul_linear``), ``best_vs_cublas`` and ``best_vs_heuristic`` (> 1: best is faster),
     ``top5``, ``key`` and counts. ``sweep_m1_gemv_configs`` maps ``str(config_key)`` to the best
     config (``kernels.parse_configs`` reads it back); the bests also go into ``tuned`` when given."""
     gen = torch.Generator(device=device).manual_seed(0)
