@@ -6,13 +6,13 @@
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
-# Stages: tests 01 02 03 04 05 06a switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests 01 02 03 04 05 06a 07 switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
-# 06a 22, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
+# 06a 22, 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
 #   04:180 05:110 tests:170      then      switches:120 decode_switches:150 01:100 02:180
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .wheels/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; RES=/tmp/pageserve_res/h200; mkdir -p "$RES" "$OUT"
@@ -55,6 +55,11 @@ for st in $stages; do
           -p LONG_EVERY_STEPS 16 -p CHUNK_BUDGETS "256,512,1024,2048,4096,8192" -p NUM_BLOCKS 16384 ;;
     04) run_nb "$t" 04_cuda_graphs $Q3B -p NUM_SEQS 64 -p MIN_OUTPUT 256 -p MAX_OUTPUT 320 -p CHECK_BF16 True \
           -p TIMING_BATCHES "1,64" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 ;;
+    07) realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf  # the default model's real weights (model-pack.sh)
+        [ -f "$realw" ] || { echo "07: $realw missing: carry .realw1/.realw2 first"; realw=smollm2-135m-instruct; }
+        run_nb "$t" 07_openai_server -p CHAT_MODEL "$realw" -p MODEL qwen2.5-3b -p DEVICE cuda -y "NUM_BLOCKS: null" \
+          -p CHAT_NUM_BLOCKS 4096 -p LOAD_STREAMS 64 -p LOAD_MAX_TOKENS 128 -p WARMUP_REQUESTS 16 -y "RATES: [4, 16, 32]" \
+          -p RATE_DURATION_S 60 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p FP16_CHECK True -p FP16_RATE 4 ;;
     05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
     06a) run_nb "$t" 06a_prefix_caching $Q3B -p DTYPE bfloat16 -p NUM_REQUESTS 128 -p SYSTEM_PROMPT_LEN 1024 \
           -p QUESTION_LEN 64 -p OUTPUT_LEN 64 -p NUM_SYSTEM_PROMPTS 4 -p MAX_NUM_BATCHED_TOKENS 8192 ;;

@@ -207,3 +207,21 @@ def test_a_model_without_tokenizer_answers_with_token_ids():
         assert chat.status_code == 400
     finally:
         srv.stop()
+
+
+def test_serve_args_turn_engine_config_keywords_into_the_generated_flags():
+    from pageserve.serve.background import serve_args
+    from pageserve.serve.cli import add_engine_config_args, engine_config_from_args
+    import argparse
+
+    kw = dict(block_size=32, enable_prefix_caching=True, enforce_eager=False, num_blocks=None,
+              triton_options={"pdl": False}, max_model_len=1024)
+    argv = serve_args(**kw)
+    assert "--no-enforce-eager" in argv and "--enable-prefix-caching" in argv
+    p = argparse.ArgumentParser()
+    add_engine_config_args(p)
+    cfg = engine_config_from_args(p.parse_args(argv))
+    for k, v in kw.items():
+        assert getattr(cfg, k) == v, k
+    with pytest.raises(TypeError, match="not an EngineConfig field"):
+        serve_args(no_such_knob=1)

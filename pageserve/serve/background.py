@@ -94,3 +94,104 @@ def start_server_in_background(
         time.sleep(0.05)
     server.should_exit = True
     raise RuntimeError(f"the server on {url} did not become healthy within {startup_timeout_s:.0f} s")
+
+
+@dataclass
+class ServerProcess:
+    """``pageserve serve`` in a child process: what a benchmark client talks to, so the
+    client's Python never shares an interpreter (and its GIL) with the server's."""
+
+    url: str
+    port: int
+    process: Any  # subprocess.Popen
+    log_path: str
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """Ctrl-C the server (it shuts down cleanly) and wait; kill it if it hangs."""
+        import signal
+        import subprocess
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def serve_args(**engine_config: Any) -> list[str]:
+    """``EngineConfig`` keywords as ``pageserve serve`` flags (the flags are generated from the
+    same dataclass: ``block_size=32`` -> ``--block-size 32``, bools as ``--x / --no-x``)."""
+    import json
+
+    out = []
+    for name, value in engine_config.items():
+        if name not in EngineConfig.field_names():
+            raise TypeError(f"{name!r} is not an EngineConfig field")
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, "none" if value is None else str(value)]
+    return out
+
+
+def start_server_process(
+    *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None, log_path: str | None = None,
+    startup_timeout_s: float = 600.0, extra_args: list[str] | None = None, **engine_config: Any,
+) -> ServerProcess:
+    """Start ``python -m pageserve.cli serve`` with these ``EngineConfig`` keywords and wait
+    for ``/health``. Its output goes to ``log_path`` (a temporary file by default); raises
+    ``RuntimeError`` with the log's tail if it exits or stays unhealthy."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    port = port or _free_port(host)
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="pageserve-serve-", suffix=".log")
+        os.close(fd)
+    cmd = [sys.executable, "-m", "pageserve.cli", "serve", "--host", host, "--port", str(port),
+           "--log-level", "warning", *serve_args(**engine_config), *(extra_args or [])]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=False)
+    shown = f"[{host}]" if ":" in host else host
+    server = ServerProcess(f"http://{shown}:{port}", port, proc, log_path)
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        try:
+            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    server.stop(5)
+    tail = open(log_path, errors="replace").read()[-2000:]
+    raise RuntimeError(f"pageserve serve on {server.url} did not become healthy (exit {proc.returncode}):\n{tail}")
