@@ -393,11 +393,12 @@ class LLMEngine:
             )
         firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
         finishes = [s.finish_time for s in req.seqs if s.finish_time is not None]
-        itl = []
-        for s in req.seqs:
-            tt = s.token_times
-            itl.extend(b - a for a, b in zip(tt, tt[1:]))
         finished = req.finished
+        itl = []  # built once, at the end: streaming would otherwise redo it every step
+        if finished:
+            for s in req.seqs:
+                tt = s.token_times
+                itl.extend(b - a for a, b in zip(tt, tt[1:]))
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             first_token_time=min(firsts) if firsts else None,

@@ -179,10 +179,27 @@ class AsyncEngine:
         except RuntimeError:  # the loop closed meanwhile
             pass
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs in one hand-over: one wake-up of the loop per step, not per request."""
+        loop = self._loop
+        if not outputs or loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._put_many, outputs)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
     def _put(self, request_id: str, item: Any) -> None:  # runs on the event loop
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.queue.put_nowait(item)
+
+    def _put_many(self, outputs: list[RequestOutput]) -> None:  # runs on the event loop
+        streams = self._streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
 
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
@@ -241,8 +258,7 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 logger.exception("resetting the engine after a failed step also failed")
             return
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        self._deliver_step(outputs)
 
 
 class RequestStream:
