@@ -5,7 +5,9 @@
 # and committed to results/h200/. Each stage has its own time limit so one slow stage
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
-#   PAGESERVE_GIT_COMMIT=<sha> bash scripts/h200_run.sh [stage:seconds ...]
+#   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
+# with both computed here, where the repository is: `git rev-parse HEAD` and
+# `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
 # Stages: tests 01 02 03 04 05 06a 07 switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,

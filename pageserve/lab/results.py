@@ -33,19 +33,24 @@ def provenance() -> dict:
     """Which code produced a result, read from git, not declared:
 
     ``git_commit`` (``git rev-parse HEAD``), ``git_dirty`` (``git status --porcelain`` shows
-    changes: the result may come from code no commit holds) and ``git_commit_source``
-    ("git"). Where there is no usable ``.git`` (a copied working tree on the GPU machine),
-    ``$PAGESERVE_GIT_COMMIT`` is taken as given, ``git_commit_source: "env"`` and
-    ``git_dirty: None`` (unknown); with neither, ``git_commit: "unknown"``."""
+    changes: the result may come from code no commit holds) and ``git_commit_source``.
+
+    On the GPU machine the working tree is a copy whose ``.git`` (if any) is not the
+    repository's: there the run is handed ``$PAGESERVE_GIT_COMMIT`` and
+    ``$PAGESERVE_GIT_DIRTY`` (0/1), both computed by ``git`` on the machine that sent the
+    tree, and they win (``git_commit_source: "env"``). Otherwise the local repository
+    answers (``"git"``); with neither, ``git_commit: "unknown"``."""
+    env = os.environ.get("PAGESERVE_GIT_COMMIT")
+    if env:
+        dirty = os.environ.get("PAGESERVE_GIT_DIRTY")
+        return {"git_commit": env, "git_dirty": None if dirty is None else dirty.strip() not in ("", "0"),
+                "git_commit_source": "env"}
     try:
         commit = _git("rev-parse", "HEAD").strip()
         dirty = bool(_git("status", "--porcelain").strip())
         return {"git_commit": commit, "git_dirty": dirty, "git_commit_source": "git"}
     except (OSError, subprocess.SubprocessError):
         pass
-    env = os.environ.get("PAGESERVE_GIT_COMMIT")
-    if env:
-        return {"git_commit": env, "git_dirty": None, "git_commit_source": "env"}
     return {"git_commit": "unknown", "git_dirty": None, "git_commit_source": "none"}
 
 
