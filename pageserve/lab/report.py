@@ -41,6 +41,14 @@ HEADLINES = [
     ("01_naive_generation", "hf_bf16_rel_logit_err_vs_fp32", "the same for transformers' own bf16 run", ""),
     ("06a_prefix_caching", "prefix_hit_rate", "prefix-cache hit rate, shared system prompts", ""),
     ("05_triton_kernels", "paged_decode_attn_bw_frac", "decode attention, fraction of read bandwidth", "≥ 0.70"),
+    ("07_openai_server", "serve.4.ttft_p50_ms", "HTTP serving, 4 req/s (512 → 256): TTFT p50, ms", "vLLM engine alone, issue 10: 45"),
+    ("07_openai_server", "serve.4.tpot_p50_ms", "HTTP serving, 4 req/s: TPOT p50, ms", "vLLM engine alone, issue 10: 3.4"),
+    ("07_openai_server", "serve.16.ttft_p50_ms", "HTTP serving, 16 req/s: TTFT p50, ms", "vLLM engine alone, issue 10: 74"),
+    ("07_openai_server", "serve.16.tpot_p50_ms", "HTTP serving, 16 req/s: TPOT p50, ms", "vLLM engine alone, issue 10: 6.7"),
+    ("07_openai_server", "serve.32.ttft_p50_ms", "HTTP serving, 32 req/s: TTFT p50, ms", "vLLM engine alone, issue 10: 80"),
+    ("07_openai_server", "serve.32.tpot_p50_ms", "HTTP serving, 32 req/s: TPOT p50, ms", "vLLM engine alone, issue 10: 9.5"),
+    ("07_openai_server", "load_64_streams_completed", "64 concurrent streams, real weights: completed", "64"),
+    ("07_openai_server", "stream_equals_whole_cjk_emoji", "streamed == whole text, CJK + emoji (1 = yes)", "1"),
 ]
 
 
