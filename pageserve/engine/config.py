@@ -30,6 +30,8 @@ class EngineConfig:
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
     # False: every step is postprocessed before step() returns
     async_scheduling: bool = True
+    # ranks the model is split over (heads, MLP width, vocabulary); > 1 starts worker processes
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -38,6 +40,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device == "auto":
