@@ -380,7 +380,8 @@ class HFGenerateBatchRunner(_HFRunner):
         from .bench import random_workload
         from .hf_baselines import hf_generate_batch
 
-        hf_generate_batch(self.hf, random_workload(2, 16, 4, 1000, seed=12345), self.options.get("attn", "sdpa"))
+        vocab = self.hf.config.vocab_size
+        hf_generate_batch(self.hf, random_workload(2, 16, 4, vocab, seed=12345), self.options.get("attn", "sdpa"))  # warm-up
 
     def offline(self, workload: Workload) -> OfflineResult:
         from .hf_baselines import hf_generate_batch
