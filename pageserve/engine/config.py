@@ -30,6 +30,9 @@ class EngineConfig:
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
     # False: every step is postprocessed before step() returns
     async_scheduling: bool = True
+    # weight-only quantization of the decoder's linears at load time: None (the model dtype) or
+    # "int8" (per-output-channel int8 weights, model-dtype scales; pageserve.model.quant)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -48,6 +51,9 @@ class EngineConfig:
         resolve_device(self.device)  # ValueError for a device this torch cannot use (cuda on a CPU-only build)
         if not isinstance(self.dtype, torch.dtype):
             resolve_dtype(self.dtype, "cpu")  # ValueError for an unknown dtype name
+        from ..model.quant import check_quantization
+
+        check_quantization(self.quantization)  # ValueError for anything but None / "int8"
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 
