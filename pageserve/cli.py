@@ -54,6 +54,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations (default auto: float32 on the CPU, bfloat16 on the GPU)")
     p.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest prompt + reply in tokens (default: the model's context)")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: weight-only int8 linears, quantized at load time (default: none)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +118,8 @@ def _build_engine(args: argparse.Namespace):
     try:
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=1,
-                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                              quantization=args.quantization)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …
         raise UsageError(str(e)) from None

@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests 01 02 03 04 05 06a 06c 07 switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests 01 02 03 04 05 06a 06b 06c 07 08 switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -62,6 +62,18 @@ for st in $stages; do
         run_nb "$t" 07_openai_server -p CHAT_MODEL "$realw" -p MODEL qwen2.5-3b -p DEVICE cuda -y "NUM_BLOCKS: null" \
           -p CHAT_NUM_BLOCKS 4096 -p LOAD_STREAMS 64 -p LOAD_MAX_TOKENS 128 -p WARMUP_REQUESTS 16 -y "RATES: [4, 16, 32]" \
           -p RATE_DURATION_S 60 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p FP16_CHECK True -p FP16_RATE 4 ;;
+    08) # vLLM 0.26 from the vllm-pack.sh pieces in /tmp/acc (.vllm1/.vllm2/.vllm3 carried);
+        # never run yet, predicted ~600 s: vLLM startup ~60 s x 2 (offline, serve), four workloads + decode ~90 s each
+        # for pageserve and vLLM, HF peers on 64 W1 requests ~60 s, 3 rates x 30 s x 2 servers + startups ~240 s.
+        # Run it alone (08:600); if it times out, drop hf_generate from ENGINES or RATE_DURATION_S to 15.
+        [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08: vLLM install failed; running without it"
+        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
+          -y 'ENGINES: [pageserve, vllm, hf_generate_batch, hf_generate]' -y 'SERVE_ENGINES: [pageserve, vllm]' \
+          -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}, shared_prefix: {}}' -p HF_W1_NUM_REQUESTS 64 \
+          -p HF_GENERATE_BATCH_SIZE 64 -y 'PAGESERVE_ARGS: {max_num_seqs: 512, enable_prefix_caching: true}' \
+          -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096, enable_prefix_caching: true}' \
+          -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -y 'RATES: [4, 16, 32]' \
+          -p RATE_DURATION_S 30 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
     05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
     06c) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: results/h200x2/, not results/h200/
          RES=$RES2 PAGESERVE_RESULTS_DIR=$RES2 run_nb "$t" 06c_tensor_parallel -p MODEL qwen2.5-3b -y "NUM_LAYERS: null" \

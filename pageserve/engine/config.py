@@ -32,6 +32,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # ranks the model is split over (heads, MLP width, vocabulary); > 1 starts worker processes
     tensor_parallel_size: int = 1
+    # weight-only quantization of the decoder's linears at load time: None (the model dtype) or
+    # "int8" (per-output-channel int8 weights, model-dtype scales; pageserve.model.quant)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -52,6 +55,9 @@ class EngineConfig:
         resolve_device(self.device)  # ValueError for a device this torch cannot use (cuda on a CPU-only build)
         if not isinstance(self.dtype, torch.dtype):
             resolve_dtype(self.dtype, "cpu")  # ValueError for an unknown dtype name
+        from ..model.quant import check_quantization
+
+        check_quantization(self.quantization)  # ValueError for anything but None / "int8"
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 

@@ -75,8 +75,12 @@ class LLMEngine:
 
             loaded = load_model(
                 config.model, device=config.device, dtype=config.dtype, seed=config.seed,
-                max_model_len=config.max_model_len,
+                max_model_len=config.max_model_len, quantization=config.quantization,
             )
+        elif config.quantization is not None:  # a model loaded by the caller: quantize it here (in place)
+            from ..model.quant import quantize_model
+
+            quantize_model(loaded.model, config.quantization)
         self.model = loaded.model
         self.model_config = loaded.config
         self.tokenizer = getattr(loaded, "tokenizer", None)

@@ -11,6 +11,8 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``rope_kv``       RoPE fused with the paged KV write (one launch instead of two)
 - ``gemv``          GEMV / skinny GEMM for M <= 8, split-K or not (large M stays on cuBLAS);
                     also the down projection fused with SiLU(gate) * up
+- ``gemv_int8``     int8 weight-only (W8A16) linears: the decode GEMV (and its SiLU·mul form),
+                    a GEMM for larger M, and a dequantize kernel for dequantize-then-cuBLAS
 
 ``reference`` holds the plain-PyTorch math each kernel is checked against. This package
 imports torch and triton and nothing else of pageserve (``pageserve.model.triton_ops`` is
@@ -25,6 +27,7 @@ from . import reference  # noqa: F401
 from .activation import silu_and_mul
 from ._util import interpreting
 from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
+from .gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, silu_mul_gemv_int8
 from .kv_write import write_kv
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
@@ -34,6 +37,6 @@ from .rotary import rotary
 
 __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
-    "gemv", "silu_mul_gemv", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
 ]

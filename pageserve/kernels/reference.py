@@ -108,3 +108,34 @@ def paged_attention(
         scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
         out[start:end] = torch.matmul(scores.softmax(-1), vv).transpose(0, 1).to(q.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------- int8 weight-only (W8A16)
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: weight [N, K] -> (qweight [N, K] int8, scale [N]).
+
+    scale = max|w_row| / 127, stored in ``scale_dtype`` (default: the weight's); q = round(w / scale)
+    with the *stored* scale, clamped to [-127, 127], so that q * scale is the closest grid to w
+    that the kernels will see. An all-zero row gets scale 1 and q = 0."""
+    scale_dtype = scale_dtype or weight.dtype
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(scale_dtype)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # qweight: [N, K] int8, scale: [N] -> [N, K] in scale's dtype (one rounding of q * scale)
+    return qweight.to(scale.dtype) * scale[:, None]
+
+
+def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(x, dequantize_int8(qweight, scale), bias): x [T, K], qweight [N, K] int8, scale [N] -> [T, N].
+    (The kernels compute (x @ q^T) * scale in fp32 instead: the same value up to where they round.)"""
+    return linear(x, dequantize_int8(qweight, scale).to(x.dtype), bias)
+
+
+def silu_mul_linear_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection with an int8 weight: linear_int8(silu_and_mul(gate_up), qweight, scale, None)."""
+    return linear_int8(silu_and_mul(gate_up), qweight, scale, None)

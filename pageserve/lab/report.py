@@ -76,9 +76,59 @@ def _provenance_note(rec: dict) -> str:
     return f" ({', '.join(notes)})" if notes else ""
 
 
+PEER_ENGINES = ("pageserve", "vllm", "hf_generate_batch", "hf_generate")
+PEER_ROWS = [  # (figure prefix, what the row is)
+    ("w1_total_tok_s", "W1 total tok/s (500 × 512 → 256)"),
+    ("nanovllm_total_tok_s", "nano-vllm total tok/s (256, lengths U[100, 1024])"),
+    ("chat_total_tok_s", "chat total tok/s (lognormal lengths)"),
+    ("shared_prefix_cached_s", "shared system prompts, prefix caching on: wall s (lower is better)"),
+    ("batch1_ms_per_token", "batch-1 decode, ms per token"),
+    ("batch64_ms_per_step", "batch-64 decode, ms per step"),
+]
+
+
+def render_peers(rec: dict, hardware: str) -> str:
+    """The 08 record as one table: rows are workloads, columns engines, and pageserve / vLLM."""
+    figs, params = rec["figures"], rec.get("parameters", {})
+    engines = [e for e in PEER_ENGINES if any(f"{k}.{e}" in figs for k, _ in PEER_ROWS)]
+    if not engines:
+        return ""
+    head = ["workload", *[f"`{e}`" for e in engines]]
+    if "vllm" in engines and "pageserve" in engines:
+        head.append("pageserve / vLLM")
+    rows = []
+    for key, what in PEER_ROWS:
+        vals = [figs.get(f"{key}.{e}") for e in engines]
+        if all(v is None for v in vals):
+            continue
+        cells = [what, *["" if v is None else _fmt(v) for v in vals]]
+        if len(head) > len(engines) + 1:
+            ps, vl = figs.get(f"{key}.pageserve"), figs.get(f"{key}.vllm")
+            cells.append(_fmt(ps / vl) if ps and vl else "")
+        rows.append("| " + " | ".join(cells) + " |")
+    if "floor_batch1_ms" in figs:
+        rows.append("| batch-1 bandwidth floor, ms (weights + KV / read GB/s) | "
+                    + " | ".join([_fmt(figs["floor_batch1_ms"]), *[""] * (len(head) - 2)]) + " |")
+    dtype = params.get("engine_dtype") or params.get("DTYPE", "?")
+    peers = ", ".join(f"{n} {params[k]}" for n, k in (("vLLM", "vllm_version"), ("transformers", "transformers_version"))
+                      if params.get(k))
+    caption = (f"pageserve against its peers on `{hardware}` ({rec['hardware']}), model shape `{params.get('MODEL', '?')}` "
+               f"(random weights), {dtype}, {rec['date']}; torch {rec['torch']}" + (f", {peers}" if peers else "")
+               + f"; commit `{rec['git_commit'][:10]}`{_provenance_note(rec)} "
+               f"([08](results/{hardware}/08_benchmarks.ipynb)). Each engine in its own process, same requests"
+               + ("; the ratio column divides pageserve's figure by vLLM's (> 1: faster in tok/s rows, slower in "
+                  "ms or s rows)" if len(head) > len(engines) + 1 else "") + ".\n")
+    return "\n".join([caption, "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""])
+
+
 def render(results_dir: Path = ROOT / "results") -> str:
     headlines = render_headlines(results_dir)
     lines: list[str] = [headlines] if headlines else []
+    peers = results_dir / "h200" / "08_benchmarks.json"
+    if peers.exists():
+        table = render_peers(json.loads(peers.read_text()), "h200")
+        if table:
+            lines.append(table)
     for hw_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and p.name != "local"):
         records = [json.loads(p.read_text()) for p in sorted(hw_dir.glob("*.json"))]
         records = [r for r in records if "notebook" in r and "figures" in r]  # notebook records only

@@ -23,6 +23,7 @@ import torch
 from .config import SHIPPED_CONFIGS, ModelConfig, resolve_dtype
 from .default_model import DEFAULT_MODEL, default_model_dir
 from .decoder import Decoder
+from .quant import check_quantization, quantize_model
 from .tokenizer import Tokenizer
 
 DUMMY_ALIASES = ("qwen2.5-3b", "qwen2.5-0.5b", "smollm2-135m")
@@ -89,10 +90,19 @@ def build_decoder(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ma
 
 
 def load_model(model: str = DEFAULT_MODEL, device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
-               seed: int = 0, max_model_len: int | None = None) -> LoadedModel:
+               seed: int = 0, max_model_len: int | None = None, quantization: str | None = None) -> LoadedModel:
     """Load ``model`` (see the module docstring for the accepted forms) on ``device`` in
     ``dtype``; RoPE tables cover ``max_model_len`` positions (default: the config's
-    max_position_embeddings, capped at 32768)."""
+    max_position_embeddings, capped at 32768). ``quantization="int8"``: the decoder's linears
+    become int8 weight-only (``model.quant.quantize_model``) once the float weights are loaded,
+    whatever the checkpoint format, one projection at a time."""
+    check_quantization(quantization)
+    loaded = _load_float(model, device, dtype, seed, max_model_len)
+    quantize_model(loaded.model, quantization)
+    return loaded
+
+
+def _load_float(model, device, dtype, seed, max_model_len) -> LoadedModel:
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     name = str(model)

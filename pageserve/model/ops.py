@@ -11,6 +11,7 @@ import math
 import torch
 
 from ..kernels import reference
+from .quant import QuantizedWeight
 
 
 class TorchOps:
@@ -20,7 +21,11 @@ class TorchOps:
 
     name = "torch"
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]. A ``QuantizedWeight`` (int8 + per-row scale)
+        runs ``reference.linear_int8``: dequantize, then the float product."""
+        if isinstance(weight, QuantizedWeight):
+            return reference.linear_int8(x, weight.qweight, weight.scale, bias)
         return reference.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

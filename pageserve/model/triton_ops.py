@@ -14,8 +14,13 @@ import torch
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, paged_decode_attention,
                        paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
                        write_kv)
+from ..kernels.gemv_int8 import (dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs,
+                                 silu_mul_gemv_int8)
 from .attention import AttentionMetadata
 from .ops import TorchOps
+from .quant import QuantizedWeight
+
+INT8_GEMM_MODES = ("auto", "triton", "dequant")
 
 
 class TritonOps(TorchOps):
@@ -44,15 +49,34 @@ class TritonOps(TorchOps):
     ``pdl``: programmatic dependent launch for the decode-path kernels over at most 8 rows
     (``self.pdl``): each kernel's launch overlaps the tail of the one before it (H200,
     batch-1 step 2.41 -> 2.20 ms). None = on where the GPU (sm_90+) and Triton support it.
+
+    Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``gemv_max_m`` rows the int8
+    GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
+    ``"triton"``: the int8 GEMM (reads int8 tiles, half the bytes); ``"dequant"``: dequantize the
+    weight into a float buffer, then cuBLAS; ``"auto"``: the GEMM up to ``int8_gemm_max_m`` rows (decode
+    batches: memory-bound), dequantize + cuBLAS above (prefill chunks: compute-bound).
+    ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
+    ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
     """
 
     name = "triton"
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 tuned_configs: bool | Mapping = True, pdl: bool | None = None) -> None:
+                 tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
+                 int8_gemm_max_m: int = 256, int8_tuned_configs: bool | Mapping = True) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
+        if int8_gemm not in INT8_GEMM_MODES:
+            raise ValueError(f"int8_gemm must be one of {INT8_GEMM_MODES}, got {int8_gemm!r}")
+        if isinstance(int8_tuned_configs, Mapping):
+            self.int8_configs = dict(int8_tuned_configs)
+        elif int8_tuned_configs and torch.cuda.is_available() and not interpreting():
+            self.int8_configs = load_int8_device_configs(torch.cuda.get_device_name())
+        else:
+            self.int8_configs = {}
+        self.int8_gemm = int8_gemm
+        self.int8_gemm_max_m = int8_gemm_max_m
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -70,12 +94,29 @@ class TritonOps(TorchOps):
     def _gemv_fits(self, x: torch.Tensor) -> bool:
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return self._linear_int8(x, weight, bias)
         if self._gemv_fits(x):
             return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl)
         return torch.nn.functional.linear(x, weight, bias)
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._gemv_fits(x):
+            return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
+                             pdl=self.pdl)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.int8_gemm == "triton" or (self.int8_gemm == "auto" and x.shape[0] <= self.int8_gemm_max_m):
+            return gemm_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
+        # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
+        return torch.nn.functional.linear(x, dequantize_int8(w.qweight, w.scale), bias)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            if self.fuse_silu_down and self._gemv_fits(gate_up):
+                return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
+                                          configs=self.int8_configs, pdl=self.pdl)
+            return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
         if self.fuse_silu_down and self._gemv_fits(gate_up):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl)
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear

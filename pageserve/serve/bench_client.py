@@ -120,11 +120,13 @@ async def run_load(
     seed: int = 0,
     ignore_eos: bool = True,
     timeout_s: float = 600.0,
+    extra_body: dict | None = None,
 ) -> LoadResult:
     """Send one streamed completion per prompt; returns every request's timings.
 
     ``base_url`` ends in ``/v1``. ``ignore_eos`` (a server extension) makes every request
-    produce exactly ``max_tokens`` tokens, as benchmarks usually want."""
+    produce exactly ``max_tokens`` tokens, as benchmarks usually want. ``extra_body`` adds
+    fields to every request (e.g. vLLM's ``return_token_ids`` for a server with no tokenizer)."""
     import httpx
 
     rng = random.Random(seed)
@@ -140,6 +142,8 @@ async def run_load(
                     "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
             if model:
                 body["model"] = model
+            if extra_body:
+                body.update(extra_body)
             if sem is None:
                 return await _one(client, url, body, headers)
             async with sem:

@@ -1,0 +1,406 @@
+"""INT8 weight-only linears (W8A16): out[M, N] = (x[M, K] @ q[N, K]^T) * scale[N] + b.
+
+The weight is stored as int8 with one scale per output row (``reference.quantize_int8``); the
+activations stay in the model dtype. References: ``reference.linear_int8`` and
+``reference.silu_mul_linear_int8`` (dequantize, then the float product).
+
+Three kernels, for three regimes:
+
+- ``gemv_int8`` (decode, M <= 8): the bf16 GEMV's program layout (``gemv.py``): program (n, s)
+  streams [BLOCK_N, BLOCK_K] int8 tiles of its rows over the s-th K slice, converts them in
+  registers and accumulates x * q in fp32; the scale is applied once per output column after
+  the K loop (a column's scale is a constant factor of its whole dot product). Half the bytes
+  of the bf16 weight, so the same number of programs moves twice the columns per load: the
+  heuristic's M = 1 tile is 2 rows x 2048 int8 columns (4 KB, the bytes of the bf16 GEMV's
+  tuned 2 x 1024 tile) with the deferred reduction. Split-K partials are unscaled fp32; the
+  reduce kernel applies scale and bias. ``silu_mul_gemv_int8`` reads the gate|up activation
+  and applies SiLU(gate) * up to each K tile (the fused down projection).
+- ``gemm_int8`` (larger M): a tiled ``tl.dot`` GEMM whose B tiles are int8 converted to the
+  activation dtype in registers (exact: |q| <= 127 fits any of fp16/bf16/fp32), scale and bias
+  in the epilogue. Reads half the weight bytes of a bf16 GEMM: the choice while the product is
+  still memory-bound (decode batches of tens to a few hundred rows).
+- ``dequantize_int8`` (prefill): writes q * scale to a float buffer once per call, after which
+  cuBLAS runs the product. Costs one read of q and one write of the float weight per call,
+  negligible against a long prefill chunk's FLOPs; ``TritonOps(int8_gemm=...)`` picks between
+  this and ``gemm_int8`` by M.
+
+Tuned configs: a mapping ``int8_config_key(...) -> GemvConfig | Int8GemmConfig`` that the caller
+owns and passes (``configs=``), like the bf16 GEMVs; ``load_int8_device_configs`` reads the
+``int8_tuned_configs`` section of ``configs/<gpu>.json``; shapes without an entry use the heuristics.
+"""
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_args,
+                    pdl_enter, sm_count_for)
+from .gemv import SPLIT_K_MODES, GemvConfig, _load_x, device_config_path
+
+linear_int8_reference = reference.linear_int8
+silu_mul_linear_int8_reference = reference.silu_mul_linear_int8
+quantize_int8 = reference.quantize_int8
+
+
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8  # programs walk GROUP_M row tiles per column tile (the weight tile stays in L2)
+
+
+Int8Configs = Mapping[tuple, "GemvConfig | Int8GemmConfig"]
+
+
+def int8_config_key(M: int, N: int, K: int, kind: str = "gemv") -> tuple:
+    """The tuned-config key: (next_pow2(M), N, K, "int8") for ``gemv_int8``, with "silu_mul" added
+    for ``silu_mul_gemv_int8`` (which falls back to the plain entry), (…, "int8_gemm") for ``gemm_int8``."""
+    if kind not in ("gemv", "silu_mul", "gemm"):
+        raise ValueError(f"kind must be gemv, silu_mul or gemm, got {kind!r}")
+    key = (next_pow2(M), N, K)
+    return key + ("int8_gemm",) if kind == "gemm" else key + ("int8", "silu_mul") if kind == "silu_mul" else key + ("int8",)
+
+
+def parse_int8_configs(record: Mapping) -> dict[tuple, "GemvConfig | Int8GemmConfig"]:
+    """``str(int8_config_key(...)) -> repr(config)`` (the ``int8_tuned_configs`` section of a device
+    JSON, or that JSON whole) as a new dict ``key -> GemvConfig | Int8GemmConfig``, without eval."""
+    record = record.get("int8_tuned_configs", record) if "int8_tuned_configs" in record else record
+    classes = {"GemvConfig": GemvConfig, "Int8GemmConfig": Int8GemmConfig}
+    out = {}
+    for key, text in record.items():
+        k = tuple(ast.literal_eval(key) if isinstance(key, str) else key)
+        if isinstance(text, (GemvConfig, Int8GemmConfig)):
+            out[k] = text
+            continue
+        node = ast.parse(str(text).strip(), mode="eval").body
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in classes):
+            raise ValueError(f"not a GemvConfig(...) or Int8GemmConfig(...) repr: {text!r}")
+        args = [ast.literal_eval(a) for a in node.args]
+        out[k] = classes[node.func.id](*args, **{kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
+    return out
+
+
+def load_int8_device_configs(device_name: str) -> dict[tuple, "GemvConfig | Int8GemmConfig"]:
+    """The int8 configs tuned on this GPU model (``int8_tuned_configs`` in ``configs/<gpu>.json``), else {}."""
+    path = device_config_path(device_name)
+    if not path.exists():
+        return {}
+    with open(path) as f:
+        record = json.load(f)
+    return parse_int8_configs(record["int8_tuned_configs"]) if "int8_tuned_configs" in record else {}
+
+
+# ---------------------------------------------------------------------------- decode: the GEMV
+@triton.jit
+def _int8_to(w, like, UPCAST: tl.constexpr):
+    """An int8 tile in ``like``'s dtype for tl.dot (exact: |q| <= 127). Under UPCAST (the CPU
+    interpreter's bf16, see ``_util.dot_upcast``) straight to fp32: the interpreter stores bf16
+    as raw uint16 and would convert the integers' values into those bits."""
+    if UPCAST:
+        return w.to(tl.float32)
+    return w.to(like.dtype)
+
+
+@triton.jit
+def _gemv_int8_kernel(
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    q_rows = q_ptr + n.to(tl.int64)[:, None] * stride_qn
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+    pdl_enter(USE_PDL)
+    m = tl.arange(0, BLOCK_M)
+    mmask = m < M
+    if BLOCK_M == 1:
+        if DEFER_REDUCE:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < k_hi
+        w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
+        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
+        if BLOCK_M == 1:  # x: [BLOCK_K]
+            if DEFER_REDUCE:
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            else:
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+        elif USE_DOT:  # q -> x's dtype is exact (|q| <= 127)
+            acc += mma(x, tl.trans(_int8_to(w, x, UPCAST)), PREC, UPCAST)
+        else:  # BLOCK_N < 16: too narrow for tl.dot
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if BLOCK_M == 1:
+        if DEFER_REDUCE:
+            acc2 = tl.sum(acc, axis=1)[None, :]
+        else:
+            acc2 = acc[None, :]
+    else:
+        acc2 = acc
+    omask = mmask[:, None] & nmask[None, :]
+    if SPLIT:  # unscaled partials; the reduce kernel scales their sum
+        part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(part, acc2, mask=omask)
+    else:
+        acc2 = acc2 * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc2 += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc2.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _gemv_int8_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr,
+                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    m = tl.program_id(1)
+    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    nmask = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
+    acc = acc * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", configs: Int8Configs | None = None,
+                     silu_mul: bool = False) -> GemvConfig:
+    """The tuned entry of ``configs`` (``int8_config_key``; under ``"never"`` only a one-split one),
+    else the heuristic.
+
+    M = 1: 2-row tiles, BLOCK_K up to 2048 int8 columns (4 KB a tile, what the bf16 GEMV's tuned
+    2 x 1024 tile reads), the [2, BLOCK_K] fp32 accumulator reduced once after the K loop; K split
+    (``"auto"``) only where rows alone give fewer than 4 programs per SM.
+    M = 2..8: 32-row tiles of 128 int8 columns on ``tl.dot`` (x padded to 16 rows), K split until
+    the grid covers the SMs ~4x, each split at least two tiles long (``"never"``: 16-row tiles, no split).
+    """
+    if split_k not in SPLIT_K_MODES:
+        raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
+    if configs:
+        tuned = configs.get(int8_config_key(M, N, K, "silu_mul" if silu_mul else "gemv"))
+        if tuned is None and silu_mul:
+            tuned = configs.get(int8_config_key(M, N, K))
+        if isinstance(tuned, GemvConfig) and (split_k == "auto" or tuned.split_k == 1):
+            return tuned
+    if M == 1:
+        block_n, block_k = 2, min(2048, max(64, next_pow2(K)))
+        split = 1
+        if split_k == "auto" and cdiv(N, block_n) < 4 * sms:
+            split = max(1, min(cdiv(4 * sms, cdiv(N, block_n)), K // (2 * block_k)))
+        return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, defer_reduce=block_n * block_k <= 4096)
+    if split_k == "never":
+        return GemvConfig(block_n=16, block_k=128, split_k=1, num_stages=4)
+    block_n, block_k = 32, 128
+    split = max(1, min(cdiv(4 * sms, cdiv(N, block_n)), K // (2 * block_k)))
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
+
+
+def _check_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, K: int) -> int:
+    check("qweight", qweight, shape=(None, K), dtype=torch.int8)
+    N = qweight.shape[0]
+    check("scale", scale, shape=(N,), dtype=x.dtype)
+    return N
+
+
+def _out(out: torch.Tensor | None, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, shape=(M, N), dtype=x.dtype)
+    return out
+
+
+def _launch_gemv(x, qweight, scale, bias, out, config, split_k, configs, pdl, silu_mul=False) -> torch.Tensor:
+    M, N, K = x.shape[0], qweight.shape[0], qweight.shape[1]
+    if M == 0 or N == 0:
+        return out
+    cfg = config or gemv_int8_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = cdiv(K, k_per_split)
+    use_dot = M > 1 and cfg.block_n >= 16
+    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    b = bias if bias is not None else scale  # unused pointers point at something valid
+    launch = pdl_args(x, M, pdl)
+    _gemv_int8_kernel[(cdiv(N, cfg.block_n), splits)](
+        x, qweight, scale, b, out, part,
+        M, N, K, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+    )
+    if splits > 1:
+        BLOCK = 256
+        _gemv_int8_reduce_kernel[(cdiv(N, BLOCK), M)](
+            part, scale, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
+            num_warps=2, **launch,
+        )
+    return out
+
+
+def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
+              configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """x: [M, K] (M small), qweight: [N, K] int8, scale: [N] and bias: [N] or None in x's dtype -> [M, N].
+    ``config`` / ``configs`` / ``split_k`` / ``pdl`` as ``gemv.gemv`` (configs keyed by ``int8_config_key``)."""
+    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
+    M, K = x.shape
+    N = _check_int8(x, qweight, scale, K)
+    tensors = dict(x=x, qweight=qweight, scale=scale)
+    if bias is not None:
+        check("bias", bias, shape=(N,), dtype=x.dtype)
+        tensors["bias"] = bias
+    check_device(**tensors)
+    if M > 64:
+        raise ValueError(f"gemv_int8 is for small M (got M={M}); use gemm_int8 or dequantize_int8 + linear")
+    return _launch_gemv(x, qweight, scale, bias, _out(out, M, N, x), config, split_k, configs, pdl)
+
+
+def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
+                       configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """gate_up: [M, 2I] (gate | up, M small), qweight: [N, I] int8, scale: [N] ->
+    (SiLU(gate) * up) @ (q * scale)^T: [M, N], in one pass (plus the reduce when split)."""
+    check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
+    M, I2 = gate_up.shape
+    if I2 % 2:
+        raise ValueError(f"gate_up: last dim must be even (gate|up), got {I2}")
+    N = _check_int8(gate_up, qweight, scale, I2 // 2)
+    check_device(gate_up=gate_up, qweight=qweight, scale=scale)
+    if M > 64:
+        raise ValueError(f"silu_mul_gemv_int8 is for small M (got M={M})")
+    return _launch_gemv(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, split_k, configs, pdl,
+                        silu_mul=True)
+
+
+# ---------------------------------------------------------------------------- larger M: the GEMM
+@triton.jit
+def _gemm_int8_kernel(
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    q_rows = q_ptr + n.to(tl.int64)[:, None] * stride_qn
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
+        acc += mma(a, tl.trans(_int8_to(w, a, UPCAST)), PREC, UPCAST)
+    acc = acc * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def gemm_int8_config(M: int, N: int, K: int, configs: Int8Configs | None = None) -> Int8GemmConfig:
+    """The tuned entry (``int8_config_key(M, N, K, "gemm")``) or the heuristic: row tiles of 16-128
+    (the smallest power of two >= M up to 64, then 128), 64-wide column tiles up to M = 64 (more
+    programs for the memory-bound batches) and 128 above, 128 int8 columns of K per step."""
+    if configs:
+        tuned = configs.get(int8_config_key(M, N, K, "gemm"))
+        if isinstance(tuned, Int8GemmConfig):
+            return tuned
+    block_m = min(max(16, next_pow2(M)), 128)
+    if block_m <= 64:
+        return Int8GemmConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return Int8GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              config: Int8GemmConfig | None = None, out: torch.Tensor | None = None,
+              configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """x: [M, K] (any M), qweight: [N, K] int8, scale / bias: [N] in x's dtype -> [M, N]; int8
+    tiles dequantized in registers, fp32 accumulation, scale and bias in the epilogue."""
+    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
+    M, K = x.shape
+    N = _check_int8(x, qweight, scale, K)
+    tensors = dict(x=x, qweight=qweight, scale=scale)
+    if bias is not None:
+        check("bias", bias, shape=(N,), dtype=x.dtype)
+        tensors["bias"] = bias
+    check_device(**tensors)
+    out = _out(out, M, N, x)
+    if M == 0 or N == 0:
+        return out
+    cfg = config or gemm_int8_config(M, N, K, configs)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
+    _gemm_int8_kernel[grid](
+        x, qweight, scale, bias if bias is not None else scale, out, M, N, K, x.stride(0), qweight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------- prefill: dequantize, then cuBLAS
+@triton.jit
+def _dequant_kernel(q_ptr, scale_ptr, out_ptr, N, K, stride_qn, stride_on,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    pdl_enter(USE_PDL)
+    q = tl.load(q_ptr + n.to(tl.int64)[:, None] * stride_qn + k[None, :], mask=mask, other=0)
+    s = tl.load(scale_ptr + n, mask=n < N, other=0.0)
+    w = (q.to(tl.float32) * s.to(tl.float32)[:, None]).to(s.dtype)  # exact product, rounded once: as q * s in s's dtype
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :], w, mask=mask)
+
+
+def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qweight: [N, K] int8, scale: [N] -> q * scale: [N, K] in scale's dtype (``out`` may be a
+    reused buffer of that shape). Equal to ``reference.dequantize_int8`` bit for bit."""
+    check("scale", scale, ndim=1, dtype=KERNEL_DTYPES)
+    check("qweight", qweight, shape=(scale.shape[0], None), dtype=torch.int8)
+    check_device(qweight=qweight, scale=scale)
+    N, K = qweight.shape
+    out = torch.empty((N, K), dtype=scale.dtype, device=scale.device) if out is None else out
+    check("out", out, shape=(N, K), dtype=scale.dtype)
+    if N == 0 or K == 0:
+        return out
+    BLOCK_N, BLOCK_K = 16, 256
+    # the prefill path (large M): launched without PDL, like every launch over more than 8 rows
+    _dequant_kernel[(cdiv(N, BLOCK_N), cdiv(K, BLOCK_K))](
+        qweight, scale, out, N, K, qweight.stride(0), out.stride(0), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=4, USE_PDL=False,
+    )
+    return out

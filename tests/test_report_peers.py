@@ -1,0 +1,28 @@
+"""The 08 record renders as a peer table: workloads x engines, pageserve / vLLM, with provenance."""
+from pageserve.lab import report
+from pageserve.lab.results import write_figures
+
+
+def test_peer_table_has_a_row_per_workload_a_column_per_engine_and_the_vllm_ratio(tmp_path):
+    figs = {"w1_total_tok_s.pageserve": 60000.0, "w1_total_tok_s.vllm": 50000.0, "w1_total_tok_s.hf_generate": 900.0,
+            "chat_total_tok_s.pageserve": 30000.0, "chat_total_tok_s.vllm": 40000.0,
+            "batch1_ms_per_token.pageserve": 2.2, "batch1_ms_per_token.vllm": 2.0, "floor_batch1_ms": 1.5}
+    params = {"MODEL": "qwen2.5-3b", "DTYPE": "auto", "engine_dtype": "bfloat16", "vllm_version": "0.26.0",
+              "transformers_version": "5.24.0"}
+    write_figures("08_benchmarks", params, figs, tmp_path / "h200")
+    out = report.render(tmp_path)
+    assert "| workload | `pageserve` | `vllm` | `hf_generate` | pageserve / vLLM |" in out
+    assert "| W1 total tok/s (500 × 512 → 256) | 60,000.0 | 50,000.0 | 900.0 | 1.2 |" in out
+    assert "| chat total tok/s (lognormal lengths) | 30,000.0 | 40,000.0 |  | 0.75 |" in out
+    assert "| batch-1 decode, ms per token | 2.2 | 2 |  | 1.1 |" in out
+    assert "nano-vllm" not in out  # no figure, no row
+    assert "bandwidth floor" in out and "| 1.5 |" in out
+    for must in ("qwen2.5-3b", "bfloat16", "vLLM 0.26.0", "transformers 5.24.0", "`h200`"):
+        assert must in out, must
+
+
+def test_without_vllm_there_is_no_ratio_column(tmp_path):
+    write_figures("08_benchmarks", {"MODEL": "smollm2-135m"}, {"w1_total_tok_s.pageserve": 10.0,
+                                                               "w1_total_tok_s.hf_generate_batch": 5.0}, tmp_path / "h200")
+    out = report.render(tmp_path)
+    assert "| workload | `pageserve` | `hf_generate_batch` |" in out and "pageserve / vLLM" not in out

@@ -1,0 +1,34 @@
+"""scripts/sweep.py: a 2-point papermill sweep of notebook 02 (tiny, CPU) -> one CSV + one plot."""
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import sweep  # noqa: E402
+
+
+def test_grid_is_the_product_of_the_lists_and_values_parse_as_json():
+    grid = sweep.parse_grid(["A=1,2", "B=x,null"])
+    assert grid == {"A": [1, 2], "B": ["x", None]}
+    assert sweep.points(grid) == [{"A": 1, "B": "x"}, {"A": 1, "B": None}, {"A": 2, "B": "x"}, {"A": 2, "B": None}]
+    assert sweep.point_name({"A": 1, "B": "x"}) == "A=1__B=x"
+
+
+def test_two_point_sweep_of_notebook_02_writes_a_csv_row_per_point_and_a_plot(tmp_path):
+    pytest.importorskip("papermill")
+    cmd = [sys.executable, str(ROOT / "scripts" / "sweep.py"), "--notebook", "02_continuous_batching_paged_kv",
+           "--grid", "MAX_NUM_BATCHED_TOKENS=64,128", "--set", "MODEL=smollm2-135m", "--set", "NUM_REQUESTS=2",
+           "--set", "PROMPT_LEN=8", "--set", "OUTPUT_LEN=2", "--set", "HF_NUM_REQUESTS=1",
+           "--set", "HF_SERIAL_NUM_REQUESTS=0", "--set", "NUM_BLOCKS=64", "--plot", "w1_total_tok_s",
+           "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    assert [r["MAX_NUM_BATCHED_TOKENS"] for r in rows] == ["64", "128"]
+    assert all(float(r["w1_total_tok_s"]) > 0 and r["error"] == "" for r in rows)
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+    assert (tmp_path / "MAX_NUM_BATCHED_TOKENS=64" / "02_continuous_batching_paged_kv.json").exists()
