@@ -58,6 +58,9 @@ class EngineConfig:
         from ..model.quant import check_quantization
 
         check_quantization(self.quantization)  # ValueError for anything but None / "int8"
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError("quantization and tensor_parallel_size > 1 together are not supported yet: "
+                             "the shards are cut from float weights; use one of the two")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 
