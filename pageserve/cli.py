@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the user message (or the raw text with --no-chat)")
     _add_model_args(gen)
     _add_sampling_args(gen)
+    gen.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                     help="split the model over this many GPUs (or CPU processes); default 1")
     gen.add_argument("--system", default=None, help="an optional system message (chat only)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the model's chat template (default; --no-chat: plain text)")
@@ -116,11 +118,13 @@ def _build_engine(args: argparse.Namespace):
     try:
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=1,
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                               quantization=args.quantization)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …
         raise UsageError(str(e)) from None
     if engine.tokenizer is None:
+        engine.shutdown()
         raise UsageError(f"{args.model} has no tokenizer (random weights); pass a real model, e.g. --model {DEFAULT_MODEL}")
     return engine
 
@@ -128,6 +132,13 @@ def _build_engine(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # flags first: a bad one costs no model load
     engine = _build_engine(args)
+    try:
+        return _generate(engine, args, params)
+    finally:
+        engine.shutdown()  # tensor-parallel workers, if any
+
+
+def _generate(engine, args: argparse.Namespace, params) -> int:
     tok = engine.tokenizer
     if args.chat and tok.has_chat_template:
         messages = ([{"role": "system", "content": args.system}] if args.system else [])

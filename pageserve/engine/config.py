@@ -30,6 +30,8 @@ class EngineConfig:
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
     # False: every step is postprocessed before step() returns
     async_scheduling: bool = True
+    # ranks the model is split over (heads, MLP width, vocabulary); > 1 starts worker processes
+    tensor_parallel_size: int = 1
     # weight-only quantization of the decoder's linears at load time: None (the model dtype) or
     # "int8" (per-output-channel int8 weights, model-dtype scales; pageserve.model.quant)
     quantization: str | None = None
@@ -41,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device == "auto":
@@ -54,6 +58,9 @@ class EngineConfig:
         from ..model.quant import check_quantization
 
         check_quantization(self.quantization)  # ValueError for anything but None / "int8"
+        if self.quantization is not None and self.tensor_parallel_size > 1:
+            raise ValueError("quantization and tensor_parallel_size > 1 together are not supported yet: "
+                             "the shards are cut from float weights; use one of the two")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 

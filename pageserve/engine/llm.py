@@ -34,6 +34,18 @@ class LLM:
         loaded = SimpleNamespace(model=model, config=model.cfg, tokenizer=tokenizer, source="in-memory")
         return cls(kwargs.pop("model", "in-memory"), loaded=loaded, **kwargs)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (also done by ``__del__`` and at exit)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

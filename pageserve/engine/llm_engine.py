@@ -69,6 +69,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Any = None, stream_outputs: bool = True) -> None:
         self.config = config
+        own_model = loaded is None
         if loaded is None:
             from ..model.loader import load_model
 
@@ -89,7 +90,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             eos |= set(getattr(self.tokenizer, "eos_token_ids", None) or [])
         self.eos_token_ids = eos
-        self.runner = ModelRunner(self.model, config, eos_token_ids=sorted(eos))
+        if config.tensor_parallel_size > 1:  # rank 0 here, workers started (tensor_parallel.py)
+            from .tensor_parallel import start_tensor_parallel
+
+            self.runner = start_tensor_parallel(self.model, config, sorted(eos), copy_model=not own_model)
+            self.model = self.runner.model  # this rank's shard
+        else:
+            self.runner = ModelRunner(self.model, config, eos_token_ids=sorted(eos))
 
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         max_len = min(max_len, getattr(self.model, "max_positions", max_len))
@@ -206,6 +213,12 @@ class LLMEngine:
         outs = self.abort_request(list(self.requests))
         self._inflight = None
         return outs
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers, if any (idempotent; a no-op at size 1)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -285,27 +285,9 @@ class ModelRunner:
         such a token reads it from there (``Sequence.pending_row``). Nothing here waits
         for the device: the returned output reads its tokens when asked."""
         x = self.prepare_inputs(batch)
-        d = self.to_device(x)
-        B = x.seq_lens.shape[0]
-        input_ids = d.input_ids
-        if x.fill_rows is not None:
-            if prev_tokens is None:
-                raise RuntimeError("a scheduled token is still pending but no previous step's tokens were given")
-            F = x.fill_rows.shape[0]
-            if F == B == prev_tokens.shape[0] and (x.fill_rows == x.fill_src).all() and x.fill_rows[-1] == F - 1:
-                input_ids = prev_tokens  # steady decode: the same rows in the same order, no gather
-            else:
-                input_ids[d.fill_rows] = prev_tokens[d.fill_src]
-        if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
-            # decode-only: every sequence samples; the graph ends with the output head
-            logits = self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
-        else:
-            hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
-            if x.logits_indices.shape[0] == 0:
-                return None
-            if x.logits_indices.shape[0] < x.num_tokens:
-                hidden = hidden[d.logits_indices]  # [S, H]
-            logits = self.model.compute_logits(hidden)  # [S, V] fp32
+        logits = self.run_step(x, prev_tokens)
+        if logits is None:
+            return None
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
         return self.sampler.sample(
             logits,
@@ -315,3 +297,35 @@ class ModelRunner:
             [s.seed for s in seqs],
             [s.num_output_tokens for s in seqs],
         )
+
+    @torch.inference_mode()
+    def run_step(self, x: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The step's forward from its host inputs: fp32 logits [S, V] of the sampling rows,
+        or None when no row samples. (Under tensor parallelism every rank runs this with the
+        same ``x``; see ``tensor_parallel.py``.)"""
+        d = self.to_device(x)
+        B = x.seq_lens.shape[0]
+        input_ids = self.step_input_ids(x, d, prev_tokens)
+        if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
+            # decode-only: every sequence samples; the graph ends with the output head
+            return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
+        hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+        if x.logits_indices.shape[0] == 0:
+            return None
+        if x.logits_indices.shape[0] < x.num_tokens:
+            hidden = hidden[d.logits_indices]  # [S, H]
+        return self.model.compute_logits(hidden)  # [S, V] fp32
+
+    def step_input_ids(self, x: StepInputs, d: DeviceInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The step's input ids on the device: tokens the previous step sampled (async
+        scheduling) are taken from ``prev_tokens``."""
+        input_ids = d.input_ids
+        if x.fill_rows is not None:
+            if prev_tokens is None:
+                raise RuntimeError("a scheduled token is still pending but no previous step's tokens were given")
+            F, B = x.fill_rows.shape[0], x.seq_lens.shape[0]
+            if F == B == prev_tokens.shape[0] and (x.fill_rows == x.fill_src).all() and x.fill_rows[-1] == F - 1:
+                input_ids = prev_tokens  # steady decode: the same rows in the same order, no gather
+            else:
+                input_ids[d.fill_rows] = prev_tokens[d.fill_src]
+        return input_ids

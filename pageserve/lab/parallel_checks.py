@@ -1,0 +1,146 @@
+"""Checks of tensor parallelism that need the engine's forward without its scheduler.
+
+``prompt_logits(llm, prompts)`` runs one prefill of whole prompts through the engine's
+runner (so, under tensor parallelism, through every rank) and returns the fp32 logits of
+every prompt position: the quantity TP=N must reproduce from TP=1.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..engine.model_runner import StepInputs
+
+
+def prompt_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
+    """fp32 logits [sum(len(p)), V] of every position of ``prompts`` (one batch, laid end to
+    end), computed by ``llm``'s runner into scratch KV blocks. The engine must be idle with
+    prefix caching off (the scratch blocks are the pool's first ones; no request owns them)."""
+    engine = llm.engine
+    if engine.has_unfinished_requests() or engine.config.enable_prefix_caching:
+        raise RuntimeError("prompt_logits needs an idle engine with prefix caching off")
+    bs = engine.config.block_size
+    lens = np.array([len(p) for p in prompts], dtype=np.int64)
+    nblocks = -(-lens // bs)
+    if nblocks.sum() > engine.runner.num_blocks:
+        raise ValueError(f"{int(nblocks.sum())} blocks needed, the pool has {engine.runner.num_blocks}")
+    first = np.concatenate([[0], np.cumsum(nblocks)[:-1]])
+    tables = np.zeros((len(prompts), int(nblocks.max())), dtype=np.int64)
+    for i, (f, n) in enumerate(zip(first, nblocks)):
+        tables[i, :n] = np.arange(f, f + n)
+    positions = np.concatenate([np.arange(n) for n in lens])
+    seq_idx = np.repeat(np.arange(len(prompts)), lens)
+    slots = tables[seq_idx, positions // bs] * bs + positions % bs
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    T = int(cu[-1])
+    x = StepInputs(
+        input_ids=np.concatenate([np.asarray(p, dtype=np.int64) for p in prompts]), positions=positions,
+        slot_mapping=slots, query_start_loc=cu, seq_lens=lens, block_tables=tables,
+        logits_indices=np.arange(T, dtype=np.int64), max_query_len=int(lens.max()), max_seq_len=int(lens.max()),
+    )
+    return engine.runner.run_step(x).clone()
+
+
+def fewer_layers(model: str, num_layers: int | None, out_dir) -> str:
+    """``dummy:<json>`` naming a shipped config (``qwen2.5-0.5b``…) cut to its first
+    ``num_layers`` layers (random weights; same heads, widths and vocabulary), so a CPU run
+    keeps the model's split; ``num_layers=None`` returns ``model`` unchanged."""
+    if num_layers is None:
+        return model
+    import json
+    from pathlib import Path
+
+    from ..model.config import SHIPPED_CONFIGS
+
+    hf = json.loads((SHIPPED_CONFIGS / f"{model}.json").read_text())
+    path = Path(out_dir) / f"{model}-{num_layers}layers.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(hf, num_hidden_layers=num_layers)))
+    return f"dummy:{path}"
+
+
+def shard_table(cfg, size: int) -> list[dict]:
+    """One row per weight of a decoder layer (and the embedding/head): its full shape, the
+    shape each of ``size`` ranks keeps, how it is split and the collective after it."""
+    from ..model.parallel import vocab_shard
+
+    d, H, inter = cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    hq, hkv = cfg.num_heads // size, cfg.num_kv_heads // size
+    per = vocab_shard(cfg.vocab_size, 0, size)[1]
+    rows = [
+        ("embed_tokens", (cfg.vocab_size, H), (per, H), f"vocab rows r·{per}…", "all-reduce (masked lookup)"),
+        ("qkv_proj", (cfg.q_size + 2 * cfg.kv_size, H), ((hq + 2 * hkv) * d, H),
+         f"column: {hq} q + {hkv} k + {hkv} v heads per rank", "—"),
+        ("KV cache / layer", ("blocks", "bs", cfg.num_kv_heads, d), ("blocks", "bs", hkv, d), f"{hkv} KV head(s) per rank", "—"),
+        ("o_proj", (H, cfg.q_size), (H, hq * d), "row (input columns of its q heads)", "all-reduce [T, H]"),
+        ("gate_up_proj", (2 * inter, H), (2 * inter // size, H), "column: its slice of gate and of up", "—"),
+        ("down_proj", (H, inter), (H, inter // size), "row", "all-reduce [T, H]"),
+        ("norms", (H,), (H,), "replicated", "—"),
+        ("lm_head" + (" (tied)" if cfg.tie_word_embeddings else ""), (cfg.vocab_size, H), (per, H),
+         "vocab rows", "all-gather logits [N, V]"),
+    ]
+    return [dict(weight=w, full=str(f), per_rank=str(p), split=s, collective=c) for w, f, p, s, c in rows]
+
+
+def _allreduce_worker(rank, size, init_method, device_type, sizes, iters, queue) -> None:
+    import time
+
+    from ..model.parallel import all_reduce, destroy_tensor_parallel, init_tensor_parallel
+
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_tensor_parallel(rank, size, init_method, device)
+    out = {}
+    for n in sizes:
+        x = torch.ones(n, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+        for _ in range(10):
+            all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out[n * x.element_size()] = (time.perf_counter() - t0) / iters * 1e6
+    if rank == 0:
+        queue.put(out)
+    destroy_tensor_parallel()
+
+
+def allreduce_latency_us(size: int = 2, device: str = "cpu", numels=(1024, 8192, 65536), iters: int = 200) -> dict[int, float]:
+    """Microseconds per eager all-reduce of small messages (bytes -> µs) between ``size``
+    fresh processes through ``pageserve.model.parallel.all_reduce`` (NCCL on CUDA, gloo on
+    the CPU; bf16 on CUDA, fp32 on the CPU); one decode step of a TP model makes
+    2 × num_layers of these at [batch, hidden]."""
+    from ..engine.tensor_parallel import _free_port
+    from ..model.parallel import disable_nvlink_multicast
+
+    disable_nvlink_multicast()
+    ctx = torch.multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, size, init, torch.device(device).type, list(numels), iters, queue),
+                         daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+def decode_ms_per_token(llm, prompt_len: int, output_len: int, vocab: int, seed: int = 0) -> float:
+    """Batch-1 decode: ms between output tokens of one greedy request (after its first)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+    from ..engine.sampling_params import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    return (m.finish_time - m.first_token_time) / max(1, len(out.outputs[0].token_ids) - 1) * 1e3
