@@ -15,7 +15,7 @@ from ..model.attention import AttentionMetadata
 from ..kernels.reference import paged_attention as paged_attention_reference, write_kv as write_kv_reference
 from ..model.ops import TorchOps, rope_cos_sin
 from ..kernels.activation import silu_and_mul
-from ..kernels.gemv import gemv, silu_mul_gemv
+from ..kernels.gemv import GemvConfig, gemv, silu_mul_gemv
 from ..kernels.kv_write import write_kv
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.paged_decode import paged_decode_attention
@@ -252,4 +252,94 @@ def full_size_checks(dtype, device, gen) -> dict:
         "silu_mul_gemv_m8": lambda: check_silu_mul_gemv(8, 2048, 11008, dtype, device, gen),
         "rotary_write_kv": lambda: check_rotary_write_kv([512, 1, 77], [512, 900, 1077], Hq, Hkv, D, bs, dtype,
                                                          device, gen),
+    }
+
+
+# ---------------------------------------------------------------------------- int8 weight-only (phase 06b)
+def _int8_weight(N, K, dtype, device, gen):
+    from ..kernels.reference import quantize_int8
+
+    q, s = quantize_int8(_rand((N, K), torch.float32, "cpu", gen, K ** -0.5), scale_dtype=dtype)
+    return q.to(device), s.to(device)
+
+
+def _int8_reference(x, q, s, b):
+    """(x @ q^T) * scale + b in float64: the math the int8 kernels compute in fp32."""
+    out = (x.double() @ q.double().T) * s.double()
+    return out + b.double() if b is not None else out
+
+
+def check_gemv_int8(M, N, K, dtype, device, gen, bias=True, config=None, split_k="auto") -> float:
+    from ..kernels.gemv_int8 import gemv_int8
+
+    x = _rand((M, K), dtype, device, gen)
+    q, s = _int8_weight(N, K, dtype, device, gen)
+    b = _rand((N,), dtype, device, gen) if bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    gemv_int8(x, q, s, b, config=config, out=out, split_k=split_k)
+    return rel_err(out, _int8_reference(x, q, s, b))
+
+
+def check_silu_mul_gemv_int8(M, N, I, dtype, device, gen, config=None, split_k="auto") -> float:
+    from ..kernels.gemv_int8 import silu_mul_gemv_int8
+    from ..kernels.reference import silu_and_mul
+
+    gate_up = _rand((M, 2 * I), dtype, device, gen, 2.0)
+    q, s = _int8_weight(N, I, dtype, device, gen)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    silu_mul_gemv_int8(gate_up, q, s, config=config, out=out, split_k=split_k)
+    return rel_err(out, _int8_reference(silu_and_mul(gate_up.double()), q, s, None))
+
+
+def check_gemm_int8(M, N, K, dtype, device, gen, bias=True, config=None) -> float:
+    from ..kernels.gemv_int8 import gemm_int8
+
+    x = _rand((M, K), dtype, device, gen)
+    q, s = _int8_weight(N, K, dtype, device, gen)
+    b = _rand((N,), dtype, device, gen) if bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    gemm_int8(x, q, s, b, config=config, out=out)
+    return rel_err(out, _int8_reference(x, q, s, b))
+
+
+def check_dequant_linear_int8(M, N, K, dtype, device, gen, bias=True) -> float:
+    """The prefill path: ``dequantize_int8`` then torch's linear (cuBLAS on the GPU)."""
+    from ..kernels.gemv_int8 import dequantize_int8
+
+    x = _rand((M, K), dtype, device, gen)
+    q, s = _int8_weight(N, K, dtype, device, gen)
+    b = _rand((N,), dtype, device, gen) if bias else None
+    out = torch.nn.functional.linear(x, dequantize_int8(q, s), b)
+    return rel_err(out, _int8_reference(x, q, s, b))
+
+
+def int8_checks(dtype, device, gen, full: bool = False) -> dict:
+    """The int8 kernels against float64, one name -> thunk returning a relative error. ``full``:
+    the 3B shapes (qkv 2560x2048 with bias, down 2048x11008, gate_up 22016x2048) on the GPU; else
+    small odd shapes the CPU interpreter runs in seconds."""
+    if full:
+        qkv, o, gu, down = (2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)
+        return {
+            "gemv_int8_m1_qkv": lambda: check_gemv_int8(1, *qkv, dtype, device, gen),
+            "gemv_int8_m1_o": lambda: check_gemv_int8(1, *o, dtype, device, gen, bias=False),
+            "gemv_int8_m1_gate_up": lambda: check_gemv_int8(1, *gu, dtype, device, gen, bias=False),
+            "gemv_int8_m1_down": lambda: check_gemv_int8(1, *down, dtype, device, gen, bias=False),
+            "gemv_int8_m4_qkv": lambda: check_gemv_int8(4, *qkv, dtype, device, gen),
+            "gemv_int8_m8_down": lambda: check_gemv_int8(8, *down, dtype, device, gen, bias=False),
+            "silu_mul_gemv_int8_m1": lambda: check_silu_mul_gemv_int8(1, *down, dtype, device, gen),
+            "silu_mul_gemv_int8_m8": lambda: check_silu_mul_gemv_int8(8, *down, dtype, device, gen),
+            "gemm_int8_m64_qkv": lambda: check_gemm_int8(64, *qkv, dtype, device, gen),
+            "gemm_int8_m64_down": lambda: check_gemm_int8(64, *down, dtype, device, gen, bias=False),
+            "gemm_int8_m512_gate_up": lambda: check_gemm_int8(512, *gu, dtype, device, gen, bias=False),
+            "dequant_linear_int8_m2048_qkv": lambda: check_dequant_linear_int8(2048, *qkv, dtype, device, gen),
+        }
+    return {
+        "gemv_int8_m1": lambda: check_gemv_int8(1, 45, 200, dtype, device, gen),
+        "gemv_int8_m1_split": lambda: check_gemv_int8(1, 45, 200, dtype, device, gen, config=GemvConfig(2, 64, 3)),
+        "gemv_int8_m5": lambda: check_gemv_int8(5, 45, 200, dtype, device, gen),
+        "gemv_int8_m8_split": lambda: check_gemv_int8(8, 45, 200, dtype, device, gen, bias=False),
+        "silu_mul_gemv_int8_m1": lambda: check_silu_mul_gemv_int8(1, 33, 150, dtype, device, gen),
+        "silu_mul_gemv_int8_m3": lambda: check_silu_mul_gemv_int8(3, 33, 150, dtype, device, gen),
+        "gemm_int8_m40": lambda: check_gemm_int8(40, 45, 200, dtype, device, gen),
+        "dequant_linear_int8_m40": lambda: check_dequant_linear_int8(40, 45, 200, dtype, device, gen),
     }
