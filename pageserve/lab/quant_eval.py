@@ -144,8 +144,9 @@ def _sms() -> int:
 def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=torch.bfloat16,
                       configs: dict | None = None, min_bytes: float = 256e6) -> dict:
     """One layer's four linears at each M (> 8: decode batches and prefill chunks), summed: the
-    int8 GEMM (``int8_gemm_layer_m<M>_us``), dequantize + cuBLAS (``int8_dequant_layer_m<M>_us``) and
-    bf16 cuBLAS on a float weight (``bf16_layer_m<M>_us``); CUDA-graph timed, weights rotated."""
+    int8 GEMM (``gemm_layer_m<M>_us``), dequantize + cuBLAS (``dequant_layer_m<M>_us``) and
+    bf16 cuBLAS on a float weight (``bf16_layer_m<M>_us``), all under ``int8_prefill_``; CUDA-graph
+    timed, weights rotated."""
     from .kernel_bench.timing import graph_ms
 
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -164,10 +165,11 @@ def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=t
             ws = _float_copies(N, K, dtype, g, min_bytes)
             tot["bf16"] += graph_ms(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)]), max(4, len(ws)), 10)
             del ws
-            r[f"int8_gemm_{name}_m{M}_config"] = repr(gemm_int8_config(M, N, K, configs))
-        r[f"int8_gemm_layer_m{M}_us"] = 1e3 * tot["gemm"]
-        r[f"int8_dequant_layer_m{M}_us"] = 1e3 * tot["dequant"]
-        r[f"bf16_layer_m{M}_us"] = 1e3 * tot["bf16"]
+            r[f"int8_prefill_gemm_{name}_m{M}_config"] = repr(gemm_int8_config(M, N, K, configs))
+        r[f"int8_prefill_gemm_layer_m{M}_us"] = 1e3 * tot["gemm"]
+        r[f"int8_prefill_dequant_layer_m{M}_us"] = 1e3 * tot["dequant"]
+        r[f"int8_prefill_bf16_layer_m{M}_us"] = 1e3 * tot["bf16"]
+        r[f"int8_prefill_best_m{M}"] = min(("gemm", "dequant"), key=tot.get)
     return r
 
 
