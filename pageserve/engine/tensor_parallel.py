@@ -84,9 +84,8 @@ class TPModelRunner(ModelRunner):
 
     def shutdown(self) -> None:
         if self.workers is not None:
-            self.workers.shutdown()
-            self.workers = None
-            destroy_tensor_parallel()
+            workers, self.workers = self.workers, None
+            workers.shutdown()
 
 
 # ----------------------------------------------------------------------------- rank 0
@@ -107,12 +106,22 @@ class Workers:
         return [p.pid for p in self.procs]
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Ask every worker to stop, wait, then kill any that did not. Idempotent."""
+        """Ask every worker to stop, tear the process group down with them, wait, then kill
+        any that did not stop. Idempotent.
+
+        The order matters under NCCL: destroying a process group finalizes its communicator,
+        which waits for every rank. The workers destroy theirs as soon as they read the stop
+        message, so rank 0 must destroy its own then, before joining them; joining first
+        deadlocks (seen on two H200s: rank 0 joined, the worker sat in destroy, and after the
+        join timeout rank 0's own destroy waited for a worker it had killed). Where a worker
+        is already dead the group cannot be finalized: it is abandoned instead."""
+        all_alive = bool(self.procs) and all(p.is_alive() for p in self.procs)
         for c in self.conns:
             try:
                 c.send(None)
             except (OSError, ValueError):  # already gone or closed
-                pass
+                all_alive = False
+        destroy_tensor_parallel(abandon=not all_alive)
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -170,7 +179,7 @@ def start_tensor_parallel(model, config: EngineConfig, eos_token_ids=(), copy_mo
         runner = TPModelRunner(model, config, rank=0, workers=workers, eos_token_ids=eos_token_ids)
     except BaseException:
         workers.shutdown(timeout_s=2.0)
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(abandon=True)
         raise
     ref = weakref.ref(runner)
     atexit.register(lambda: ref() is not None and ref().shutdown())

@@ -85,10 +85,16 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         torch.cuda.synchronize(device)
 
 
-def destroy_tensor_parallel() -> None:
+def destroy_tensor_parallel(abandon: bool = False) -> None:
+    """Tear the process group down: every rank calls this at about the same time (under
+    NCCL the teardown waits for all of them). ``abandon``: a peer is gone, so the group is
+    dropped without the collective teardown (its resources go with the process)."""
     if dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            if abandon and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group()
+            elif not abandon:
+                dist.destroy_process_group()
         except Exception:  # a peer already gone must not stop the shutdown
             pass
     _state.rank, _state.size = 0, 1
