@@ -41,7 +41,7 @@ def test_provenance_is_read_from_git_unless_the_sender_hands_it_over(tmp_path, m
     monkeypatch.setenv("PAGESERVE_GIT_DIRTY", "1")
     assert results.provenance()["git_dirty"] is True
     write_figures("04_cuda_graphs", {}, {"batch1_ms_per_token": 3.0}, tmp_path / "h200")
-    assert "as declared by $PAGESERVE_GIT_COMMIT" in report.render(tmp_path)
+    assert "handed over in $PAGESERVE_GIT_COMMIT" in report.render(tmp_path)
 
     def no_git(*args):
         raise FileNotFoundError("git")

@@ -72,7 +72,7 @@ def _provenance_note(rec: dict) -> str:
     if rec.get("git_dirty"):
         notes.append("with uncommitted changes")
     if rec.get("git_commit_source") == "env":
-        notes.append("as declared by $PAGESERVE_GIT_COMMIT")
+        notes.append("commit computed by git where the run was sent from, handed over in $PAGESERVE_GIT_COMMIT")
     return f" ({', '.join(notes)})" if notes else ""
 
 
