@@ -61,6 +61,10 @@ class Int8GemmConfig:
 
 Int8Configs = Mapping[tuple, "GemvConfig | Int8GemmConfig"]
 
+# ``silu_mul_gemv_int8`` applies SiLU(gate) * up to its K tile in every program, so each gate|up
+# element is activated cdiv(N, BLOCK_N) times: its row tiles are at least this tall.
+SILU_MIN_ROWS = 16
+
 
 def int8_config_key(M: int, N: int, K: int, kind: str = "gemv") -> tuple:
     """The tuned-config key: (next_pow2(M), N, K, "int8") for ``gemv_int8``, with "silu_mul" added
@@ -192,7 +196,9 @@ def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", co
 
     M = 1: 2-row tiles, BLOCK_K up to 2048 int8 columns (4 KB a tile, what the bf16 GEMV's tuned
     2 x 1024 tile reads), the [2, BLOCK_K] fp32 accumulator reduced once after the K loop; K split
-    (``"auto"``) only where rows alone give fewer than 4 programs per SM.
+    (``"auto"``) only where rows alone give fewer than 4 programs per SM. ``silu_mul`` at M = 1:
+    ``SILU_MIN_ROWS``-row tiles of 512 columns, K split to ~4 programs per SM (its own tuned entry,
+    else the plain one only if it is that tall: see ``SILU_MIN_ROWS``).
     M = 2..8: 32-row tiles of 128 int8 columns on ``tl.dot`` (x padded to 16 rows), K split until
     the grid covers the SMs ~4x, each split at least two tiles long (``"never"``: 16-row tiles, no split).
     """
@@ -201,9 +207,20 @@ def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", co
     if configs:
         tuned = configs.get(int8_config_key(M, N, K, "silu_mul" if silu_mul else "gemv"))
         if tuned is None and silu_mul:
-            tuned = configs.get(int8_config_key(M, N, K))
+            plain = configs.get(int8_config_key(M, N, K))
+            # the plain GEMV's tuned M = 1 tiles are 1-2 rows: fused, every program would apply SiLU
+            # to the whole gate|up row (2,048 programs x 11,008 columns at the 3B down shape)
+            tuned = plain if isinstance(plain, GemvConfig) and plain.block_n >= SILU_MIN_ROWS else None
         if isinstance(tuned, GemvConfig) and (split_k == "auto" or tuned.split_k == 1):
             return tuned
+    if M == 1 and silu_mul:
+        # SiLU(gate) * up is recomputed by each row tile: 16-row tiles (as the bf16 GEMV's tuned
+        # fused down) and K split until the grid covers the SMs ~4x
+        block_n, block_k = SILU_MIN_ROWS, 512
+        split = 1
+        if split_k == "auto":
+            split = max(1, min(cdiv(4 * sms, cdiv(N, block_n)), K // (2 * block_k)))
+        return GemvConfig(block_n=block_n, block_k=block_k, split_k=split)
     if M == 1:
         block_n, block_k = 2, min(2048, max(64, next_pow2(K)))
         split = 1

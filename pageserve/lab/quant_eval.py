@@ -23,7 +23,7 @@ import torch
 
 from ..kernels.gemv import gemv
 from ..kernels.gemv_int8 import (GemvConfig, dequantize_int8, gemm_int8, gemm_int8_config, gemv_int8,
-                                 gemv_int8_config, int8_config_key)
+                                 gemv_int8_config, int8_config_key, silu_mul_gemv_int8)
 from ..kernels.reference import quantize_int8
 from ..model.quant import quantize_model
 from .naive import ContiguousKVCache, forward_tokens
@@ -191,40 +191,60 @@ def m1_int8_candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
     return out
 
 
+def m1_int8_silu_candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
+    """The fused SiLU·mul + down sweep space at M = 1: 4-32 rows a tile (each program applies SiLU to
+    its K slice of gate|up, so thin tiles repeat it: 1-2 rows measured ~0.5 ms a 3B step slower),
+    256-1024 columns, 2/4/8 warps, K split to ~4 programs per SM or none."""
+    out = []
+    for block_n in (4, 8, 16, 32):
+        for block_k in (256, 512, 1024):
+            if block_n * block_k > 16384:
+                continue
+            for warps in (2, 4, 8):
+                rows = -(-N // block_n)
+                for split in sorted({1, max(1, min(-(-4 * sms // rows), K // (2 * block_k)))}):
+                    out.append(GemvConfig(block_n, block_k, split, warps, 3, block_n * block_k <= 32 * 32 * warps))
+    return out
+
+
 def sweep_int8_gemv_m1(shapes: dict[str, tuple[int, int]], dtype=torch.bfloat16, budget_s: float = 40.0,
                        min_bytes: float = 256e6, silu_mul_shape: str | None = "down") -> tuple[dict, dict]:
     """Tune the int8 GEMV's M = 1 tiles on this GPU: every ``m1_int8_candidates`` config per shape
     (CUDA-graph timed, weights rotated), the time budget split evenly over the shapes (the heuristic
     is always timed first). Returns (configs ``int8_config_key -> GemvConfig`` for the engine,
     figures ``sweep_int8_m1_<shape>_{best_us,heuristic_us,best_config,tried}``). ``silu_mul_shape``:
-    its best also goes in under the silu_mul key (the fused down GEMV reads twice the activation,
-    a small share of its bytes)."""
+    that shape is also tuned as the fused SiLU·mul GEMV (``silu_mul_gemv_int8`` reading gate|up,
+    ``m1_int8_silu_candidates``), under its silu_mul key and figures ``sweep_int8_m1_silu_<shape>_*``
+    (the plain shape's best is no stand-in: its 1-2 row tiles make every program redo the SiLU)."""
     from .kernel_bench.timing import graph_ms
 
     g = torch.Generator(device="cuda").manual_seed(2)
     sms = _sms()
     tuned, r = {}, {}
-    per_shape = budget_s / max(1, len(shapes))
-    for name, (N, K) in shapes.items():
-        x = torch.randn(1, K, device="cuda", dtype=dtype, generator=g)
+    jobs = [(name, N, K, False) for name, (N, K) in shapes.items()]
+    if silu_mul_shape in shapes:
+        jobs.append(("silu_" + silu_mul_shape, *shapes[silu_mul_shape], True))
+    per_shape = budget_s / max(1, len(jobs))
+    for name, N, K, silu in jobs:
+        x = torch.randn(1, 2 * K if silu else K, device="cuda", dtype=dtype, generator=g)
         out = torch.empty(1, N, device="cuda", dtype=dtype)
         qs = _int8_copies(N, K, dtype, g, min_bytes)
         calls = max(8, len(qs))
-        heuristic = gemv_int8_config(1, N, K, sms)
+        heuristic = gemv_int8_config(1, N, K, sms, silu_mul=silu)
+        space = m1_int8_silu_candidates(N, K, sms) if silu else m1_int8_candidates(N, K, sms)
+        kernel = silu_mul_gemv_int8 if silu else gemv_int8
         timed = {}
         t0 = time.perf_counter()
-        for cfg in [heuristic] + [c for c in m1_int8_candidates(N, K, sms) if c != heuristic]:
+        for cfg in [heuristic] + [c for c in space if c != heuristic]:
             if timed and time.perf_counter() - t0 > per_shape:
                 break
             try:
-                timed[cfg] = graph_ms(lambda i: gemv_int8(x, *qs[i % len(qs)], config=cfg, out=out), calls, 10)
+                timed[cfg] = graph_ms(lambda i: kernel(x, *qs[i % len(qs)], config=cfg, out=out), calls, 10)
             except Exception:  # a config that does not compile or capture is skipped
                 continue
         del qs
         best = min(timed, key=timed.get)
-        tuned[int8_config_key(1, N, K)] = best
-        if name == silu_mul_shape:
-            tuned[int8_config_key(1, N, K, "silu_mul")] = best
+        tuned[int8_config_key(1, N, K, "silu_mul" if silu else "gemv")] = best
         r[f"sweep_int8_m1_{name}_best_us"] = 1e3 * timed[best]
         r[f"sweep_int8_m1_{name}_heuristic_us"] = 1e3 * timed[heuristic]
         r[f"sweep_int8_m1_{name}_best_config"] = repr(best)
