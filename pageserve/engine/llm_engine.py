@@ -44,6 +44,7 @@ class _Inflight:
     seqs: list[Sequence]
     out: Any  # SamplerOutput
     needs_landing: bool = False  # a row has penalties: land it before the next schedule
+    has_prefill: bool = False  # the step computed prompt tokens (a chunk or a recomputation)
 
 
 @dataclass
@@ -55,7 +56,48 @@ class EngineStats:
     num_prefill_tokens_computed: int = 0  # prompt chunks + recomputation actually run
     num_decode_tokens_computed: int = 0
     num_generated_tokens: int = 0
-    step_time_s: float = 0.0
+    step_time_s: float = 0.0  # wall time inside step(), split below
+    host_time_s: float = 0.0  # scheduling + input preparation + launch
+    wait_time_s: float = 0.0  # waiting for a launched step's sampled tokens
+    postprocess_time_s: float = 0.0  # append, detokenize, stop checks, outputs
+    num_mixed_steps: int = 0  # step() calls whose landed step computed prompt tokens
+    num_decode_steps: int = 0  # step() calls whose landed step was decodes only
+
+
+@dataclass
+class StepTiming:
+    """Where the last ``step()`` call spent its time, read by the server after each call.
+
+    Wall seconds from ``time.perf_counter``; each ``*_cpu_s`` is this thread's CPU time over
+    the same span (``time.thread_time``), so ``wall - cpu`` is time the thread was off the
+    CPU: waiting to get the GIL back, or blocked in the kernel. No field needs a device sync.
+
+    ``host_s`` = ``total_s - wait_s - post_s``: scheduling (``sched_s``), input preparation
+    and launch (``launch_s``, the runner's ``execute``), and bookkeeping. ``kind`` is
+    "mixed" when the step whose tokens landed in this call computed prompt tokens (its
+    device time is what ``wait_s`` waited for), else "decode"; with nothing landed it is the
+    kind of the step launched; "" when the call ran nothing."""
+
+    total_s: float = 0.0
+    total_cpu_s: float = 0.0
+    sched_s: float = 0.0
+    launch_s: float = 0.0
+    launch_cpu_s: float = 0.0
+    wait_s: float = 0.0
+    wait_cpu_s: float = 0.0
+    post_s: float = 0.0
+    post_cpu_s: float = 0.0
+    kind: str = ""
+    num_seqs: int = 0  # sequences in the launched batch
+    num_tokens: int = 0  # tokens in the launched batch
+
+    @property
+    def host_s(self) -> float:
+        return self.total_s - self.wait_s - self.post_s
+
+    @property
+    def host_cpu_s(self) -> float:
+        return self.total_cpu_s - self.wait_cpu_s - self.post_cpu_s
 
 
 class LLMEngine:
@@ -115,6 +157,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.last_step = StepTiming()  # reset by every step() call
         self._inflight: _Inflight | None = None  # the launched step whose tokens are not appended yet
 
     @classmethod
@@ -235,18 +278,26 @@ class LLMEngine:
         the next call: this call first launches step N+1, then waits for step N's tokens
         and appends them, so the host's scheduling and input preparation overlap the
         device's forward. Returned outputs are those of the step postprocessed here."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        timing = self.last_step = StepTiming()
+        landed_prefill: bool | None = None  # None: no step landed in this call
         sched = self.scheduler
         outputs: list[RequestOutput] = []
         if self._inflight is not None and self._inflight.needs_landing:
             # penalties read every output token id: land the step before planning the next
+            landed_prefill = self._inflight.has_prefill
             outputs = self._postprocess(self._take_inflight())
+        ts = time.perf_counter()
         batch = sched.schedule()
+        timing.sched_s = time.perf_counter() - ts
         if batch.is_empty:
             if self._inflight is not None:  # nothing new to run: land the step in flight
+                landed_prefill = self._inflight.has_prefill
                 outputs += self._postprocess(self._take_inflight())
+            if landed_prefill is not None:
+                timing.kind = "mixed" if landed_prefill else "decode"
+            self._close_timing(t0, c0)
             if outputs:
-                self.stats.step_time_s += time.perf_counter() - t0
                 return outputs
             if sched.has_unfinished() and not batch.preempted:
                 # Cannot happen while max_model_len fits the pool; say so rather than spin.
@@ -256,8 +307,11 @@ class LLMEngine:
                 )
             return []
         prev = self._inflight
+        tl, cl = time.perf_counter(), time.thread_time()
         out = self.runner.execute(batch, None if prev is None else prev.out.token_ids_gpu)
+        timing.launch_s, timing.launch_cpu_s = time.perf_counter() - tl, time.thread_time() - cl
         sched.update_after_step(batch)
+        timing.num_seqs, timing.num_tokens = len(batch), batch.num_batched_tokens
 
         st = self.stats
         st.num_steps += 1
@@ -266,7 +320,7 @@ class LLMEngine:
 
         launched = None
         if out is not None:
-            launched = _Inflight(batch.sampling_seqs, out)
+            launched = _Inflight(batch.sampling_seqs, out, has_prefill=batch.num_prefill_tokens > 0)
             max_len = self.max_model_len
             for row, seq in enumerate(launched.seqs):
                 launched.needs_landing |= seq.params.has_penalties
@@ -277,11 +331,29 @@ class LLMEngine:
                     seq.length_capped = True
         self._inflight = launched
         if prev is not None:
+            landed_prefill = bool(landed_prefill) | prev.has_prefill
             outputs += self._postprocess(prev)
         if not self.config.async_scheduling and launched is not None:
+            landed_prefill = bool(landed_prefill) | launched.has_prefill
             outputs += self._postprocess(self._take_inflight())
-        st.step_time_s += time.perf_counter() - t0
+        if landed_prefill is None:
+            landed_prefill = batch.num_prefill_tokens > 0
+        timing.kind = "mixed" if landed_prefill else "decode"
+        self._close_timing(t0, c0)
         return outputs
+
+    def _close_timing(self, t0: float, c0: float) -> None:
+        """Finish ``last_step`` and add it to the running totals."""
+        timing, st = self.last_step, self.stats
+        timing.total_s, timing.total_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+        st.step_time_s += timing.total_s
+        st.wait_time_s += timing.wait_s
+        st.postprocess_time_s += timing.post_s
+        st.host_time_s += timing.host_s
+        if timing.kind == "mixed":
+            st.num_mixed_steps += 1
+        elif timing.kind == "decode":
+            st.num_decode_steps += 1
 
     def _take_inflight(self) -> "_Inflight":
         inflight, self._inflight = self._inflight, None
@@ -291,9 +363,20 @@ class LLMEngine:
         """Append a launched step's sampled tokens (waiting for them if needed), run the stop
         checks, and build the outputs to report."""
         out = step.out
+        t0, c0 = time.perf_counter(), time.thread_time()
         token_ids = out.token_ids  # waits for the device
         lp, top = out.logprobs, out.top_logprobs
-        now = time.perf_counter()
+        now, c1 = time.perf_counter(), time.thread_time()
+        timing = self.last_step
+        timing.wait_s += now - t0
+        timing.wait_cpu_s += c1 - c0
+        try:
+            return self._land(step, token_ids, lp, top, now)
+        finally:
+            timing.post_s += time.perf_counter() - now
+            timing.post_cpu_s += time.thread_time() - c1
+
+    def _land(self, step: "_Inflight", token_ids: list[int], lp, top, now: float) -> list[RequestOutput]:
         touched: dict[str, Request] = {}  # requests with something to report
         stream = self.stream_outputs
         appended = 0
@@ -390,37 +473,36 @@ class LLMEngine:
             seq.text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     def _make_output(self, req: Request, safe: bool = False) -> RequestOutput:
-        outs = []
-        for seq in req.seqs:
-            text = seq.text
-            if not seq.is_finished and seq.detokenizer is not None and not safe:
-                det = seq.detokenizer  # stable text only: a held-back tail may yet be a stop string
-                text = det.text[: len(det.text) - len(det.pending_text())]
-            want_lp = seq.params.logprobs is not None
-            outs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    logprobs=list(seq.logprobs) if want_lp and seq.logprobs is not None else None,
-                    cumulative_logprob=seq.cumulative_logprob if want_lp else None,
-                    stop_reason=seq.stop_reason,
-                )
+        """The request's cumulative output (a snapshot: later steps never change it).
+
+        Runs once per request per step while streaming, so the common case (n=1) takes a
+        path without generators (measured in NOTES.md, serving follow-up)."""
+        seqs = req.seqs
+        if len(seqs) == 1:
+            seq = seqs[0]
+            finished = seq.is_finished
+            metrics = RequestMetrics(
+                arrival_time=req.arrival_time,
+                first_token_time=seq.first_token_time,
+                finish_time=seq.finish_time if finished else None,
+                num_cached_tokens=seq.num_cached_tokens,
+                inter_token_latencies=_gaps(seq.token_times) if finished else [],
             )
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        finishes = [s.finish_time for s in req.seqs if s.finish_time is not None]
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [_completion(seq, safe)],
+                                 finished, metrics)
+        outs = [_completion(seq, safe) for seq in seqs]
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        finishes = [s.finish_time for s in seqs if s.finish_time is not None]
         finished = req.finished
         itl = []  # built once, at the end: streaming would otherwise redo it every step
         if finished:
-            for s in req.seqs:
-                tt = s.token_times
-                itl.extend(b - a for a, b in zip(tt, tt[1:]))
+            for s in seqs:
+                itl.extend(_gaps(s.token_times))
         metrics = RequestMetrics(
             arrival_time=req.arrival_time,
             first_token_time=min(firsts) if firsts else None,
             finish_time=max(finishes) if finished and finishes else None,
-            num_cached_tokens=max((s.num_cached_tokens for s in req.seqs), default=0),
+            num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
             inter_token_latencies=itl,
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics)
@@ -447,4 +529,33 @@ class LLMEngine:
             "block_size": bm.block_size,
             "max_model_len": self.max_model_len,
             "step_time_s": st.step_time_s,
+            "host_time_s": st.host_time_s,
+            "wait_time_s": st.wait_time_s,
+            "postprocess_time_s": st.postprocess_time_s,
+            "num_mixed_steps": st.num_mixed_steps,
+            "num_decode_steps": st.num_decode_steps,
         }
+
+
+def _gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def _completion(seq: Sequence, safe: bool) -> CompletionOutput:
+    text = seq.text
+    det = seq.detokenizer
+    if det is not None and not safe and not seq.is_finished:
+        text = det.text  # stable text only: a held-back tail may yet be a stop string
+        pending = len(det.pending_text())
+        if pending:
+            text = text[: len(text) - pending]
+    want_lp = seq.params.logprobs is not None
+    return CompletionOutput(
+        index=seq.index,
+        text=text,
+        token_ids=seq.output_token_ids[:],
+        finish_reason=seq.finish_reason,
+        logprobs=seq.logprobs[:] if want_lp and seq.logprobs is not None else None,
+        cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+        stop_reason=seq.stop_reason,
+    )

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, ...)`` returns a FastAPI app.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
-``/metrics``. Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
+``/metrics``, ``/v1/engine_stats`` (debug: where the engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
 "code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
 401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over the
 limit, 500 when the engine failed the request, 503 when the queue is full.
@@ -51,7 +51,7 @@ def build_app(
     llm = aengine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [llm.config.model]
-    metrics = ServerMetrics(lambda: aengine.stats, names[0])
+    metrics = ServerMetrics(lambda: aengine.stats, names[0], aengine.step_stats)
     table = TokenTable(llm.tokenizer.hf if llm.tokenizer is not None else None, llm.model_config.vocab_size)
     server = _Server(aengine, names, metrics, table)
 
@@ -105,6 +105,12 @@ def build_app(
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/engine_stats")
+    async def engine_stats(since: int = 0):
+        """Debug: the engine thread's step timings (ms percentiles) over the steps numbered
+        above ``since`` (read ``num_records`` before a run, pass it after), and its totals."""
+        return {**aengine.step_stats.summary(since), "engine": aengine.stats}
 
     @app.get("/v1/models")
     async def models():

@@ -20,12 +20,15 @@ import collections
 import itertools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from pageserve.engine.llm_engine import LLMEngine
 from pageserve.engine.outputs import RequestOutput
 from pageserve.engine.sampling_params import SamplingParams
+
+from .step_stats import StepStats
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +86,7 @@ class AsyncEngine:
         self._stop = False
         self.stats: dict[str, Any] = engine.get_stats()  # a snapshot, replaced by the engine thread
         self.num_step_failures = 0
+        self.step_stats = StepStats()  # written by the engine thread only
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -204,20 +208,32 @@ class AsyncEngine:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         engine = self.engine
+        timing = self.step_stats
+        clock = time.perf_counter
         while True:
+            t_idle = clock()
             with self._cond:
                 while not self._commands and not self._stop and not engine.has_unfinished_requests():
                     self._cond.wait()  # idle: sleep until a command arrives
                 commands = list(self._commands)
                 self._commands.clear()
                 stop = self._stop
+            t_cmd = clock()
+            timing.idle_s += t_cmd - t_idle
             for cmd in commands:
                 self._apply(cmd)
+            if commands:
+                timing.commands_s += clock() - t_cmd
             if stop:
                 break
             if engine.has_unfinished_requests():
-                self._step()
-            self.stats = engine.get_stats()
+                t_step = clock()
+                deliver_s = self._step()
+                self.stats = engine.get_stats()
+                overhead = clock() - t_step - engine.last_step.total_s  # delivery + snapshot
+                timing.record(engine.last_step, deliver_s, overhead)
+            else:
+                self.stats = engine.get_stats()
         for rid in list(engine.requests):  # shutdown: nothing in flight survives
             self._deliver(rid, EngineDeadError("the server is shutting down"))
         engine.abort_all()
@@ -243,7 +259,8 @@ class AsyncEngine:
         else:
             self._deliver(rid, _ACCEPTED)
 
-    def _step(self) -> None:
+    def _step(self) -> float:
+        """One engine step and its delivery; returns the delivery's wall seconds."""
         engine = self.engine
         try:
             outputs = engine.step()
@@ -257,8 +274,10 @@ class AsyncEngine:
                 engine.abort_all()
             except Exception:  # noqa: BLE001
                 logger.exception("resetting the engine after a failed step also failed")
-            return
-        self._deliver_step(outputs)
+            return 0.0
+        t = time.perf_counter()
+        self._deliver_step(outputs)  # a socket write to wake the loop: it drops the GIL
+        return time.perf_counter() - t
 
 
 class RequestStream:

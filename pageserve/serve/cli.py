@@ -83,6 +83,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tunnel", action="store_true",
                    help="also open a public Cloudflare quick tunnel (needs --api-key)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval for the server process, in ms (default: Python's own, 5 ms): how "
+                        "long the event loop may hold the GIL before the engine thread gets it back")
     add_engine_config_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -105,6 +108,11 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.switch_interval_ms is not None:
+        if not args.switch_interval_ms > 0:
+            print("error: --switch-interval-ms must be > 0", file=sys.stderr)
+            return 2
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
 
     from pageserve.engine.llm_engine import LLMEngine
 

@@ -1,16 +1,20 @@
 """Prometheus metrics of one server: engine gauges and counters read from the engine
-thread's stats snapshot at scrape time, latency histograms observed by the handlers.
+thread's stats snapshot at scrape time, the engine thread's per-step timing histograms
+(``step_stats.StepStats``), latency histograms observed by the handlers.
 
 Each app owns its ``CollectorRegistry`` (no global registry), so tests can build several.
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from pageserve.engine.outputs import RequestMetrics
+
+from .step_stats import Buckets, StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                     10.0, 20.0, 40.0, 80.0)
@@ -20,9 +24,10 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 32
 class _EngineCollector:
     """Turns the latest ``LLMEngine.get_stats()`` snapshot into metric families."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, steps: StepStats | None = None) -> None:
         self.snapshot = snapshot
         self.model_name = model_name
+        self.steps = steps
 
     def collect(self):
         s = self.snapshot()
@@ -52,14 +57,54 @@ class _EngineCollector:
         yield counter("pageserve_prompt_tokens", "prompt tokens admitted (n per request)", s["prompt_tokens"])
         yield counter("pageserve_generation_tokens", "tokens generated", s["generated_tokens"])
         yield counter("pageserve_engine_steps", "engine steps run", s["num_steps"])
+        if self.steps is not None:
+            yield from self._steps(self.steps)
+
+    def _steps(self, t: StepStats):
+        name = self.model_name
+
+        def hist(metric: str, doc: str, b: Buckets, labels: dict | None = None, family=None):
+            labels = labels or {}
+            family = family or HistogramMetricFamily(metric, doc, labels=["model_name", *labels])
+            buckets, _, total = b.cumulative()
+            family.add_metric([name, *labels.values()], buckets, total)
+            return family
+
+        kinds = HistogramMetricFamily("pageserve_step_seconds", "wall time of one engine step() call, by the "
+                                      "kind of step that landed in it (mixed: it computed prompt tokens)",
+                                      labels=["model_name", "kind"])
+        for kind, b in t.step_seconds.items():
+            hist("", "", b, {"kind": kind}, kinds)
+        yield kinds
+        yield hist("pageserve_step_host_seconds", "step(): scheduling + input preparation + launch", t.host)
+        yield hist("pageserve_step_launch_offcpu_seconds", "launch wall minus the engine thread's CPU time: "
+                   "mostly waiting to get the GIL back", t.launch_offcpu)
+        yield hist("pageserve_step_wait_seconds", "step(): waiting for the previous step's tokens (device)", t.wait)
+        yield hist("pageserve_postprocess_seconds", "step(): append, detokenize, stop checks, output building",
+                   t.postprocess)
+        yield hist("pageserve_engine_overhead_seconds", "engine thread per step outside step(): delivery to "
+                   "the event loop and the stats snapshot", t.overhead)
+        yield hist("pageserve_step_batch_size", "sequences in a launched step", t.batch)
+        idle = CounterMetricFamily("pageserve_engine_idle_seconds", "engine thread asleep with no work",
+                                   labels=["model_name"])
+        idle.add_metric([name], t.idle_s)
+        yield idle
+        cmds = CounterMetricFamily("pageserve_engine_commands_seconds", "engine thread adding and aborting requests",
+                                   labels=["model_name"])
+        cmds.add_metric([name], t.commands_s)
+        yield cmds
+        sw = GaugeMetricFamily("pageserve_switch_interval_seconds", "sys.getswitchinterval() of the server process",
+                               labels=["model_name"])
+        sw.add_metric([name], sys.getswitchinterval())
+        yield sw
 
 
 class ServerMetrics:
     """The registry of one app and the histograms its handlers feed."""
 
-    def __init__(self, snapshot: Callable[[], dict], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], dict], model_name: str, steps: StepStats | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(snapshot, model_name))
+        self.registry.register(_EngineCollector(snapshot, model_name, steps))
         self.model_name = model_name
         labels = ["model_name"]
         reg = self.registry
