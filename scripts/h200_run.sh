@@ -61,7 +61,7 @@ for st in $stages; do
          [ -f "$realw" ] || { echo "06b: no carried real weights: the accuracy part is skipped"; realw=/tmp/realw/not-carried.gguf; }
          run_nb "$t" 06b_int8_quantization $Q3B -p REAL_MODEL "$realw" -p REAL_DTYPE bfloat16 -p TIMING_BATCHES "1,64" \
            -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 -p MAX_NUM_SEQS 512 -p MAX_MODEL_LEN 2048 \
-           -p TUNE_INT8 True -p KERNEL_BENCH True -p PREFILL_MS "16,64,256,512,2048" ;;
+           -p TUNE_INT8 True -p KERNEL_BENCH True -p PREFILL_MS "16,32,64,128,256,512,2048" ;;
     07) realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf  # the default model's real weights (model-pack.sh)
         [ -f "$realw" ] || { echo "07: $realw missing: carry .realw1/.realw2 first"; realw=smollm2-135m-instruct; }
         run_nb "$t" 07_openai_server -p CHAT_MODEL "$realw" -p MODEL qwen2.5-3b -p DEVICE cuda -y "NUM_BLOCKS: null" \

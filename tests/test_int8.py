@@ -10,8 +10,8 @@ import torch
 
 from pageserve.kernels import reference
 from pageserve.kernels.gemv import GemvConfig
-from pageserve.kernels.gemv_int8 import (Int8GemmConfig, dequantize_int8, gemv_int8_config, int8_config_key,
-                                         parse_int8_configs)
+from pageserve.kernels.gemv_int8 import (Int8GemmConfig, dequantize_int8, gemm_int8_config, gemv_int8_config,
+                                         int8_config_key, parse_int8_configs)
 from pageserve.lab import kernel_checks as checks
 from pageserve.lab.kernel_checks import TOLERANCE
 from pageserve.model.decoder import Decoder
@@ -51,8 +51,30 @@ def test_int8_gemv_is_right_at_every_decode_batch_size_one_to_eight(dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_gemv_serves_decode_batches_of_9_to_64_rows_with_split_k(dtype, gen):
+    # K = 600 on the interpreter's 4 "SMs": the heuristic splits K in two at every M here
+    for M in (9, 16, 17, 64):
+        assert gemv_int8_config(M, 45, 600, sms=4).split_k == 2
+        _ok(checks.check_gemv_int8(M, 45, 600, dtype, DEVICE, gen, bias=M % 2 == 1), dtype)
+
+
+def test_int8_small_m_heuristics_fill_the_h200_and_keep_partials_small():
+    for N, K in ((2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)):  # qkv, o, gate_up, down
+        for M in (16, 32, 64):
+            g = gemv_int8_config(M, N, K, sms=132)
+            assert -(-N // g.block_n) * g.split_k >= 2 * 132 or g.split_k == K // (2 * g.block_k), (M, N, K, g)
+            assert g.block_n >= 32 and (g.split_k == 1 or -(-N // g.block_n) < 2 * 132)
+        for M in (64, 128, 256):
+            c = gemm_int8_config(M, N, K, sms=132)
+            tiles = -(-M // c.block_m) * -(-N // c.block_n)
+            assert c.block_m <= max(16, M) and (tiles * c.split_k >= 2 * 132 or c.split_k == K // (4 * c.block_k))
+    assert gemm_int8_config(2048, 2560, 2048, sms=132).split_k == 1  # prefill: enough tiles already
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_gemm_is_right_for_larger_m_and_every_tile_config(dtype, gen):
-    for M, cfg in [(9, None), (33, None), (70, Int8GemmConfig(32, 16, 32, group_m=2))]:
+    for M, cfg in [(9, None), (33, None), (70, Int8GemmConfig(32, 16, 32, group_m=2)),
+                   (20, Int8GemmConfig(16, 16, 32, group_m=2, split_k=2))]:
         _ok(checks.check_gemm_int8(M, 45, 90, dtype, DEVICE, gen, config=cfg), dtype)
 
 
@@ -127,7 +149,7 @@ def test_quantize_model_replaces_exactly_the_four_projections_of_every_layer(tin
         quantize_model(model, "int4")
 
 
-@pytest.mark.parametrize("ops", ["torch", "triton-triton", "triton-dequant"])
+@pytest.mark.parametrize("ops", ["torch", "triton-triton", "triton-dequant", "triton-auto"])
 def test_int8_decoder_logits_equal_the_float_decoder_on_the_dequantized_weights(tiny_qwen2_config, ops):
     from pageserve.lab.naive import ContiguousKVCache, forward_tokens
 

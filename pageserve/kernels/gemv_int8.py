@@ -17,7 +17,7 @@ Three kernels, for three regimes:
   and applies SiLU(gate) * up to each K tile (the fused down projection).
 - ``gemm_int8`` (larger M): a tiled ``tl.dot`` GEMM whose B tiles are int8 converted to the
   activation dtype in registers (exact: |q| <= 127 fits any of fp16/bf16/fp32), scale and bias
-  in the epilogue. Reads half the weight bytes of a bf16 GEMM: the choice while the product is
+  in the epilogue (or, split-K where the output tiles are too few for the SMs, in the reduce). Reads half the weight bytes of a bf16 GEMM: the choice while the product is
   still memory-bound (decode batches of tens to a few hundred rows).
 - ``dequantize_int8`` (prefill): writes q * scale to a float buffer once per call, after which
   cuBLAS runs the product. Costs one read of q and one write of the float weight per call,
@@ -57,6 +57,7 @@ class Int8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # programs walk GROUP_M row tiles per column tile (the weight tile stays in L2)
+    split_k: int = 1  # K slices in parallel (fp32 partials, then the GEMV's reduce kernel scales their sum)
 
 
 Int8Configs = Mapping[tuple, "GemvConfig | Int8GemmConfig"]
@@ -201,6 +202,8 @@ def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", co
     else the plain one only if it is that tall: see ``SILU_MIN_ROWS``).
     M = 2..8: 32-row tiles of 128 int8 columns on ``tl.dot`` (x padded to 16 rows), K split until
     the grid covers the SMs ~4x, each split at least two tiles long (``"never"``: 16-row tiles, no split).
+    M = 9..64 (``TritonOps(int8_gemv_max_m=)``: decode batches): 32-row tiles up to 16 rows, 64 above,
+    K split only where the row tiles give under 2 programs per SM.
     """
     if split_k not in SPLIT_K_MODES:
         raise ValueError(f"split_k must be one of {SPLIT_K_MODES}, got {split_k!r}")
@@ -229,8 +232,16 @@ def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", co
         return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, defer_reduce=block_n * block_k <= 4096)
     if split_k == "never":
         return GemvConfig(block_n=16, block_k=128, split_k=1, num_stages=4)
-    block_n, block_k = 32, 128
-    split = max(1, min(cdiv(4 * sms, cdiv(N, block_n)), K // (2 * block_k)))
+    if M <= 8:
+        block_n, block_k = 32, 128
+        split = max(1, min(cdiv(4 * sms, cdiv(N, block_n)), K // (2 * block_k)))
+        return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
+    # M = 9..64 (a split-K skinny GEMM): taller row tiles as M grows, since every row tile re-reads
+    # x [M, K] from L2; K split only where the rows give under two programs per SM, because the fp32
+    # partials (splits x M x N x 4 bytes) now cost a share of the weight bytes
+    block_n, block_k = (32 if M <= 16 else 64), 128
+    rows = cdiv(N, block_n)
+    split = 1 if rows >= 2 * sms else max(1, min(cdiv(2 * sms, rows), K // (2 * block_k)))
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
 
 
@@ -315,9 +326,9 @@ def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torc
 # ---------------------------------------------------------------------------- larger M: the GEMM
 @triton.jit
 def _gemm_int8_kernel(
-    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
     pid = tl.program_id(0)
@@ -333,14 +344,21 @@ def _gemm_int8_kernel(
     mmask, nmask = m < M, n < N
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     q_rows = q_ptr + n.to(tl.int64)[:, None] * stride_qn
+    pid_k = tl.program_id(1)
+    k_lo = pid_k * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
+        kmask = k < k_hi
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
         acc += mma(a, tl.trans(_int8_to(w, a, UPCAST)), PREC, UPCAST)
+    if SPLIT:  # unscaled partials [splits, M, N]; the reduce kernel scales their sum
+        tl.store(part_ptr + (pid_k * M + m).to(tl.int64)[:, None] * N + n[None, :], acc,
+                 mask=mmask[:, None] & nmask[None, :])
+        return
     acc = acc * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -348,18 +366,25 @@ def _gemm_int8_kernel(
              mask=mmask[:, None] & nmask[None, :])
 
 
-def gemm_int8_config(M: int, N: int, K: int, configs: Int8Configs | None = None) -> Int8GemmConfig:
+def gemm_int8_config(M: int, N: int, K: int, configs: Int8Configs | None = None, sms: int = 132) -> Int8GemmConfig:
     """The tuned entry (``int8_config_key(M, N, K, "gemm")``) or the heuristic: row tiles of 16-128
     (the smallest power of two >= M up to 64, then 128), 64-wide column tiles up to M = 64 (more
-    programs for the memory-bound batches) and 128 above, 128 int8 columns of K per step."""
+    programs for the memory-bound batches) and 128 above, 128 int8 columns of K per step (64 at
+    128-row tiles). K is split where the output tiles alone give under two programs per SM (on the
+    H200 at M = 64 the 2048-row shapes had 32 tiles: a quarter of the SMs streamed the weights)."""
     if configs:
         tuned = configs.get(int8_config_key(M, N, K, "gemm"))
         if isinstance(tuned, Int8GemmConfig):
             return tuned
     block_m = min(max(16, next_pow2(M)), 128)
     if block_m <= 64:
-        return Int8GemmConfig(block_m=block_m, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return Int8GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        block_n, block_k, warps, stages = 64, 128, 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    split = 1 if tiles >= 2 * sms else max(1, min(cdiv(2 * sms, tiles), K // (4 * block_k)))
+    return Int8GemmConfig(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                          split_k=split)
 
 
 def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -378,14 +403,24 @@ def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     out = _out(out, M, N, x)
     if M == 0 or N == 0:
         return out
-    cfg = config or gemm_int8_config(M, N, K, configs)
-    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
-    _gemm_int8_kernel[grid](
-        x, qweight, scale, bias if bias is not None else scale, out, M, N, K, x.stride(0), qweight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
+    cfg = config or gemm_int8_config(M, N, K, configs, sm_count_for(x))
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = cdiv(K, k_per_split)
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    b = bias if bias is not None else scale  # unused pointers point at something valid
+    launch = pdl_args(x, M, pdl)
+    _gemm_int8_kernel[(cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), splits)](
+        x, qweight, scale, b, out, part, M, N, K, k_per_split, x.stride(0), qweight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
+    if splits > 1:
+        BLOCK = 256
+        _gemv_int8_reduce_kernel[(cdiv(N, BLOCK), M)](
+            part, scale, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
+            num_warps=2, **launch,
+        )
     return out
 
 

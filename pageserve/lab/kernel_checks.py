@@ -313,6 +313,12 @@ def check_dequant_linear_int8(M, N, K, dtype, device, gen, bias=True) -> float:
     return rel_err(out, _int8_reference(x, q, s, b))
 
 
+def _split_gemm():
+    from ..kernels.gemv_int8 import Int8GemmConfig
+
+    return Int8GemmConfig(16, 32, 64, group_m=2, split_k=3)  # 3 K slices of 200: partials + the reduce
+
+
 def int8_checks(dtype, device, gen, full: bool = False) -> dict:
     """The int8 kernels against float64, one name -> thunk returning a relative error. ``full``:
     the 3B shapes (qkv 2560x2048 with bias, down 2048x11008, gate_up 22016x2048) on the GPU; else
@@ -328,6 +334,8 @@ def int8_checks(dtype, device, gen, full: bool = False) -> dict:
             "gemv_int8_m8_down": lambda: check_gemv_int8(8, *down, dtype, device, gen, bias=False),
             "silu_mul_gemv_int8_m1": lambda: check_silu_mul_gemv_int8(1, *down, dtype, device, gen),
             "silu_mul_gemv_int8_m8": lambda: check_silu_mul_gemv_int8(8, *down, dtype, device, gen),
+            "gemv_int8_m64_down": lambda: check_gemv_int8(64, *down, dtype, device, gen, bias=False),
+            "gemv_int8_m16_qkv": lambda: check_gemv_int8(16, *qkv, dtype, device, gen),
             "gemm_int8_m64_qkv": lambda: check_gemm_int8(64, *qkv, dtype, device, gen),
             "gemm_int8_m64_down": lambda: check_gemm_int8(64, *down, dtype, device, gen, bias=False),
             "gemm_int8_m512_gate_up": lambda: check_gemm_int8(512, *gu, dtype, device, gen, bias=False),
@@ -340,6 +348,8 @@ def int8_checks(dtype, device, gen, full: bool = False) -> dict:
         "gemv_int8_m8_split": lambda: check_gemv_int8(8, 45, 200, dtype, device, gen, bias=False),
         "silu_mul_gemv_int8_m1": lambda: check_silu_mul_gemv_int8(1, 33, 150, dtype, device, gen),
         "silu_mul_gemv_int8_m3": lambda: check_silu_mul_gemv_int8(3, 33, 150, dtype, device, gen),
+        "gemv_int8_m40_split": lambda: check_gemv_int8(40, 45, 600, dtype, device, gen),
         "gemm_int8_m40": lambda: check_gemm_int8(40, 45, 200, dtype, device, gen),
+        "gemm_int8_m40_split": lambda: check_gemm_int8(40, 45, 600, dtype, device, gen, config=_split_gemm()),
         "dequant_linear_int8_m40": lambda: check_dequant_linear_int8(40, 45, 200, dtype, device, gen),
     }

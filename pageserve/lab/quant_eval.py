@@ -144,20 +144,27 @@ def _sms() -> int:
 def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=torch.bfloat16,
                       configs: dict | None = None, min_bytes: float = 256e6) -> dict:
     """One layer's four linears at each M (> 8: decode batches and prefill chunks), summed: the
-    int8 GEMM (``gemm_layer_m<M>_us``), dequantize + cuBLAS (``dequant_layer_m<M>_us``) and
-    bf16 cuBLAS on a float weight (``bf16_layer_m<M>_us``), all under ``int8_prefill_``; CUDA-graph
-    timed, weights rotated."""
+    split-K int8 GEMV where M <= 64 (``gemv_layer_m<M>_us``, the engine's ``"auto"`` path there), the
+    int8 GEMM with its small-M tiles and split-K (``gemm_layer_m<M>_us``), dequantize + cuBLAS
+    (``dequant_layer_m<M>_us``) and bf16 cuBLAS on a float weight (``bf16_layer_m<M>_us``), all under
+    ``int8_prefill_``, with each int8 path's config per shape and the fastest int8 path
+    (``best_m<M>``); CUDA-graph timed, weights rotated."""
     from .kernel_bench.timing import graph_ms
 
     g = torch.Generator(device="cuda").manual_seed(1)
+    sms = _sms()
     r: dict = {}
     for M in Ms:
-        tot = {"gemm": 0.0, "dequant": 0.0, "bf16": 0.0}
+        tot = {"gemv": 0.0, "gemm": 0.0, "dequant": 0.0, "bf16": 0.0} if M <= 64 else {"gemm": 0.0, "dequant": 0.0,
+                                                                                       "bf16": 0.0}
         for name, (N, K) in shapes.items():
             x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
             out = torch.empty(M, N, device="cuda", dtype=dtype)
             qs = _int8_copies(N, K, dtype, g, min_bytes)
             calls = max(4, len(qs))
+            if "gemv" in tot:
+                tot["gemv"] += graph_ms(lambda i: gemv_int8(x, *qs[i % len(qs)], out=out, configs=configs), calls, 10)
+                r[f"int8_prefill_gemv_{name}_m{M}_config"] = repr(gemv_int8_config(M, N, K, sms, configs=configs))
             tot["gemm"] += graph_ms(lambda i: gemm_int8(x, *qs[i % len(qs)], out=out, configs=configs), calls, 10)
             tot["dequant"] += graph_ms(
                 lambda i: torch.nn.functional.linear(x, dequantize_int8(*qs[i % len(qs)])), calls, 10)
@@ -165,11 +172,10 @@ def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=t
             ws = _float_copies(N, K, dtype, g, min_bytes)
             tot["bf16"] += graph_ms(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)]), max(4, len(ws)), 10)
             del ws
-            r[f"int8_prefill_gemm_{name}_m{M}_config"] = repr(gemm_int8_config(M, N, K, configs))
-        r[f"int8_prefill_gemm_layer_m{M}_us"] = 1e3 * tot["gemm"]
-        r[f"int8_prefill_dequant_layer_m{M}_us"] = 1e3 * tot["dequant"]
-        r[f"int8_prefill_bf16_layer_m{M}_us"] = 1e3 * tot["bf16"]
-        r[f"int8_prefill_best_m{M}"] = min(("gemm", "dequant"), key=tot.get)
+            r[f"int8_prefill_gemm_{name}_m{M}_config"] = repr(gemm_int8_config(M, N, K, configs, sms))
+        for path, t in tot.items():
+            r[f"int8_prefill_{path}_layer_m{M}_us"] = 1e3 * t
+        r[f"int8_prefill_best_m{M}"] = min((p for p in tot if p != "bf16"), key=tot.get)
     return r
 
 

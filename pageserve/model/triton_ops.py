@@ -53,8 +53,11 @@ class TritonOps(TorchOps):
     Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``gemv_max_m`` rows the int8
     GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
     ``"triton"``: the int8 GEMM (reads int8 tiles, half the bytes); ``"dequant"``: dequantize the
-    weight into a float buffer, then cuBLAS; ``"auto"``: the GEMM up to ``int8_gemm_max_m`` rows (decode
-    batches: memory-bound), dequantize + cuBLAS above (prefill chunks: compute-bound).
+    weight into a float buffer, then cuBLAS; ``"auto"``: the int8 GEMV (split-K, ``tl.dot`` on 32-64
+    row tiles) up to ``int8_gemv_max_m`` rows, the GEMM up to ``int8_gemm_max_m`` rows, dequantize +
+    cuBLAS above (prefill chunks: compute-bound). On the H200 at cceced8 the unsplit GEMM lost to
+    dequantize + cuBLAS from M = 64 up (128 vs 118 us a layer; 280 vs 136 at 256), so by default
+    ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
     """
@@ -64,7 +67,8 @@ class TritonOps(TorchOps):
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
-                 int8_gemm_max_m: int = 256, int8_tuned_configs: bool | Mapping = True) -> None:
+                 int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
+                 int8_gemv_max_m: int = 64) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -77,6 +81,9 @@ class TritonOps(TorchOps):
             self.int8_configs = {}
         self.int8_gemm = int8_gemm
         self.int8_gemm_max_m = int8_gemm_max_m
+        if not 0 <= int8_gemv_max_m <= 64:
+            raise ValueError(f"int8_gemv_max_m must be in 0..64 (the GEMV's limit), got {int8_gemv_max_m}")
+        self.int8_gemv_max_m = int8_gemv_max_m
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -106,6 +113,9 @@ class TritonOps(TorchOps):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
                              pdl=self.pdl)
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.int8_gemm == "auto" and self.use_gemv and x.dim() == 2 and x.shape[0] <= self.int8_gemv_max_m:
+            # decode batches: a split-K skinny GEMM over the int8 weight; no PDL above 8 rows (_util)
+            return gemv_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
         if self.int8_gemm == "triton" or (self.int8_gemm == "auto" and x.shape[0] <= self.int8_gemm_max_m):
             return gemm_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
         # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
