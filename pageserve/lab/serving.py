@@ -135,9 +135,7 @@ def start_vllm_server(model_dir: str, dtype: str = "bfloat16", host: str = "127.
     import subprocess
     import tempfile
 
-    import httpx
-
-    from ..serve.background import ServerProcess, _free_port
+    from ..serve.background import ServerProcess, _free_port, wait_until_healthy
     from .peers import require_vllm
 
     require_vllm()
@@ -149,17 +147,7 @@ def start_vllm_server(model_dir: str, dtype: str = "bfloat16", host: str = "127.
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     server = ServerProcess(f"http://{host}:{port}", port, proc, log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(server.url + "/health", timeout=5).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    server.stop(10)
-    tail = open(log_path, errors="replace").read()[-3000:]
-    raise RuntimeError(f"vllm serve on {server.url} did not become healthy (exit {proc.returncode}):\n{tail}")
+    return wait_until_healthy(server, "vllm serve", startup_timeout_s, poll_s=1.0)
 
 
 # vLLM's completions stream carries token ids only when asked (the server has no tokenizer,

@@ -168,8 +168,6 @@ def start_server_process(
     import sys
     import tempfile
 
-    import httpx
-
     port = port or _free_port(host)
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="pageserve-serve-", suffix=".log")
@@ -182,16 +180,23 @@ def start_server_process(
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=False)
     shown = f"[{host}]" if ":" in host else host
     server = ServerProcess(f"http://{shown}:{port}", port, proc, log_path)
-    deadline = time.monotonic() + startup_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            break
+    return wait_until_healthy(server, "pageserve serve", startup_timeout_s)
+
+
+def wait_until_healthy(server: ServerProcess, what: str, timeout_s: float, poll_s: float = 0.2) -> ServerProcess:
+    """Poll ``server``'s ``/health`` until it answers 200; if the process exits or the time
+    runs out, stop it and raise ``RuntimeError`` with the tail of its log."""
+    import httpx
+
+    proc = server.process
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(server.url + "/health", timeout=5).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    server.stop(5)
-    tail = open(log_path, errors="replace").read()[-2000:]
-    raise RuntimeError(f"pageserve serve on {server.url} did not become healthy (exit {proc.returncode}):\n{tail}")
+        time.sleep(poll_s)
+    server.stop(10)
+    tail = open(server.log_path, errors="replace").read()[-3000:]
+    raise RuntimeError(f"{what} on {server.url} did not become healthy (exit {proc.returncode}):\n{tail}")
