@@ -14,7 +14,8 @@
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
 #   04:180 05:110 tests:170      then      switches:120 decode_switches:150 01:100 02:180
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .wheels/*.whl || exit 1
+# no --upgrade: packages already in /tmp/site (vLLM's pinned pydantic/fastapi from .vllm3/install.sh) stay as they are
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>&1 | grep -v 'already exists' || true
 export PYTHONPATH=/tmp/site:$PWD JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; RES=/tmp/pageserve_res/h200; mkdir -p "$RES" "$OUT"
@@ -68,8 +69,8 @@ for st in $stages; do
           -p CHAT_NUM_BLOCKS 4096 -p LOAD_STREAMS 64 -p LOAD_MAX_TOKENS 128 -p WARMUP_REQUESTS 16 -y "RATES: [4, 16, 32]" \
           -p RATE_DURATION_S 60 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p FP16_CHECK True -p FP16_RATE 4 ;;
     08) # vLLM 0.26 from the vllm-pack.sh pieces in /tmp/acc (.vllm1/.vllm2/.vllm3 carried);
-        # never run yet, predicted ~600 s: vLLM startup ~60 s x 2 (offline, serve), four workloads + decode ~90 s each
-        # for pageserve and vLLM, HF peers on 64 W1 requests ~60 s, 3 rates x 30 s x 2 servers + startups ~240 s.
+        # never run yet, predicted ~550 s: vLLM startup ~60 s x 2 (offline, serve), four workloads + decode ~90 s each
+        # for pageserve and vLLM, HF peers on 64 W1 requests ~60 s, 4 rates x 15 s x 2 servers + startups ~220 s.
         # Run it alone (08:600); if it times out, drop hf_generate from ENGINES or RATE_DURATION_S to 15.
         [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08: vLLM install failed; running without it"
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
@@ -77,8 +78,8 @@ for st in $stages; do
           -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}, shared_prefix: {}}' -p HF_W1_NUM_REQUESTS 64 \
           -p HF_GENERATE_BATCH_SIZE 64 -y 'PAGESERVE_ARGS: {max_num_seqs: 512, enable_prefix_caching: true}' \
           -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096, enable_prefix_caching: true}' \
-          -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -y 'RATES: [4, 16, 32]' \
-          -p RATE_DURATION_S 30 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
+          -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -y 'RATES: [4, 8, 16, 32]' \
+          -p RATE_DURATION_S 15 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
     05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
     06c) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: results/h200x2/, not results/h200/
          RES=$RES2 PAGESERVE_RESULTS_DIR=$RES2 run_nb "$t" 06c_tensor_parallel -p MODEL qwen2.5-3b -y "NUM_LAYERS: null" \
