@@ -27,7 +27,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 run_nb() {  # run_nb <seconds> <name> [papermill -p args...]
   local limit=$1 name=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" papermill --no-progress-bar --cwd notebooks "notebooks/$name.ipynb" "$RES/$name.ipynb" \
+  timeout "$limit" python3 -m papermill --no-progress-bar --cwd notebooks "notebooks/$name.ipynb" "$RES/$name.ipynb" \
     -p RESULTS_DIR "$RES" "$@" > "$RES/$name.log" 2>&1
   echo "notebook $name: rc=$? in $(( $(date +%s) - t0 )) s"; grep -E "Error|error" "$RES/$name.log" | tail -n 5
 }
