@@ -73,6 +73,7 @@ for st in $stages; do
         # for pageserve and vLLM, HF peers on 64 W1 requests ~60 s, 4 rates x 15 s x 2 servers + startups ~220 s.
         # Run it alone (08:600); if it times out, drop hf_generate from ENGINES or RATE_DURATION_S to 15.
         [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08: vLLM install failed; running without it"
+        [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl  # scripts/vllm_extra_wheels.sh
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
           -y 'ENGINES: [pageserve, vllm, hf_generate_batch, hf_generate]' -y 'SERVE_ENGINES: [pageserve, vllm]' \
           -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}, shared_prefix: {}}' -p HF_W1_NUM_REQUESTS 64 \
