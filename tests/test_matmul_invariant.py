@@ -18,7 +18,8 @@ if not torch.cuda.is_available():
 from pageserve.kernels import matmul_invariant  # noqa: E402
 from pageserve.kernels.matmul_invariant import (BLOCK_K, BLOCK_M, InvariantMatmulConfig,  # noqa: E402
                                                 invariant_config, matmul_invariant_reference)
-from pageserve.lab.determinism_checks import BLOCK_M_POLICIES, invariance_mismatches, split_k_by_m  # noqa: E402
+from pageserve.lab.determinism_checks import (BLOCK_M_POLICIES, invariance_mismatches, invariance_report,  # noqa: E402
+                                              split_k_by_m)
 from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES  # noqa: E402
 from pageserve.lab.kernel_checks import TOLERANCE, rel_err  # noqa: E402
 
@@ -122,6 +123,15 @@ def test_a_block_k_that_follows_the_batch_size_changes_rows(gen):
         print(f"fp32 BLOCK_K 32 alone vs 64 in a batch, rows that differ: {mism}")
     else:
         assert any(mism.values()), mism
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU smoke run of the notebook helper (on the GPU: the notebook)")
+def test_invariance_report_names_every_case_and_finds_the_default_invariant():
+    r = invariance_report(shapes={"tiny": (37, 301)}, dtypes=(torch.bfloat16,), batch_sizes=(2, 7), probe_rows=2,
+                          device=DEVICE)
+    assert set(r["invariant"]) == {f"bf16/tiny/block_m:{p}" for p in BLOCK_M_POLICIES} | {"bf16/tiny/cublas"}
+    assert r["invariant"]["bf16/tiny/block_m:default"] is True
+    assert set(r["mismatches"]["bf16/tiny/cublas"]) == {"M=2", "M=7", "shuffled"}
 
 
 # ---------------------------------------------------------------------------- GPU: the Qwen2.5-3B shapes

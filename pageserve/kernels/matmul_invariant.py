@@ -150,12 +150,19 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    cfg = config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m)
+    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m), pdl)
+    return out
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            cfg: InvariantMatmulConfig, pdl: bool | None):
+    """One launch over checked arguments; returns Triton's compiled kernel (the lab reads its
+    PTX to see which MMA instruction a config got)."""
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
-    _matmul_invariant_kernel[grid](
+    return _matmul_invariant_kernel[grid](
         x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
     )
-    return out

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 import torch.nn.functional as F
 
+from ..kernels._util import sm_count_for
 from ..kernels.gemv import gemv
-from ..kernels.matmul_invariant import matmul_invariant
+from ..kernels.matmul_invariant import InvariantMatmulConfig, _launch, invariant_config, matmul_invariant
 from .kernel_bench.shapes import DTYPE_NAMES, GEMV_SHAPES
 from .kernel_bench.timing import graph_ms, weight_copies
 
@@ -88,16 +89,20 @@ def invariance_report(shapes: Mapping[str, tuple[int, int]] | None = None,
     """Bitwise batch invariance and timings on the linear shapes (default: Qwen2.5-3B's).
 
     Returns {"invariant": {case: bool}, "mismatches": {case: {"M=S": rows, ...}},
-    "ms": {case: ms}, "config": {...}}. An invariance case is "<dtype>/<shape>/<variant>" with
+    "ms": {case: ms}, "mma": {case: instruction}, "config": {...}}. An invariance case is "<dtype>/<shape>/<variant>" with
     variant ``block_m:<policy>`` (``BLOCK_M_POLICIES``; ``block_m:default`` is the deterministic
     mode's kernel) or ``cublas`` (torch.nn.functional.linear, for comparison). A timing case is
     "<dtype>/<shape>/M=<m>/<impl>", impl ``matmul_invariant``, ``cublas``, and at M = 1
     ``gemv`` (split-K "auto") and ``gemv_never`` (split-K "never"): GPU time per call in a CUDA
-    graph of back-to-back calls (CUDA events), weights rotated out of L2. ``timing_ms=()``
-    skips timing; off CUDA nothing is timed."""
+    graph of back-to-back calls (CUDA events), weights rotated out of L2; also
+    ``matmul_invariant_<policy>`` where a ``BLOCK_M_POLICIES`` entry changes BLOCK_M at that M,
+    and at M <= 8 ``matmul_invariant_bn<B>`` for each BLOCK_N (the decode sweep the default's
+    BLOCK_N rule should be checked against). ``timing_ms=()`` skips timing; off CUDA nothing is
+    timed. "mma" says, per "<dtype>/<shape>/M=<m>/block_m=<b>", which instruction the compiled
+    kernel uses (``mma_instruction``): the invariance argument assumes wgmma at every M."""
     shapes = GEMV_SHAPES if shapes is None else shapes
     batch_sizes = tuple(batch_sizes)
-    report: dict = {"invariant": {}, "mismatches": {}, "ms": {},
+    report: dict = {"invariant": {}, "mismatches": {}, "ms": {}, "mma": {},
                     "config": {"batch_sizes": batch_sizes, "probe_rows": probe_rows, "seed": seed,
                                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}}
     for dtype in dtypes:
@@ -112,14 +117,30 @@ def invariance_report(shapes: Mapping[str, tuple[int, int]] | None = None,
                 report["invariant"][case] = not any(mism.values())
             del w, probe
             if torch.cuda.is_available() and device != "cpu":
+                for M in (1, 8, 64, 1024):
+                    for bm in sorted({p(M) for p in BLOCK_M_POLICIES.values()} - {None}) + [None]:
+                        key = f"{DTYPE_NAMES[dtype]}/{name}/M={M}/block_m={bm or 'default'}"
+                        report["mma"][key] = mma_instruction(M, N, K, dtype, bm)
                 report["ms"].update(_timings(name, N, K, dtype, timing_ms, seed))
     return report
+
+
+def mma_instruction(M: int, N: int, K: int, dtype: torch.dtype, block_m: int | None = None,
+                    device: str = "cuda") -> str:
+    """Which instruction ``matmul_invariant``'s kernel multiplies with for this shape and
+    BLOCK_M: "wgmma", "mma.sync" or "fma" (read from the compiled kernel's PTX)."""
+    x = torch.zeros(M, K, device=device, dtype=dtype)
+    w = torch.zeros(N, K, device=device, dtype=dtype)
+    out = torch.empty(M, N, device=device, dtype=dtype)
+    ptx = _launch(x, w, None, out, invariant_config(M, N, dtype, sm_count_for(x), block_m), None).asm["ptx"]
+    return "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
 
 
 def _timings(name: str, N: int, K: int, dtype: torch.dtype, ms_for: Iterable[int], seed: int) -> dict[str, float]:
     out = {}
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ws = weight_copies(N, K, dtype, gen, min_bytes=200e6)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for M in ms_for:
         x = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
         y = torch.empty(M, N, device="cuda", dtype=dtype)
@@ -127,6 +148,16 @@ def _timings(name: str, N: int, K: int, dtype: torch.dtype, ms_for: Iterable[int
             "matmul_invariant": lambda i: matmul_invariant(x, ws[i % len(ws)], out=y),
             "cublas": lambda i: torch.matmul(x, ws[i % len(ws)].T, out=y),
         }
+        for policy, p in BLOCK_M_POLICIES.items():
+            if p(M) is not None:
+                impls[f"matmul_invariant_{policy}"] = lambda i, bm=p(M): matmul_invariant(x, ws[i % len(ws)], out=y,
+                                                                                          block_m=bm)
+        if M <= 8:
+            base = invariant_config(M, N, dtype, sms)
+            for bn in (16, 32, 64, 128, 256):
+                cfg = InvariantMatmulConfig(base.block_m, bn, base.block_k, 8 if bn >= 256 else 4, 2 if bn >= 256 else 4)
+                impls[f"matmul_invariant_bn{bn}"] = lambda i, c=cfg: matmul_invariant(x, ws[i % len(ws)], out=y,
+                                                                                      config=c)
         if M == 1:
             impls["gemv"] = lambda i: gemv(x, ws[i % len(ws)], out=y)
             impls["gemv_never"] = lambda i: gemv(x, ws[i % len(ws)], out=y, split_k="never")
