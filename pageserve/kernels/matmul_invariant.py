@@ -67,10 +67,12 @@ class InvariantMatmulConfig:
     group_m: int = 8  # launch order only (L2 reuse of weight tiles across row tiles): no effect on the bits
 
 
-def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None) -> InvariantMatmulConfig:
+def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
+                     block_n: int | None = None) -> InvariantMatmulConfig:
     """The launch config for an [M, K] x [N, K]^T product (K plays no part: BLOCK_K is fixed).
     BLOCK_M and BLOCK_K come from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N is the
-    widest choice that keeps >= 2 programs per SM (16 if none does)."""
+    widest choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it:
+    the lab's sweeps). Warps and stages follow the tile."""
     bm = BLOCK_M[dtype] if block_m is None else block_m
     if bm < 16 or bm > 256 or bm & (bm - 1):
         raise ValueError(f"block_m must be a power of two in [16, 256], got {block_m}")
@@ -80,6 +82,7 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
     for cand in BLOCK_N_CHOICES:
         if cand <= widest and row_tiles * cdiv(N, cand) >= 2 * sms:
             bn = cand
+    bn = bn if block_n is None else block_n
     # as many stages as fit in ~200 KB of the H200's 228 KB of shared memory, 2 to 4
     stage_bytes = (bm + bn) * BLOCK_K[dtype] * dtype.itemsize
     stages = max(2, min(4, (200 << 10) // stage_bytes))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ..kernels._util import sm_count_for
 from ..kernels.gemv import gemv
-from ..kernels.matmul_invariant import InvariantMatmulConfig, _launch, invariant_config, matmul_invariant
+from ..kernels.matmul_invariant import BLOCK_N_CHOICES, _launch, invariant_config, matmul_invariant
 from .kernel_bench.shapes import DTYPE_NAMES, GEMV_SHAPES
 from .kernel_bench.timing import graph_ms, weight_copies
 
@@ -89,15 +89,17 @@ def invariance_report(shapes: Mapping[str, tuple[int, int]] | None = None,
     """Bitwise batch invariance and timings on the linear shapes (default: Qwen2.5-3B's).
 
     Returns {"invariant": {case: bool}, "mismatches": {case: {"M=S": rows, ...}},
-    "ms": {case: ms}, "mma": {case: instruction}, "config": {...}}. An invariance case is "<dtype>/<shape>/<variant>" with
-    variant ``block_m:<policy>`` (``BLOCK_M_POLICIES``; ``block_m:default`` is the deterministic
-    mode's kernel) or ``cublas`` (torch.nn.functional.linear, for comparison). A timing case is
+    "ms": {case: ms}, "mma": {case: instruction}, "config": {...}}. An invariance case is
+    "<dtype>/<shape>/<variant>" with variant ``block_m:<policy>`` (``BLOCK_M_POLICIES``;
+    ``block_m:default`` is the deterministic mode's kernel) or ``cublas``
+    (torch.nn.functional.linear, for comparison). A timing case is
     "<dtype>/<shape>/M=<m>/<impl>", impl ``matmul_invariant``, ``cublas``, and at M = 1
     ``gemv`` (split-K "auto") and ``gemv_never`` (split-K "never"): GPU time per call in a CUDA
     graph of back-to-back calls (CUDA events), weights rotated out of L2; also
     ``matmul_invariant_<policy>`` where a ``BLOCK_M_POLICIES`` entry changes BLOCK_M at that M,
-    and at M <= 8 ``matmul_invariant_bn<B>`` for each BLOCK_N (the decode sweep the default's
-    BLOCK_N rule should be checked against). ``timing_ms=()`` skips timing; off CUDA nothing is
+    and ``matmul_invariant_bn<B>`` for each BLOCK_N (warps and stages as the config picks
+    them): the sweep that the default's BLOCK_N rule should be checked against. ``timing_ms=()``
+    skips timing (all of it takes minutes: ~60 compiles, 500 timings); off CUDA nothing is
     timed. "mma" says, per "<dtype>/<shape>/M=<m>/block_m=<b>", which instruction the compiled
     kernel uses (``mma_instruction``): the invariance argument assumes wgmma at every M."""
     shapes = GEMV_SHAPES if shapes is None else shapes
@@ -152,12 +154,9 @@ def _timings(name: str, N: int, K: int, dtype: torch.dtype, ms_for: Iterable[int
             if p(M) is not None:
                 impls[f"matmul_invariant_{policy}"] = lambda i, bm=p(M): matmul_invariant(x, ws[i % len(ws)], out=y,
                                                                                           block_m=bm)
-        if M <= 8:
-            base = invariant_config(M, N, dtype, sms)
-            for bn in (16, 32, 64, 128, 256):
-                cfg = InvariantMatmulConfig(base.block_m, bn, base.block_k, 8 if bn >= 256 else 4, 2 if bn >= 256 else 4)
-                impls[f"matmul_invariant_bn{bn}"] = lambda i, c=cfg: matmul_invariant(x, ws[i % len(ws)], out=y,
-                                                                                      config=c)
+        for bn in BLOCK_N_CHOICES:
+            cfg = invariant_config(M, N, dtype, sms, block_n=bn)
+            impls[f"matmul_invariant_bn{bn}"] = lambda i, c=cfg: matmul_invariant(x, ws[i % len(ws)], out=y, config=c)
         if M == 1:
             impls["gemv"] = lambda i: gemv(x, ws[i % len(ws)], out=y)
             impls["gemv_never"] = lambda i: gemv(x, ws[i % len(ws)], out=y, split_k="never")
