@@ -9,19 +9,28 @@ Why it is invariant. Program (m, n) owns a BLOCK_M x BLOCK_N output tile and wal
 to K in steps of BLOCK_K, ``acc = tl.dot(x_tile, w_tile^T, acc)``, then adds the bias in
 fp32 and rounds once to the output dtype. Each output element is therefore the same chain
 of MMAs over the same K slices in the same order whatever tile it sits in, provided that
-- BLOCK_K is one constant per dtype (it sets where the chain is cut): never chosen by shape;
+- BLOCK_K is one constant per dtype, never chosen by shape: where Triton adds each tile's
+  product to the accumulator as a separate sum (the CPU interpreter does), it sets where the
+  chain is cut; on the GPU the accumulator feeds the MMA and it may not matter, but nothing
+  here relies on that;
 - there is no split-K, ever (that would re-associate the sum into partials);
 - the MMA instruction is the same: on Hopper Triton issues wgmma (m64nNk16) when BLOCK_M >=
   64 and mma.sync (m16n8k16) below, and the two need not round the k16 step alike, so BLOCK_M
   is one constant per dtype too (64: the smallest wgmma tile). The instruction's N (BLOCK_N,
-  num_warps) changes only how many columns one MMA covers, not how an element is summed, so
-  BLOCK_N, num_warps and num_stages may follow M and N for occupancy;
+  num_warps) changes only how many columns one MMA covers, not how an element is summed (an
+  assumption the GPU checks: ``lab.determinism_checks``), so BLOCK_N, num_warps and
+  num_stages may follow M and N for occupancy;
 - rows past M and columns past K load zeros, which add exact zeros.
 fp32 inputs take ``input_precision="ieee"``: Triton lowers that dot to FMAs on the CUDA cores,
 one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 (64 would
 multiply 64x more zeros at decode). ``block_m=`` overrides the default (tests, the lab's
 ``invariance_report``): whether 16- or 32-row tiles at small M, or 128 at large M, stay
-bitwise equal to the 64-row default is a question for the GPU, not an assumption here.
+bitwise equal to the 64-row default is a question for the GPU, not an assumption here (128
+is still wgmma m64, two warpgroups: likely invariant and faster for prefill).
+
+An alternative left for later: swap the operands at small M (w as the MMA's M side, the batch
+as its N side, 16..256 wide) so decode wastes 15/16 of a 16-wide MMA instead of 63/64 of the
+x tile's shared memory; it would have to be used at every M to stay invariant.
 
 Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples of 128; N
 2560, 2048, 22016, 2048, 151936), bf16/fp16:
@@ -29,11 +38,12 @@ Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples 
   weight tile is 4 KB per pipeline stage (64 would halve the bytes in flight); at large M a
   64 x 256 x 128 stage is 80 KB, so 2 stages still fit in the 228 KB of shared memory.
 - BLOCK_M 64 (see above). At M = 1 the tensor cores do 64x the useful work: ~64 FLOP per
-  weight byte, ~300 TFLOP/s at full HBM bandwidth, well under the ~990 the H200 has.
+  weight byte, ~300 TFLOP/s at full HBM bandwidth, well under the ~790 the H200 reaches.
+  The cost is shared memory: the x tile (64 x 128, 16 KB a stage) is mostly masked rows.
 - BLOCK_N: there is no split-K, so at decode the grid's size comes from the columns alone:
   the widest of 16..256 that still gives >= 2 programs per SM (N = 2048 on 132 SMs: 16 columns,
-  128 programs, as many as the no-split rule allows); wider (fewer weight re-reads of x, more
-  reuse) once the row tiles fill the GPU. 256-wide tiles take 8 warps.
+  128 programs, as many as the no-split rule allows); wider (more reuse of each x tile) once
+  the row tiles fill the GPU. 64 x 256 tiles take 8 warps (two warpgroups side by side).
 - num_stages: as many as fit in ~200 KB of shared memory, 2 to 4 (4 at decode: streaming).
 ``pdl`` as the GEMV: on for launches of at most ``PDL_MAX_TOKENS`` rows where supported.
 """
