@@ -29,6 +29,7 @@ from ._util import interpreting
 from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
 from .gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, silu_mul_gemv_int8
 from .kv_write import write_kv
+from .matmul_invariant import matmul_invariant
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
@@ -39,4 +40,5 @@ __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
     "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
+    "matmul_invariant",  # batch-invariant x @ w^T (deterministic mode, issue 15)
 ]

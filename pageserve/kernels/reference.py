@@ -139,3 +139,15 @@ def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bia
 def silu_mul_linear_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The MLP's down projection with an int8 weight: linear_int8(silu_and_mul(gate_up), qweight, scale, None)."""
     return linear_int8(silu_and_mul(gate_up), qweight, scale, None)
+
+
+# ---------------------------------------------------------------------------- batch-invariant matmul (deterministic mode)
+def matmul_invariant_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T + bias with ``matmul_invariant``'s rounding points: the products summed in at
+    least fp32, the bias added to the unrounded sum, one rounding to x's dtype. x: [T, K],
+    w: [N, K], bias: [N] -> [T, N]. Given float64 tensors it is the exact value to check against."""
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    acc = x.to(acc_dtype) @ w.to(acc_dtype).T
+    if bias is not None:
+        acc = acc + bias.to(acc_dtype)
+    return acc.to(x.dtype)

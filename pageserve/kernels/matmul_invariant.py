@@ -1,0 +1,181 @@
+"""Batch-invariant matmul for the deterministic mode (issue 15): out[M, N] = x[M, K] @ w[N, K]^T + b.
+
+Reference: ``reference.matmul_invariant_reference``. The contract: the bits of output row r
+depend only on x[r], w and b, never on M, on r's position in the batch or on the other rows.
+One kernel serves every M (1 to ~16k), in place of both the decode GEMVs (whose tiles and
+K splits change with M) and cuBLAS (which picks kernels, and split-K, by shape).
+
+Why it is invariant. Program (m, n) owns a BLOCK_M x BLOCK_N output tile and walks K from 0
+to K in steps of BLOCK_K, ``acc = tl.dot(x_tile, w_tile^T, acc)``, then adds the bias in
+fp32 and rounds once to the output dtype. Each output element is therefore the same chain
+of MMAs over the same K slices in the same order whatever tile it sits in, provided that
+- BLOCK_K is one constant per dtype, never chosen by shape: where Triton adds each tile's
+  product to the accumulator as a separate sum (the CPU interpreter does), it sets where the
+  chain is cut; on the GPU the accumulator feeds the MMA and it may not matter, but nothing
+  here relies on that;
+- there is no split-K, ever (that would re-associate the sum into partials);
+- the MMA instruction is the same: on Hopper Triton issues wgmma (m64nNk16) when BLOCK_M >=
+  64 and mma.sync (m16n8k16) below, and the two need not round the k16 step alike, so BLOCK_M
+  is one constant per dtype too (64: the smallest wgmma tile). The instruction's N (BLOCK_N,
+  num_warps) changes only how many columns one MMA covers, not how an element is summed (an
+  assumption the GPU checks: ``lab.determinism_checks``), so BLOCK_N, num_warps and
+  num_stages may follow M and N for occupancy;
+- rows past M and columns past K load zeros, which add exact zeros.
+fp32 inputs take ``input_precision="ieee"``: Triton lowers that dot to FMAs on the CUDA cores,
+one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 (64 would
+multiply 64x more zeros at decode). ``block_m=`` overrides the default (tests, the lab's
+``invariance_report``): whether 16- or 32-row tiles at small M, or 128 at large M, stay
+bitwise equal to the 64-row default is a question for the GPU, not an assumption here (128
+is still wgmma m64, two warpgroups: likely invariant and faster for prefill).
+
+An alternative left for later: swap the operands at small M (w as the MMA's M side, the batch
+as its N side, 16..256 wide) so decode wastes 15/16 of a 16-wide MMA instead of 63/64 of the
+x tile's shared memory; it would have to be used at every M to stay invariant.
+
+Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples of 128; N
+2560, 2048, 22016, 2048, 151936), bf16/fp16:
+- BLOCK_K 128: the decode batch streams the weights, and a 128-wide K slice of a 16-row
+  weight tile is 4 KB per pipeline stage (64 would halve the bytes in flight); at large M a
+  64 x 256 x 128 stage is 80 KB, so 2 stages still fit in the 228 KB of shared memory.
+- BLOCK_M 64 (see above). At M = 1 the tensor cores do 64x the useful work: ~64 FLOP per
+  weight byte, ~300 TFLOP/s at full HBM bandwidth, well under the ~790 the H200 reaches.
+  The cost is shared memory: the x tile (64 x 128, 16 KB a stage) is mostly masked rows.
+- BLOCK_N: there is no split-K, so at decode the grid's size comes from the columns alone:
+  the widest of 16..256 that still gives >= 2 programs per SM (N = 2048 on 132 SMs: 16 columns,
+  128 programs, as many as the no-split rule allows); wider (more reuse of each x tile) once
+  the row tiles fill the GPU. 64 x 256 tiles take 8 warps (two warpgroups side by side).
+- num_stages: as many as fit in ~200 KB of shared memory, 2 to 4 (4 at decode: streaming).
+``pdl`` as the GEMV: on for launches of at most ``PDL_MAX_TOKENS`` rows where supported.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, pdl_args, pdl_enter,
+                    sm_count_for)
+
+matmul_invariant_reference = reference.matmul_invariant_reference
+
+# one BLOCK_K and one BLOCK_M per dtype: changing either changes the bits (module docstring)
+BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
+BLOCK_M = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
+BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class InvariantMatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8  # launch order only (L2 reuse of weight tiles across row tiles): no effect on the bits
+
+
+def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
+                     block_n: int | None = None) -> InvariantMatmulConfig:
+    """The launch config for an [M, K] x [N, K]^T product (K plays no part: BLOCK_K is fixed).
+    BLOCK_M and BLOCK_K come from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N is the
+    widest choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it:
+    the lab's sweeps). Warps and stages follow the tile."""
+    bm = BLOCK_M[dtype] if block_m is None else block_m
+    if bm < 16 or bm > 256 or bm & (bm - 1):
+        raise ValueError(f"block_m must be a power of two in [16, 256], got {block_m}")
+    row_tiles = cdiv(M, bm)
+    widest = 128 if dtype == torch.float32 else 256  # fp32 runs on FMAs: its accumulator lives in registers
+    bn = 16
+    for cand in BLOCK_N_CHOICES:
+        if cand <= widest and row_tiles * cdiv(N, cand) >= 2 * sms:
+            bn = cand
+    bn = bn if block_n is None else block_n
+    # as many stages as fit in ~200 KB of the H200's 228 KB of shared memory, 2 to 4
+    stage_bytes = (bm + bn) * BLOCK_K[dtype] * dtype.itemsize
+    stages = max(2, min(4, (200 << 10) // stage_bytes))
+    warps = 8 if bm * bn >= 64 * 256 else 4
+    return InvariantMatmulConfig(block_m=bm, block_n=bn, block_k=BLOCK_K[dtype], num_warps=warps, num_stages=stages)
+
+
+@triton.jit
+def _matmul_invariant_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # the same K slices in the same order for every tile, the whole of K in one program
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
+                     config: InvariantMatmulConfig | None = None) -> torch.Tensor:
+    """x: [M, K], w: [N, K] row-major, bias: [N] or None -> x @ w^T + bias: [M, N] in x's dtype
+    (fp32, fp16, bf16), fp32 accumulation, each row's bits independent of the batch (module
+    docstring). ``out``: a [M, N] buffer to write (row stride free). ``block_m``: force another
+    BLOCK_M (a power of two in [16, 256]) -- only for measuring whether it stays invariant.
+    ``config``: the whole tile choice (tests, sweeps); a BLOCK_K or BLOCK_M other than the
+    default's gives rows that need not equal the default's. ``pdl``: see ``_util.use_pdl``.
+    No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
+    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
+    M, K = x.shape
+    check("w", w, shape=(None, K), dtype=x.dtype)
+    N = w.shape[0]
+    tensors = dict(x=x, w=w)
+    if bias is not None:
+        check("bias", bias, shape=(N,), dtype=x.dtype)
+        tensors["bias"] = bias
+    check_device(**tensors)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
+    check("out", out, shape=(M, N), dtype=x.dtype)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
+    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m), pdl)
+    return out
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            cfg: InvariantMatmulConfig, pdl: bool | None):
+    """One launch over checked arguments; returns Triton's compiled kernel (the lab reads its
+    PTX to see which MMA instruction a config got)."""
+    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
+    return _matmul_invariant_kernel[grid](
+        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
+    )

@@ -1,0 +1,168 @@
+"""matmul_invariant: the reference on random inputs, and each row's bits independent of the batch.
+
+CPU: Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py and below) on small odd shapes;
+there tl.dot is numpy's matmul on fixed tile shapes, so invariance holds there too, and a BLOCK_K
+change shows (the interpreter adds each K tile's product to the accumulator, as a separate sum).
+CUDA: the Qwen2.5-3B shapes in bf16 and fp16, and CUDA-graph capture. Timings live in
+``pageserve.lab.determinism_checks.invariance_report``, not here.
+"""
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pageserve.kernels import matmul_invariant  # noqa: E402
+from pageserve.kernels.matmul_invariant import (BLOCK_K, BLOCK_M, InvariantMatmulConfig,  # noqa: E402
+                                                invariant_config, matmul_invariant_reference)
+from pageserve.lab.determinism_checks import (BLOCK_M_POLICIES, invariance_mismatches, invariance_report,  # noqa: E402
+                                              split_k_by_m)
+from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES  # noqa: E402
+from pageserve.lab.kernel_checks import TOLERANCE, rel_err  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+N_ODD, K_ODD = (1001, 2049) if CUDA else (37, 301)
+# fp32 against float64: a K-long fp32 sum lands ~1e-7 relative; half types: one output rounding
+TIGHT = {torch.float32: 2e-6, torch.float16: TOLERANCE[torch.float16], torch.bfloat16: TOLERANCE[torch.bfloat16]}
+
+
+@pytest.fixture
+def gen(request):
+    return torch.Generator().manual_seed(zlib.crc32(request.node.name.encode()))
+
+
+def _rand(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 17, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_float64_reference_on_odd_shapes(dtype, M, with_bias, gen):
+    x, w = _rand(gen, M, K_ODD, dtype=dtype), _rand(gen, N_ODD, K_ODD, dtype=dtype, scale=K_ODD**-0.5)
+    bias = _rand(gen, N_ODD, dtype=dtype) if with_bias else None
+    out = torch.full((M, N_ODD), float("nan"), device=DEVICE, dtype=dtype)
+    got = matmul_invariant(x, w, bias, out=out)
+    assert got is out and got.dtype == dtype
+    ref = matmul_invariant_reference(x.double(), w.double(), None if bias is None else bias.double())
+    err = rel_err(got, ref)
+    assert err <= TIGHT[dtype], f"relative error {err:.3g} > {TIGHT[dtype]:.0e} ({dtype})"
+
+
+def test_writes_into_a_strided_out_buffer_and_handles_empty_batches(gen):
+    x, w = _rand(gen, 5, 64), _rand(gen, 20, 64)
+    wide = torch.zeros(5, 32, device=DEVICE)
+    matmul_invariant(x, w, out=wide[:, 4:24])
+    assert torch.equal(wide[:, 4:24], matmul_invariant(x, w))
+    assert not wide[:, :4].any() and not wide[:, 24:].any()
+    assert matmul_invariant(x[:0], w).shape == (0, 20)
+
+
+def test_rejects_bad_arguments(gen):
+    x, w = _rand(gen, 2, 64), _rand(gen, 20, 64)
+    with pytest.raises(ValueError, match="w"):
+        matmul_invariant(x, w[:, :32])
+    with pytest.raises(ValueError, match="bias"):
+        matmul_invariant(x, w, _rand(gen, 19))
+    with pytest.raises(ValueError, match="out"):
+        matmul_invariant(x, w, out=torch.empty(2, 20, device=DEVICE, dtype=torch.float16))
+    with pytest.raises(ValueError, match="block_m"):
+        matmul_invariant(x, w, block_m=48)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_k_and_block_m_are_the_same_for_every_batch_size(dtype):
+    # the invariance rests on these two never following the shape (and on no split-K: the
+    # config has no such field, the grid is one program per output tile)
+    for N in (37, 2048, 2560, 22016, 151936):
+        cfgs = [invariant_config(M, N, dtype, sms=132) for M in (1, 2, 7, 8, 64, 257, 1024, 4096, 16384)]
+        assert {(c.block_k, c.block_m) for c in cfgs} == {(BLOCK_K[dtype], BLOCK_M[dtype])}
+    # decode occupancy without split-K: the narrowest tile at N = 2048 (128 programs on 132 SMs)
+    assert invariant_config(1, 2048, dtype, sms=132).block_n == 16
+    assert invariant_config(16384, 2048, dtype, sms=132).block_n == (128 if dtype == torch.float32 else 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_each_row_has_the_same_bits_alone_in_any_batch_and_at_any_position(dtype, with_bias, gen):
+    w = _rand(gen, N_ODD, K_ODD, dtype=dtype, scale=K_ODD**-0.5)
+    bias = _rand(gen, N_ODD, dtype=dtype) if with_bias else None
+    probe = _rand(gen, 4, K_ODD, dtype=dtype)
+    sizes = (2, 7, 33, 70) if not CUDA else (2, 7, 64, 257, 1024)
+    mism = invariance_mismatches(lambda x: matmul_invariant(x, w, bias), probe, sizes, gen)
+    assert not any(mism.values()), f"rows whose bits changed with the batch: {mism}"
+
+
+def test_the_invariance_check_catches_a_split_k_that_follows_the_batch_size(gen):
+    # the checker itself must be able to fail: a batch splits K in two halves, alone it does not
+    w = _rand(gen, N_ODD, K_ODD, scale=K_ODD**-0.5)
+    probe = _rand(gen, 4, K_ODD)
+    mism = invariance_mismatches(split_k_by_m(w), probe, (2, 7), gen)
+    assert all(mism.values()), mism
+
+
+def test_a_block_k_that_follows_the_batch_size_changes_rows(gen):
+    # BLOCK_K sets where the sum is cut on the interpreter (and, if Triton does not feed the
+    # accumulator to the MMA, on the GPU): a variant whose BLOCK_K follows M is not invariant
+    w = _rand(gen, N_ODD, K_ODD, scale=K_ODD**-0.5)
+    probe = _rand(gen, 4, K_ODD)
+
+    def variant(x):
+        cfg = invariant_config(x.shape[0], N_ODD, torch.float32, sms=4)
+        if x.shape[0] > 1:
+            cfg = InvariantMatmulConfig(cfg.block_m, cfg.block_n, 2 * cfg.block_k, cfg.num_warps, cfg.num_stages)
+        return matmul_invariant(x, w, config=cfg)
+
+    mism = invariance_mismatches(variant, probe, (2, 7), gen)
+    if CUDA:  # an fp32 "ieee" dot is an fma chain through the accumulator: BLOCK_K may not show
+        print(f"fp32 BLOCK_K 32 alone vs 64 in a batch, rows that differ: {mism}")
+    else:
+        assert any(mism.values()), mism
+
+
+@pytest.mark.skipif(CUDA, reason="the CPU smoke run of the notebook helper (on the GPU: the notebook)")
+def test_invariance_report_names_every_case_and_finds_the_default_invariant():
+    r = invariance_report(shapes={"tiny": (37, 301)}, dtypes=(torch.bfloat16,), batch_sizes=(2, 7), probe_rows=2,
+                          device=DEVICE)
+    assert set(r["invariant"]) == {f"bf16/tiny/block_m:{p}" for p in BLOCK_M_POLICIES} | {"bf16/tiny/cublas"}
+    assert r["invariant"]["bf16/tiny/block_m:default"] is True
+    assert set(r["mismatches"]["bf16/tiny/cublas"]) == {"M=2", "M=7", "shuffled"}
+
+
+# ---------------------------------------------------------------------------- GPU: the Qwen2.5-3B shapes
+@pytest.mark.skipif(not CUDA, reason="the 3B shapes need a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", list(GEMV_SHAPES), ids=list(GEMV_SHAPES))
+def test_qwen3b_shapes_rows_are_batch_invariant(shape, dtype, gen):
+    N, K = GEMV_SHAPES[shape]
+    w = _rand(gen, N, K, dtype=dtype, scale=K**-0.5)
+    probe = _rand(gen, 8, K, dtype=dtype)
+    sizes = (2, 7, 64, 257, 1024)
+    mism = invariance_mismatches(lambda x: matmul_invariant(x, w), probe, sizes, gen)
+    assert not any(mism.values()), f"{shape}: rows whose bits changed with the batch: {mism}"
+    # recorded, not asserted: does a BLOCK_M that follows M stay invariant (mma.sync vs wgmma)?
+    for name, policy in BLOCK_M_POLICIES.items():
+        if name != "default":
+            m = invariance_mismatches(lambda x: matmul_invariant(x, w, block_m=policy(x.shape[0])), probe, sizes, gen)
+            print(f"{shape} {dtype} block_m policy {name}: invariant={not any(m.values())} {m}")
+    ref = matmul_invariant_reference(probe.double(), w.double())
+    assert rel_err(matmul_invariant(probe, w), ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_captures_in_a_cuda_graph_and_replays_the_eager_bits(gen):
+    x, w, b = _rand(gen, 3, 2048, dtype=torch.bfloat16), _rand(gen, 2560, 2048, dtype=torch.bfloat16), None
+    out = torch.empty(3, 2560, device=DEVICE, dtype=torch.bfloat16)
+    eager = matmul_invariant(x, w, b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        matmul_invariant(x, w, b, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
