@@ -35,6 +35,9 @@ class EngineConfig:
     # weight-only quantization of the decoder's linears at load time: None (the model dtype) or
     # "int8" (per-output-channel int8 weights, model-dtype scales; pageserve.model.quant)
     quantization: str | None = None
+    # batch-invariant kernels: a sequence's logits are bitwise the same alone or batched, in one
+    # prefill chunk or several, from a prefix hit or not, graphed or eager (pageserve.model.deterministic_ops)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -61,6 +64,11 @@ class EngineConfig:
         if self.quantization is not None and self.tensor_parallel_size > 1:
             raise ValueError("quantization and tensor_parallel_size > 1 together are not supported yet: "
                              "the shards are cut from float weights; use one of the two")
+        if self.deterministic and self.quantization is not None:
+            raise ValueError("deterministic=True with quantization is not supported: the int8 kernels split by batch size")
+        if self.deterministic and self.tensor_parallel_size > 1:
+            raise ValueError("deterministic=True with tensor_parallel_size > 1 is not supported: "
+                             "the all-reduce's algorithm (and so its rounding) changes with the message size")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 

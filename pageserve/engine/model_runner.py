@@ -28,10 +28,21 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not given
 
 
-def select_ops(use_triton: bool | None, device: torch.device, options: dict | None = None):
+def select_ops(use_triton: bool | None, device: torch.device, options: dict | None = None,
+               deterministic: bool = False):
     """Triton kernels when asked (or by default on CUDA), else the PyTorch reference.
-    ``options``: keywords of ``TritonOps`` (its fusion switches)."""
+    ``options``: keywords of ``TritonOps`` (its fusion switches). ``deterministic``: the
+    batch-invariant variant of either (``model.deterministic_ops``)."""
     want = use_triton if use_triton is not None else device.type == "cuda"
+    if deterministic:
+        from ..model.deterministic_ops import DeterministicOps, DeterministicTorchOps
+
+        if not want:
+            return DeterministicTorchOps()
+        try:
+            return DeterministicOps(**(options or {}))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"triton_options {options!r}: {e}") from None
     if want:
         try:
             from ..model.triton_ops import TritonOps
@@ -108,7 +119,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = config.block_size
-        self.ops = select_ops(config.use_triton, self.device, config.triton_options)
+        self.ops = select_ops(config.use_triton, self.device, config.triton_options, config.deterministic)
         model.set_ops(self.ops)
         model.eval()
         self.num_blocks = config.num_blocks or self._num_blocks_from_memory()

@@ -1,0 +1,111 @@
+"""Ops for ``EngineConfig(deterministic=True)``: every row computed the same way whatever the batch.
+
+In the default ops a row's bits depend on what else is in the step: cuBLAS and the decode
+GEMVs pick tiles and split-K by the number of rows, the decode attention splits the context
+by a count that depends on the batch, and prefill and decode attention reduce in different
+orders. Here each op computes a row with one reduction order that depends only on that row
+(its values, its position), so a sequence's logits are bitwise the same alone or in a batch of
+any size, prefilled in one chunk or several, from a prefix-cache hit or not, graphed or eager.
+docs/deterministic.md lists each op and why it is invariant.
+
+``DeterministicOps`` (CUDA, or Triton's CPU interpreter): ``kernels.matmul_invariant`` for
+every float linear (decode rows, prefill chunks and the LM head alike: one fixed K tiling, no
+split-K) and ``kernels.paged_attention_invariant`` for every attention (one kernel for prefill
+and decode, KV split by a fixed *size*). Norms (one program per row), RoPE, the KV write and
+SiLU·mul (elementwise) are ``TritonOps``' own kernels, already invariant.
+
+``DeterministicTorchOps`` (the CPU reference path): the same contract from plain PyTorch by
+computing the linears and the attention one row at a time, so every call has the same shape
+whatever the batch. Slow, and meant for the CPU smoke runs and tests.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import reference
+from .ops import TorchOps
+from .quant import QuantizedWeight
+from .triton_ops import TritonOps
+
+
+def _refuse_int8(weight) -> None:
+    if isinstance(weight, QuantizedWeight):
+        raise ValueError("deterministic mode does not support int8 weights (its kernels split by batch)")
+
+
+class DeterministicOps(TritonOps):
+    """``TritonOps`` with the batch-dependent kernels replaced by batch-invariant ones.
+
+    ``kv_split``: tokens per KV split of the attention (a fixed size, so the number of
+    splits a row sees depends only on its position). ``matmul_block_m``: force the matmul's
+    row tile (None: its fixed default; see ``kernels.matmul_invariant``)."""
+
+    name = "deterministic"
+
+    def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None, **triton_options) -> None:
+        # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
+        triton_options.setdefault("fuse_silu_down", False)
+        super().__init__(**triton_options)
+        self.kv_split = kv_split
+        self.matmul_block_m = matmul_block_m
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        from ..kernels import matmul_invariant
+
+        _refuse_int8(weight)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl)
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(gate_up), weight, None)
+
+    def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        from ..kernels import paged_attention_invariant
+
+        kw = {} if self.kv_split is None else {"kv_split": self.kv_split}
+        return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl, **kw)
+
+
+class DeterministicTorchOps(TorchOps):
+    """``TorchOps`` computing linears, norms and attention one row at a time (CPU reference)."""
+
+    name = "torch-deterministic"
+
+    def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+        _refuse_int8(weight)
+        # x: [T, K] -> [T, N]; each row its own [1, K] product, so its bits never depend on T.
+        # Each row is copied to a fresh buffer first: the CPU kernels' vector loops start
+        # differently on a row that is not 64-byte aligned (row i of a [T, K] view, K odd).
+        return torch.cat([reference.linear(x[i:i + 1].clone(), weight, bias) for i in range(x.shape[0])])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.cat([reference.rms_norm(x[i:i + 1].clone(), weight, eps) for i in range(x.shape[0])])
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        rows = [reference.add_rms_norm(x[i:i + 1].clone(), residual[i:i + 1].clone(), weight, eps)
+                for i in range(x.shape[0])]
+        return torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+
+    def paged_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        """One query token at a time: token j of sequence i (position p) attends to keys 0..p
+        through a one-token call of the reference, so the softmax and the products always have
+        the shapes [Hq, 1, p + 1] whatever the chunk the token came in."""
+        T, Hq, D = q.shape
+        out = torch.zeros_like(q)
+        qsl = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+        lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+        group = Hq // Hkv
+        for i, ctx in enumerate(lens):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start or ctx == 0:
+                continue
+            blocks = meta.block_tables[i, :(ctx + block_size - 1) // block_size].long()
+            kk = k_cache[blocks].reshape(-1, Hkv, D)[:ctx].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            vv = v_cache[blocks].reshape(-1, Hkv, D)[:ctx].float().repeat_interleave(group, dim=1).transpose(0, 1)
+            for t in range(start, end):
+                p = ctx - (end - t)  # this token's position
+                qi = q[t].float()[:, None, :]  # [Hq, 1, D]
+                scores = torch.matmul(qi, kk[:, :p + 1].transpose(1, 2)) * scale  # [Hq, 1, p+1]
+                out[t] = torch.matmul(scores.softmax(-1), vv[:, :p + 1])[:, 0].to(q.dtype)
+        return out

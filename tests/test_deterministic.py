@@ -1,0 +1,108 @@
+"""Deterministic mode (EngineConfig.deterministic): a sequence's output does not depend on the batch.
+
+CPU: the PyTorch path (``DeterministicTorchOps``) on the default model's real weights, and the
+Triton path (``DeterministicOps``, interpreter) on a tiny random Qwen2 shape. GPU: both dtypes
+the users run (bf16, fp16) through the Triton path, graphs included.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pageserve.engine.config import EngineConfig
+from pageserve.engine.llm import LLM
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.lab import determinism as D
+
+ON_GPU = torch.cuda.is_available()
+
+
+def test_deterministic_refuses_int8_and_tensor_parallel_with_a_clear_error():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(deterministic=True, quantization="int8", device="cpu")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(deterministic=True, tensor_parallel_size=2, device="cpu")
+
+
+def test_count_identical_sees_one_changed_logprob_and_one_changed_token():
+    a = [([1, 2], [{1: -0.5}, {2: -0.25}]), ([3], [{3: -1.0}])]
+    assert D.count_identical(a, a) == 2
+    assert D.count_identical(a, [([1, 2], [{1: -0.5}, {2: -0.25000001}]), ([3], [{3: -1.0}])]) == 1
+    assert D.count_identical(a, [([1, 2], [{1: -0.5}, {2: -0.25}]), ([4], [{3: -1.0}])]) == 1
+
+
+def test_deterministic_torch_linear_rows_do_not_depend_on_the_batch():
+    from pageserve.model.deterministic_ops import DeterministicTorchOps
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(37, 301, generator=g), torch.randn(129, 301, generator=g)
+    ops = DeterministicTorchOps()
+    full = ops.linear(x, w, None)
+    for i in (0, 5, 36):
+        assert torch.equal(ops.linear(x[i:i + 1], w, None), full[i:i + 1])
+    assert torch.equal(ops.linear(x[[5, 0, 36]], w, None), full[[5, 0, 36]])
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU reference path; the GPU runs the Triton path below")
+def test_deterministic_cpu_path_same_logprobs_alone_batched_chunked_and_from_the_prefix_cache(smollm2):
+    def make(**kw):
+        cfg = dict(device="cpu", dtype="float32", num_blocks=512, max_model_len=1024, deterministic=True) | kw
+        return LLM.from_model(smollm2.model, smollm2.tokenizer, **cfg)
+
+    prompts = D.DEFAULT_PROMPTS[:4]
+    r = D.invariance_suite(make, prompts, max_tokens=6, graphs=False)
+    assert r["prefix_hit_rate"] > 0  # the prefix comparison really hit the cache
+    assert {k: r[k] for k in ("alone", "chunk_16", "chunk_33", "prefix", "sync")} == \
+        {"alone": 4, "chunk_16": 4, "chunk_33": 4, "prefix": 4, "sync": 4}
+
+
+def _tiny_model(cfg, dtype, device):
+    from pageserve.model.loader import build_decoder
+
+    torch.manual_seed(0)
+    model = build_decoder(cfg, torch.device(device), dtype, max_model_len=256)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if not ON_GPU else [torch.bfloat16, torch.float16])
+def test_deterministic_triton_path_same_logprobs_alone_batched_chunked_and_prefix(tiny_qwen2_config, dtype):
+    device = "cuda" if ON_GPU else "cpu"
+    model = _tiny_model(tiny_qwen2_config, dtype, device)
+
+    def make(**kw):
+        cfg = dict(device=device, num_blocks=128, max_model_len=256, deterministic=True, use_triton=True,
+                   enforce_eager=not ON_GPU) | kw
+        return LLM.from_model(model, None, **cfg)
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    r = D.invariance_suite(make, prompts, max_tokens=4, logprobs=3, chunk_budgets=(7, 16), graphs=ON_GPU)
+    want = {k: 3 for k in ("alone", "chunk_7", "chunk_16", "prefix", "sync") + (("eager",) if ON_GPU else ())}
+    assert {k: r[k] for k in want} == want
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_deterministic_seeded_sampling_is_the_same_alone_and_batched(tiny_qwen2_config):
+    model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")
+
+    def make(**kw):
+        return LLM.from_model(model, None, **(dict(num_blocks=128, max_model_len=256, deterministic=True) | kw))
+
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 17, 29, 60)]
+    assert D.seeded_sampling_identical(make, prompts, max_tokens=8) == 4
+
+
+def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):
+    from pageserve.model.deterministic_ops import DeterministicOps, DeterministicTorchOps
+
+    model = _tiny_model(tiny_qwen2_config, torch.float32, "cpu")
+    llm = LLM.from_model(model, None, device="cpu", num_blocks=32, max_model_len=64, deterministic=True)
+    assert isinstance(llm.engine.runner.ops, DeterministicTorchOps)
+    llm = LLM.from_model(model, None, device="cpu", num_blocks=32, max_model_len=64, deterministic=True,
+                         use_triton=True, enforce_eager=True)
+    assert isinstance(llm.engine.runner.ops, DeterministicOps)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
