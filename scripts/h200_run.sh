@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests 01 02 03 04 05 06a 06b 06c 07 08 switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests dettests 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -81,6 +81,17 @@ for st in $stages; do
           -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096, enable_prefix_caching: true}' \
           -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -y 'RATES: [4, 8, 16, 32]' \
           -p RATE_DURATION_S 15 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
+    09) realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf  # the default model's real weights (model-pack.sh)
+        [ -f "$realw" ] || { echo "09: $realw missing: carry .realw1/.realw2 first"; realw=smollm2-135m-instruct; }
+        run_nb "$t" 09_deterministic -p CHAT_MODEL "$realw" -p DTYPE bfloat16 -p NUM_PROMPTS 16 -p MAX_TOKENS 64 \
+          -p NUM_BLOCKS 4096 -p SHAPE_MODEL qwen2.5-3b -p BATCH_OTHERS 63 -p LOGIT_TOKENS 16 -p PROBE_LEN 512 \
+          -p W1_NUM_REQUESTS 500 -y "TIMING_BATCHES: [1, 64]" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 \
+          -p MAX_NUM_SEQS 512 -y "SHAPE_NUM_BLOCKS: null" -p MAX_MODEL_LEN 2048 ;;
+    w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
+    dettests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_det_tests.xml" \
+             tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s \
+             > "$RES/gpu_det_tests.log" 2>&1
+           echo "dettests rc=$?"; tail -n 25 "$RES/gpu_det_tests.log" ;;
     05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
     06c) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: results/h200x2/, not results/h200/
          RES=$RES2 PAGESERVE_RESULTS_DIR=$RES2 run_nb "$t" 06c_tensor_parallel -p MODEL qwen2.5-3b -y "NUM_LAYERS: null" \
