@@ -31,6 +31,7 @@ from .gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, silu_mul_gemv_int8
 from .kv_write import write_kv
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
+from .paged_invariant import paged_attention_invariant
 from .paged_prefill import paged_prefill_attention
 from .rope_kv import rotary_write_kv
 from .rotary import rotary
