@@ -176,24 +176,32 @@ def invariance_checks(
 
 
 # ------------------------------------------------------------------------------ timings (GPU)
-def _time_us(fn, iters: int = 50) -> float:
-    fn()
+def _time_us(fn, iters: int = 20, reps: int = 5) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``iters`` calls, so that
+    host launch overhead (tens of µs per eager call here) is not what gets measured."""
+    fn()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    for _ in range(reps):
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
+    return start.elapsed_time(end) / (reps * iters) * 1e3
 
 
 def attention_timings(
     num_heads: int = 16, num_kv_heads: int = 2, head_dim: int = 128, block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16, context: int = 512, batches=(1, 64), prefill_len: int = 512,
-    iters: int = 50, **launch,
+    iters: int = 20, **launch,
 ) -> dict[str, float]:
-    """Microseconds per call (CUDA events, eager launches) of paged_attention_invariant vs
+    """Microseconds per call (CUDA events over CUDA-graph replays) of paged_attention_invariant vs
     paged_decode_attention (decode at ``batches``, every sequence at ``context``) and vs
     paged_prefill_attention (one ``prefill_len``-token prompt). ``launch``: kv_split, block_m, block_n."""
     attn = invariant_attention(**launch)
