@@ -32,6 +32,7 @@ from .kv_write import write_kv
 from .matmul_invariant import matmul_invariant
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
+from .paged_invariant import paged_attention_invariant
 from .paged_prefill import paged_prefill_attention
 from .rope_kv import rotary_write_kv
 from .rotary import rotary

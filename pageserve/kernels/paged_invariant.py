@@ -1,0 +1,261 @@
+"""Batch-invariant paged attention: one kernel family for prefill chunks, decodes and mixed batches.
+
+Reference: ``pageserve.kernels.reference.paged_attention``.
+
+The contract (deterministic mode, issue 15): the output bits of a query row (token at position
+p, query head j) are a function of its q row, p, and the K/V of positions 0..p of its sequence
+only — not of the batch size, the other sequences, the chunk it was prefilled in, its place in
+that chunk, nor whether it is a decode or a prefill row. ``paged_decode`` and ``paged_prefill``
+break this: the decode split count follows the batch size, and the two kernels reduce in
+different orders. One set of launch constants (``block_m``, ``block_n``, ``kv_split``, dtype,
+head_dim, group, page) must be used for every step of a run; the bits are a function of those.
+
+Work layout. The batch is flattened as in ``paged_prefill``: sequence b owns query rows
+``query_start_loc[b]:query_start_loc[b+1]``, its last q_len positions. Program (mb, b, s*Hkv+h)
+takes ``Q_TOK = BLOCK_M // group`` query tokens of sequence b times the group of query heads
+sharing KV head h (row = token * group + head), and the keys of split s: absolute positions
+``[s * kv_split, (s + 1) * kv_split)``. A decode is a chunk of one token; its tile is the same
+[BLOCK_M, BLOCK_N] shape with the rows past its group masked. The grid comes from shapes and two
+host ints (``max_query_len``, and the split count: ``max_seq_len`` eagerly, the block-table width
+for decodes), so a decode batch (max_query_len 1) is CUDA-graph safe; programs past a
+sequence's chunk or context exit at once. Rows of seq_len 0 (graph padding) come out zero.
+
+Why each row's bits are invariant:
+
+1. One compiled kernel, one tile shape. Every case runs the same two kernels with the same
+   constexprs (batch-dependent ints are not specialised on), so Triton's dot and reduction
+   layouts are identical everywhere. In ``q @ k^T`` and ``p @ v`` an output element is the dot
+   of one row with one column, in an order fixed by the tile shape; ``tl.max`` is
+   order-free; ``tl.sum(p, axis=1)`` reduces each row with the same fixed tree. So a row's
+   values never depend on the other rows of its tile or on which tile row it sits in.
+2. Fixed key tiles. Keys are walked in BLOCK_N tiles aligned to position 0, in increasing
+   order, inside splits of fixed SIZE aligned to 0: a row at position p has exactly
+   ``p // kv_split + 1`` splits, whatever the batch, and in split s sees the same tiles with
+   the same causal mask (keys > p at -inf) whether it was alone or in a chunk.
+3. Extra tiles are exact no-ops. A chunk's tile walks keys up to its last row's position, so
+   an earlier row meets tiles it cannot see: its scores are all -inf, so m is unchanged,
+   alpha = exp2(0) = 1, p = 0, l + 0 = l and acc * 1 + 0 @ v = acc exactly. Key slots past the
+   tile's last needed position (maybe never written: NaN/garbage) load as 0, so a 0 weight
+   only ever meets finite V. (Only the sign of an exactly-zero accumulator could flip.)
+4. Fixed merge. A row with one split (p < kv_split) writes acc / l straight from the split
+   kernel; a row with several writes unnormalised (m, l, acc) per split and the merge kernel
+   folds them in split order 0, 1, ... with elementwise fp32 arithmetic; which path a row
+   takes depends only on p. Tile rows with fewer splits are held by ``tl.where``, exactly.
+
+The cost of invariance: a decode tile carries BLOCK_M rows for ``group`` real ones, and the
+partial buffers are [T, Hq, num_splits, D] fp32 (only rows past the first split write them).
+Defaults, from graph-replayed timings on the H200 (Qwen2.5-3B shape, bf16, µs per call; the
+split-K decode / prefill kernels in brackets): BLOCK_M 16, BLOCK_N 64, kv_split 256 give decode
+batch 1 @ 512 8.9 [7.2], batch 64 @ 512 13.0 [12.1], batch 1 @ 4k 13.8 [8.8], batch 64 @ 4k
+84.9 [70.5]; prefill 512 22.8 [14.8], prefill 4k 854 [309]. BLOCK_M 64 / kv_split 512 would
+halve the 4k prefill (455) but slow every decode (batch 1 @ 512 17.3); decode is the hot path.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+                    online_softmax_step, pdl_args, pdl_enter)
+
+__all__ = ["paged_attention_invariant", "invariant_block_m", "KV_SPLIT", "BLOCK_N"]
+
+LOG2E = 1.4426950408889634
+KV_SPLIT = 256  # keys per split (a multiple of BLOCK_N): a row at position p has p // KV_SPLIT + 1 splits
+#                (512: faster at batch 64 @ 4k and in prefill, slower at batch 1; module docstring)
+BLOCK_N = 64  # keys per tile
+
+
+def invariant_block_m(group: int) -> int:
+    """Rows per tile for a GQA group: the fewest that tl.dot takes (16) and hold one group.
+    It must stay the same for every step of a run (decode pads up to it)."""
+    return max(16, next_pow2(group))
+
+
+@triton.jit
+def _rows(qsl_ptr, seq_lens_ptr, mb, b, h, GROUP: tl.constexpr, Q_TOK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The tile's rows: chunk token, query head, global token index, position, validity."""
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1).to(tl.int64) - q_start
+    prefix = tl.load(seq_lens_ptr + b).to(tl.int64) - q_len
+    r = tl.arange(0, BLOCK_M)
+    tok = mb * Q_TOK + r // GROUP
+    head = h * GROUP + r % GROUP
+    rmask = (r < Q_TOK * GROUP) & (tok < q_len)
+    return q_start + tok, head, prefix + tok, rmask
+
+
+@triton.jit
+def _num_splits(q_pos, rmask, KV_SPLIT: tl.constexpr):
+    # position p -> p // KV_SPLIT + 1 splits; a row at p < 0 (seq_len 0: padding) has none
+    return tl.where(rmask & (q_pos >= 0), tl.maximum(q_pos, 0) // KV_SPLIT + 1, 0)
+
+
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+def _split_kernel(
+    q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_bt, qk_scale, num_splits,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    mb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    s = tl.program_id(2) // NUM_KV_HEADS
+    h = tl.program_id(2) % NUM_KV_HEADS
+    q_len = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
+    if mb * Q_TOK >= q_len:
+        return
+    rows, head, q_pos, rmask = _rows(qsl_ptr, seq_lens_ptr, mb, b, h, GROUP, Q_TOK, BLOCK_M)
+    last_pos = tl.max(tl.where(rmask, q_pos, -1), axis=0)  # the tile's last row's position
+    split_start = s * KV_SPLIT
+    if (s > 0) & (split_start > last_pos):
+        return  # split 0 always runs: it writes the zeros of seq_len-0 rows
+    kv_end = tl.minimum(split_start + KV_SPLIT, last_pos + 1)
+
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    qmask = rmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = bt_ptr + b * stride_bt
+    for n0 in range(split_start, kv_end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kmask = kpos < kv_end  # past it: zeros, never unwritten slots
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+
+    n_row = _num_splits(q_pos, rmask, KV_SPLIT)
+    # one split (or none): the final answer, here; l_i == 0 only for seq_len-0 rows -> zeros
+    direct = rmask & (n_row <= 1) & ((n_row * 0 + s) == 0)  # (a [BLOCK_M] mask: the interpreter needs one)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
+    # several: this split's unnormalised partial; part_acc [T, Hq, S, D], part_ml [T, Hq, S, 2] fp32
+    partial = (n_row > 1) & (s < n_row)
+    prow = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits + s  # [BLOCK_M]
+    tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh, num_splits,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOK: tl.constexpr,
+    KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pdl_enter(USE_PDL)
+    mb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    q_len = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
+    if mb * Q_TOK >= q_len:
+        return
+    rows, head, q_pos, rmask = _rows(qsl_ptr, seq_lens_ptr, mb, b, h, GROUP, Q_TOK, BLOCK_M)
+    n_row = tl.minimum(_num_splits(q_pos, rmask, KV_SPLIT), num_splits)  # the min only guards a lying meta
+    active = n_row > 1
+    n_max = tl.max(tl.where(active, n_row, 0), axis=0)
+    if n_max < 2:
+        return  # every row was written by the split kernel
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    prow = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits  # [BLOCK_M], split 0
+    amask = active[:, None] & dmask[None, :]
+    m = tl.load(part_ml_ptr + prow * 2, mask=active, other=0.0)
+    l = tl.load(part_ml_ptr + prow * 2 + 1, mask=active, other=1.0)
+    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=amask, other=0.0)
+    # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own
+    for s in range(1, n_max):
+        take = active & (s < n_row)
+        m_s = tl.load(part_ml_ptr + (prow + s) * 2, mask=take, other=0.0)
+        l_s = tl.load(part_ml_ptr + (prow + s) * 2 + 1, mask=take, other=0.0)
+        acc_s = tl.load(part_acc_ptr + (prow + s)[:, None] * HEAD_DIM + d[None, :],
+                        mask=take[:, None] & dmask[None, :], other=0.0)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp2(m - m_new)
+        c = tl.exp2(m_s - m_new)
+        l = tl.where(take, l * a + l_s * c, l)
+        acc = tl.where(take[:, None], acc * a[:, None] + acc_s * c[:, None], acc)
+        m = tl.where(take, m_new, m)
+    out = acc / l[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=amask)
+
+
+def paged_attention_invariant(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
+    kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
+    out: torch.Tensor | None = None, pdl: bool | None = None,
+) -> torch.Tensor:
+    """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
+    ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
+    ``AttentionMetadata`` (query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len,
+    query_start_loc_cpu). Returns [T, Hq, D]. Rows of seq_len-0 sequences are zero, and so are
+    rows past ``query_start_loc[-1]`` when ``query_start_loc_cpu`` is given (eager path).
+
+    A decode batch (``max_query_len == 1``) launches from shapes only (split count from the
+    block-table width) and can be captured in a CUDA graph. ``kv_split`` (keys per split, a
+    multiple of ``block_n``), ``block_m`` (default ``invariant_block_m(group)``) and ``block_n``
+    decide the bits: keep them fixed for a run. ``pdl``: see ``_util.use_pdl``."""
+    page, Hkv = check_paged_qkv(q, k_cache, v_cache)
+    T, Hq, D = q.shape
+    B = meta.seq_lens.shape[0]
+    check("seq_lens", meta.seq_lens, shape=(B,), dtype=torch.int32)
+    check("query_start_loc", meta.query_start_loc, shape=(B + 1,), dtype=torch.int32)
+    check("block_tables", meta.block_tables, shape=(B, None), dtype=torch.int32)
+    check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=meta.seq_lens,
+                 query_start_loc=meta.query_start_loc, block_tables=meta.block_tables)
+    if not (meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()):
+        raise ValueError("seq_lens and query_start_loc must be contiguous")
+    group = Hq // Hkv
+    BLOCK_M = block_m or invariant_block_m(group)
+    if BLOCK_M < group or BLOCK_M < 16 or BLOCK_M & (BLOCK_M - 1):
+        raise ValueError(f"block_m {BLOCK_M} must be a power of two >= 16 and >= the GQA group {group}")
+    if block_n < 16 or block_n & (block_n - 1) or kv_split % block_n:
+        raise ValueError(f"kv_split {kv_split} must be a multiple of block_n {block_n} (a power of two >= 16)")
+    out = torch.empty_like(q) if out is None else out
+    check("out", out, shape=(T, Hq, D), dtype=q.dtype)
+    qsl_cpu = getattr(meta, "query_start_loc_cpu", None)
+    if qsl_cpu is not None and qsl_cpu[-1] < T:
+        out[qsl_cpu[-1]:].zero_()
+    if B == 0 or T == 0 or meta.max_query_len == 0:
+        return out
+    # splits: a decode batch sizes them from the table (graph-safe), anything else from max_seq_len
+    max_ctx = meta.block_tables.shape[1] * page
+    if meta.max_query_len > 1 and getattr(meta, "max_seq_len", None):
+        max_ctx = min(max_ctx, meta.max_seq_len)
+    S = max(1, cdiv(max_ctx, kv_split))
+    q_tok = BLOCK_M // group
+    BLOCK_D = max(16, next_pow2(D))
+    # fp32 even when unused (S == 1), so every call runs the one compiled kernel
+    part_acc = torch.empty((T, Hq, S, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((T, Hq, S, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
+    n_mb = cdiv(meta.max_query_len, q_tok)
+    launch = pdl_args(q, T, pdl)
+    common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, Q_TOK=q_tok, KV_SPLIT=kv_split, BLOCK_M=BLOCK_M,
+                  BLOCK_D=BLOCK_D, **launch)
+    _split_kernel[(n_mb, B, S * Hkv)](
+        q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0), float(scale) * LOG2E, S,
+        PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=4, num_stages=2, **common,
+    )
+    if S > 1:
+        _merge_kernel[(n_mb, B, Hkv)](
+            part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, out.stride(0), out.stride(1), S,
+            num_warps=4, **common,
+        )
+    return out
