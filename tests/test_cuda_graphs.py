@@ -120,3 +120,31 @@ def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config
     tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True)
     assert tokens == plain_tokens
     assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
+
+
+def test_a_one_token_prompt_chunk_that_does_not_sample_keeps_the_step_off_the_graph(tiny_qwen2_config):
+    # budget 2: step 1 runs prompt A's only token (samples) and prompt B's first token (does
+    # not): one token per sequence but only one sampling row. The graph computes logits for
+    # every row, so it must not run such a step: with temperature sampling the sampler would
+    # get 2 logits rows for 1 request (seen on the H200 in 09 at 65f7a342).
+    from pageserve.engine.sampling_params import SamplingParams
+
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=64,
+                         max_num_seqs=4, max_num_batched_tokens=2, max_model_len=64, enforce_eager=True)
+    llm.engine.runner.enable_graphs(capture=DEVICE == "cuda")
+    runner, shapes = llm.engine.runner, []
+    run_step = runner.run_step
+
+    def recording_run_step(x, prev_tokens=None):
+        logits = run_step(x, prev_tokens)
+        shapes.append((x.seq_lens.shape[0], x.logits_indices.shape[0], None if logits is None else logits.shape[0]))
+        return logits
+
+    runner.run_step = recording_run_step
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=3, ignore_eos=True) for s in (1, 2)]
+    outs = llm.generate([[7], [3, 4, 5]], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    assert (2, 1, 1) in shapes  # the step in question ran: 2 sequences, 1 sampling
+    assert all(rows == samplers for _, samplers, rows in shapes), shapes  # one logits row per sampling sequence

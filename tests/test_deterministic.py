@@ -101,8 +101,10 @@ def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):
     model = _tiny_model(tiny_qwen2_config, torch.float32, "cpu")
     llm = LLM.from_model(model, None, device="cpu", num_blocks=32, max_model_len=64, deterministic=True)
     assert isinstance(llm.engine.runner.ops, DeterministicTorchOps)
-    llm = LLM.from_model(model, None, device="cpu", num_blocks=32, max_model_len=64, deterministic=True,
-                         use_triton=True, enforce_eager=True)
+    if ON_GPU:
+        model = _tiny_model(tiny_qwen2_config, torch.float32, "cuda")
+    llm = LLM.from_model(model, None, device="cuda" if ON_GPU else "cpu", num_blocks=32, max_model_len=64,
+                         deterministic=True, use_triton=True, enforce_eager=True)
     assert isinstance(llm.engine.runner.ops, DeterministicOps)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2

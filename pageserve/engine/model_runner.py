@@ -317,8 +317,10 @@ class ModelRunner:
         d = self.to_device(x)
         B = x.seq_lens.shape[0]
         input_ids = self.step_input_ids(x, d, prev_tokens)
-        if self.graphs is not None and x.max_query_len == 1 and self.graphs.can_run(B, x.num_tokens == B):
-            # decode-only: every sequence samples; the graph ends with the output head
+        S = x.logits_indices.shape[0]
+        if self.graphs is not None and x.max_query_len == 1 and S == B and self.graphs.can_run(B, x.num_tokens == B):
+            # one token per sequence and every one samples (not so when a prompt's chunk is a
+            # single token short of its end): the graph ends with the output head over all B rows
             return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
         hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
         if x.logits_indices.shape[0] == 0:
