@@ -100,7 +100,7 @@ def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):
 
     model = _tiny_model(tiny_qwen2_config, torch.float32, "cpu")
     llm = LLM.from_model(model, None, device="cpu", num_blocks=32, max_model_len=64, deterministic=True)
-    assert isinstance(llm.engine.runner.ops, DeterministicTorchOps)
+    assert isinstance(llm.engine.runner.ops, DeterministicTorchOps) and not llm.engine.runner.ops.graph_safe
     if ON_GPU:
         model = _tiny_model(tiny_qwen2_config, torch.float32, "cuda")
     llm = LLM.from_model(model, None, device="cuda" if ON_GPU else "cpu", num_blocks=32, max_model_len=64,
@@ -108,3 +108,11 @@ def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):
     assert isinstance(llm.engine.runner.ops, DeterministicOps)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_deterministic_mode_captures_cuda_graphs(tiny_qwen2_config):
+    # 09 at 0afd934b ran the deterministic engines eagerly: graphs were gated on ops.name == "triton"
+    model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")
+    llm = LLM.from_model(model, None, num_blocks=64, max_model_len=128, max_num_seqs=8, deterministic=True)
+    assert llm.engine.runner.graphs is not None

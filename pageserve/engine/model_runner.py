@@ -138,7 +138,7 @@ class ModelRunner:
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps
         if self.device.type == "cuda" and not config.enforce_eager:
-            if getattr(self.ops, "name", "") == "triton":
+            if getattr(self.ops, "graph_safe", False):
                 try:
                     self.enable_graphs()
                 except Exception:  # a capture failure costs speed, never the engine

@@ -20,6 +20,7 @@ class TorchOps:
     against). ``TritonOps`` overrides them with kernels."""
 
     name = "torch"
+    graph_safe = False  # the reference reads host copies of lengths (and may sync): never captured
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]. A ``QuantizedWeight`` (int8 + per-row scale)

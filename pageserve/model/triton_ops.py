@@ -63,6 +63,7 @@ class TritonOps(TorchOps):
     """
 
     name = "triton"
+    graph_safe = True  # no host syncs, grids from shapes: decode steps can be captured in CUDA graphs
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
