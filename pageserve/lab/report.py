@@ -87,6 +87,20 @@ PEER_ROWS = [  # (figure prefix, what the row is)
 ]
 
 
+def _settings_note(params: dict, figs: dict) -> str:
+    """What a reader must know to compare the rows: prefix caching per engine, HF's request
+    slice, and whether vLLM's serving figures came from its HTTP server or its engine alone."""
+    notes = []
+    for name, key in (("pageserve", "PAGESERVE_ARGS"), ("vLLM", "VLLM_ARGS")):
+        if isinstance(params.get(key), dict) and "enable_prefix_caching" in params[key]:
+            notes.append(f"{name} prefix caching {'on' if params[key]['enable_prefix_caching'] else 'off'}")
+    if params.get("HF_W1_NUM_REQUESTS"):
+        notes.append(f"the HF peers ran W1's first {params['HF_W1_NUM_REQUESTS']} requests")
+    if figs.get("serve.vllm.engine_level"):
+        notes.append("vLLM's serving sweep is engine-level (AsyncLLM, no HTTP)")
+    return ("; " + ", ".join(notes)) if notes else ""
+
+
 def render_peers(rec: dict, hardware: str) -> str:
     """The 08 record as one table: rows are workloads, columns engines, and pageserve / vLLM."""
     figs, params = rec["figures"], rec.get("parameters", {})
@@ -116,6 +130,7 @@ def render_peers(rec: dict, hardware: str) -> str:
                f"(random weights), {dtype}, {rec['date']}; torch {rec['torch']}" + (f", {peers}" if peers else "")
                + f"; commit `{rec['git_commit'][:10]}`{_provenance_note(rec)} "
                f"([08](results/{hardware}/08_benchmarks.ipynb)). Each engine in its own process, same requests"
+               + _settings_note(params, figs)
                + ("; the ratio column divides pageserve's figure by vLLM's (> 1: faster in tok/s rows, slower in "
                   "ms or s rows)" if len(head) > len(engines) + 1 else "") + ".\n")
     return "\n".join([caption, "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""])
