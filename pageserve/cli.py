@@ -56,6 +56,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="longest prompt + reply in tokens (default: the model's context)")
     p.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: weight-only int8 linears, quantized at load time (default: none)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: the same output whatever else runs (docs/deterministic.md)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -119,7 +121,7 @@ def _build_engine(args: argparse.Namespace):
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=1,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                              quantization=args.quantization)
+                              quantization=args.quantization, deterministic=args.deterministic)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …
         raise UsageError(str(e)) from None

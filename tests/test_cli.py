@@ -48,6 +48,8 @@ BAD_INPUTS = {
     "hub id with no network": (["generate", "hi", "--model", "someorg/some-model", "--device", "cpu"], "someorg/some-model"),
     "cuda without CUDA": (["generate", "hi", "--device", "cuda" if not torch.cuda.is_available() else "cuda:99"], "cuda"),
     "unknown device": (["generate", "hi", "--device", "gpu"], "gpu"),
+    "deterministic with int8": (["generate", "hi", "--device", "cpu", "--deterministic", "--quantization", "int8"],
+                                "deterministic"),
 }
 
 
