@@ -149,6 +149,19 @@ def test_each_runner_returns_the_same_result_shape(engine, tiny_json):
                                      output_median=3, max_output_len=4, max_prompt_len=16).requests[i].max_tokens
                                      for i in range(2))
     assert rec["versions"]["torch"]
+    # each workload was preceded by an untimed one of its shape
+    assert rec["warmup"]["w1"]["num_requests"] == 3 and rec["warmup"]["w1"]["prompt_tokens"] == 24
+
+
+def test_warmup_workload_has_the_shape_but_none_of_the_measured_prompts():
+    spec = peers.WorkloadSpec("w1", {"num_requests": 40, "prompt_len": 8, "output_len": 3})
+    measured, warm = spec.build(1000), peers.warmup_workload(spec, 1000, num_requests=32)
+    assert len(warm) == 32 and {len(p) for p in warm.prompts} == {8}
+    assert [r.max_tokens for r in warm.requests] == [r.max_tokens for r in measured.requests[:32]]
+    assert not set(map(tuple, warm.prompts)) & set(map(tuple, measured.prompts))
+    chat = peers.WorkloadSpec("chat", {"num_requests": 8, "seed": 3})
+    assert [len(p) for p in peers.warmup_workload(chat, 1000, num_requests=8).prompts] != \
+        [len(p) for p in chat.build(1000).prompts]  # other lengths too: the same distribution, not the same draws
 
 
 def test_pageserve_decode_timing_and_floor_on_the_cpu(tiny_json):

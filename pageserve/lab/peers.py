@@ -436,12 +436,30 @@ def hf_generate_padded(model, workload: Workload, batch_size: int = 16,
 # --------------------------------------------------------------------------- one engine, one process
 
 
+WARMUP_SEED_OFFSET = 7919  # warm-up workloads: the same builder and shape, other ids (no prefix-cache hits)
+
+
+def warmup_workload(spec: "WorkloadSpec", vocab: int, seed_offset: int = WARMUP_SEED_OFFSET,
+                    num_requests: int = 32) -> Workload:
+    """The first ``num_requests`` requests of ``spec``'s workload built with another seed: the
+    same lengths and batch shapes, none of the measured prompts (so nothing is cached for them)."""
+    kwargs = dict(spec.kwargs)
+    kwargs["seed"] = int(kwargs.get("seed", 0)) + seed_offset
+    return WorkloadSpec(spec.name, kwargs).build(vocab).head(num_requests)
+
+
 def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict | None = None, device: str = "auto",
                dtype: str = "auto", seed: int = 0, engine_args: dict | None = None,
-               floor: bool = False) -> dict[str, Any]:
+               floor: bool = False, warmup_requests: int = 32) -> dict[str, Any]:
     """Build ``engine`` once, run each workload (``{name: builder kwargs}``) and the decode
     timings (``{"batches": [1, 64], "context_len": 512, "steps": 64}``); a failing workload
-    is recorded under ``errors`` and the others still run. Returns a JSON-able record."""
+    is recorded under ``errors`` and the others still run. Returns a JSON-able record.
+
+    Before each timed workload, ``warmup_requests`` requests of the same shape with other ids
+    run untimed (``warmup_workload``; 0: none), in every engine alike: kernels compiled or
+    tuned on first sight of a shape (Triton's JIT, cuBLAS heuristics, vLLM's compile buckets)
+    then stay out of the timed window. (The 08 run at 3eef1891 had only a 2-request warm-up;
+    pageserve's first workload, W1, came in 30% under its own figure from other runs.)"""
     if engine not in RUNNERS:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(RUNNERS)}")
     vocab = workload_vocab(model)
@@ -454,7 +472,12 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
         kwargs = dict(kwargs)
         builder = kwargs.pop("workload", name)  # {"w1_small": {"workload": "w1", ...}}
         try:
-            w = WorkloadSpec(builder, kwargs).build(vocab)
+            spec = WorkloadSpec(builder, kwargs)
+            if warmup_requests:
+                warm = warmup_workload(spec, vocab, num_requests=warmup_requests)
+                warm.name = f"{name}_warmup"
+                rec.setdefault("warmup", {})[name] = runner.offline(warm).to_dict()
+            w = spec.build(vocab)
             w.name = name
             rec["offline"][name] = runner.offline(w).to_dict()
         except Exception as e:  # noqa: BLE001 - one workload's failure (OOM, a peer's bug) is a data point
@@ -480,12 +503,13 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
 
 def run_peer(engine: str, model: str, workloads: dict[str, dict], out: str | os.PathLike, decode: dict | None = None,
              device: str = "auto", dtype: str = "auto", seed: int = 0, engine_args: dict | None = None,
-             floor: bool = False, timeout_s: float | None = None, env: dict | None = None) -> dict[str, Any]:
+             floor: bool = False, timeout_s: float | None = None, env: dict | None = None,
+             warmup_requests: int = 32) -> dict[str, Any]:
     """``python -m pageserve.lab.peers run ...`` in a child process; returns the JSON it wrote.
     Raises ``RuntimeError`` with the child's output tail if it fails."""
     cmd = [sys.executable, "-m", "pageserve.lab.peers", "run", "--engine", engine, "--model", model,
            "--device", device, "--dtype", dtype, "--seed", str(seed), "--workloads", json.dumps(workloads),
-           "--out", str(out)]
+           "--out", str(out), "--warmup-requests", str(warmup_requests)]
     if decode:
         cmd += ["--decode", json.dumps(decode)]
     if engine_args:
@@ -514,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--decode", default=None, help='JSON {"batches": [1, 64], "context_len": 512, "steps": 64}')
     r.add_argument("--engine-args", default=None, help="JSON keywords of the engine's constructor")
     r.add_argument("--floor", action="store_true", help="also measure read bandwidth and the batch-1 floor")
+    r.add_argument("--warmup-requests", type=int, default=32,
+                   help="untimed requests of each workload's shape (other ids) before it is timed (0: none)")
     r.add_argument("--out", required=True)
     s = sub.add_parser("serve-engine", help="vLLM AsyncLLM under Poisson arrivals (engine-level, no HTTP)")
     s.add_argument("--model", default="qwen2.5-3b")
@@ -534,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         rec = vllm_engine_level_sweep(a.model, a.dtype, **json.loads(a.spec))
     else:
         rec = run_engine(a.engine, a.model, json.loads(a.workloads), json.loads(a.decode) if a.decode else None,
-                         a.device, a.dtype, a.seed, json.loads(a.engine_args) if a.engine_args else None, a.floor)
+                         a.device, a.dtype, a.seed, json.loads(a.engine_args) if a.engine_args else None, a.floor,
+                         a.warmup_requests)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=2, default=str) + "\n")
     return 0
