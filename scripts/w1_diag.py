@@ -1,4 +1,7 @@
 """Why did 08's pageserve W1 (52.5k total tok/s at 3eef1891) fall below 02's (74.7k at 99698f8)?
+At 65f7a342 this ran caching on first (60.9k) then off (76.6k): confounded with first-sight
+compilation in the first runner. Now the order is a flag (default off first) and a W1-shaped
+warm-up (other ids) precedes the timed runs.
 The two differ in the runner (08: a `peers` subprocess, lab.workloads.w1_workload over the whole
 vocabulary) and in prefix caching (08: on). This runs W1 through the 08 runner with caching on
 and off, twice each (the first run right after the runner's warm-up, as in 08), and prints the
@@ -12,7 +15,7 @@ import time
 from pathlib import Path
 
 from pageserve.lab import bench
-from pageserve.lab.peers import PageserveRunner, workload_vocab
+from pageserve.lab.peers import PageserveRunner, WorkloadSpec, warmup_workload, workload_vocab
 from pageserve.lab.results import provenance
 from pageserve.lab.workloads import w1_workload
 
@@ -21,14 +24,19 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen2.5-3b")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--order", default="off,on", help="caching settings in run order (the first runner also compiles)")
+    ap.add_argument("--warmup-requests", type=int, default=32, help="untimed W1-shaped requests first (0: none)")
     args = ap.parse_args()
     rows = []
-    for caching in (True, False):
+    for caching in [c == "on" for c in args.order.split(",")]:
         t0 = time.perf_counter()
         runner = PageserveRunner(args.model, device="cuda", dtype="bfloat16", max_num_seqs=512,
                                  enable_prefix_caching=caching)
         up = time.perf_counter() - t0
         w = w1_workload(workload_vocab(args.model))
+        if args.warmup_requests:
+            runner.offline(warmup_workload(WorkloadSpec("w1", {}), workload_vocab(args.model),
+                                           num_requests=args.warmup_requests))
         for rep in range(2):
             r = runner.offline(w)
             stats = bench.engine_stats(runner.llm)
