@@ -41,5 +41,5 @@ __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
     "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "paged_decode_attention", "paged_prefill_attention",
-    "matmul_invariant",  # batch-invariant x @ w^T (deterministic mode, issue 15)
+    "matmul_invariant", "paged_attention_invariant",  # batch-invariant (deterministic mode, issue 15)
 ]

@@ -74,6 +74,35 @@ def check(name: str, t: torch.Tensor, *, ndim: int | None = None, shape: tuple |
 
 
 # ---------------------------------------------------------------------------- in-kernel helpers
+def check_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, w_name: str = "weight") -> tuple[int, int, int]:
+    """x [M, K], ``w_name`` [N, K] in x's dtype, bias [N] or None, all on one device: (M, N, K)."""
+    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
+    M, K = x.shape
+    check(w_name, w, shape=(None, K), dtype=x.dtype)
+    N = w.shape[0]
+    tensors = {"x": x, w_name: w}
+    if bias is not None:
+        check("bias", bias, shape=(N,), dtype=x.dtype)
+        tensors["bias"] = bias
+    check_device(**tensors)
+    return M, N, K
+
+
+def check_paged_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> tuple[int, int, int]:
+    """``check_paged_qkv`` plus the attention metadata's int32 lengths and block table on q's
+    device: (page size, KV heads, sequences)."""
+    page, Hkv = check_paged_qkv(q, k_cache, v_cache)
+    B = meta.seq_lens.shape[0]
+    check("seq_lens", meta.seq_lens, shape=(B,), dtype=torch.int32)
+    check("query_start_loc", meta.query_start_loc, shape=(B + 1,), dtype=torch.int32)
+    check("block_tables", meta.block_tables, shape=(B, None), dtype=torch.int32)
+    check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=meta.seq_lens,
+                 query_start_loc=meta.query_start_loc, block_tables=meta.block_tables)
+    if not (meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()):
+        raise ValueError("seq_lens and query_start_loc must be contiguous")
+    return page, Hkv, B
+
+
 def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     """Shared checks of the paged-attention wrappers: q [N, Hq, D] and caches
     [num_blocks, block_size, Hkv, D] of q's dtype, Hq a multiple of Hkv. Returns (block_size, Hkv)."""
@@ -169,6 +198,18 @@ def load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pmask, h, d, dmask,
     v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
                 mask=kvmask, other=0.0)
     return k, v
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program ``pid`` in grouped launch order: GROUP_M row tiles
+    take each weight column tile in turn, so it is read from L2 while it is still there."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_size, (pid % per_group) // group_size
 
 
 @triton.jit

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_args,
-                    pdl_enter, sm_count_for)
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, mma, next_pow2,
+                    pdl_args, pdl_enter, sm_count_for)
 
 linear_reference = reference.linear
 silu_mul_linear_reference = reference.silu_mul_linear
@@ -290,15 +290,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ``config``: this launch's tiles; without it the entry of ``configs`` (tuned, keyed by
     ``config_key``) for this shape, else the ``split_k`` ("auto" | "never") heuristic.
     ``pdl``: see ``_util.use_pdl``."""
-    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    M, K = x.shape
-    check("weight", weight, shape=(None, K), dtype=x.dtype)
-    N = weight.shape[0]
-    tensors = dict(x=x, weight=weight)
-    if bias is not None:
-        check("bias", bias, shape=(N,), dtype=x.dtype)
-        tensors["bias"] = bias
-    check_device(**tensors)
+    M, N, K = check_linear(x, weight, bias)
     if M > 64:
         raise ValueError(f"gemv is for small M (got M={M}); use torch.nn.functional.linear")
     return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl)

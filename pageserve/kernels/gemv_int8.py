@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, mma, next_pow2, pdl_args,
-                    pdl_enter, sm_count_for)
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, grouped_tile, mma, next_pow2,
+                    pdl_args, pdl_enter, sm_count_for)
 from .gemv import SPLIT_K_MODES, GemvConfig, _load_x, device_config_path
 
 linear_int8_reference = reference.linear_int8
@@ -330,15 +330,7 @@ def _gemm_int8_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = m < M, n < N

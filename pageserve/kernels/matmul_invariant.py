@@ -56,8 +56,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, interpreting, pdl_args,
-                    pdl_enter, sm_count_for)
+from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, interpreting,
+                    pdl_args, pdl_enter, sm_count_for)
 
 matmul_invariant_reference = reference.matmul_invariant_reference
 
@@ -110,15 +110,7 @@ def _matmul_invariant_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # grouped launch order: GROUP_M row tiles share each weight column tile while it is in L2
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = m < M, n < N
@@ -152,15 +144,7 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     ``config``: the whole tile choice (tests, sweeps); a BLOCK_K or BLOCK_M other than the
     default's gives rows that need not equal the default's. ``pdl``: see ``_util.use_pdl``.
     No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
-    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    M, K = x.shape
-    check("w", w, shape=(None, K), dtype=x.dtype)
-    N = w.shape[0]
-    tensors = dict(x=x, w=w)
-    if bias is not None:
-        check("bias", bias, shape=(N,), dtype=x.dtype)
-        tensors["bias"] = bias
-    check_device(**tensors)
+    M, N, K = check_linear(x, w, bias, "w")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     check("out", out, shape=(M, N), dtype=x.dtype)
     if M == 0 or N == 0:

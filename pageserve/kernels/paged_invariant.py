@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
                     online_softmax_step, pdl_args, pdl_enter)
 
 __all__ = ["paged_attention_invariant", "invariant_block_m", "KV_SPLIT", "BLOCK_N"]
@@ -207,16 +207,8 @@ def paged_attention_invariant(
     block-table width) and can be captured in a CUDA graph. ``kv_split`` (keys per split, a
     multiple of ``block_n``), ``block_m`` (default ``invariant_block_m(group)``) and ``block_n``
     decide the bits: keep them fixed for a run. ``pdl``: see ``_util.use_pdl``."""
-    page, Hkv = check_paged_qkv(q, k_cache, v_cache)
+    page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
-    B = meta.seq_lens.shape[0]
-    check("seq_lens", meta.seq_lens, shape=(B,), dtype=torch.int32)
-    check("query_start_loc", meta.query_start_loc, shape=(B + 1,), dtype=torch.int32)
-    check("block_tables", meta.block_tables, shape=(B, None), dtype=torch.int32)
-    check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=meta.seq_lens,
-                 query_start_loc=meta.query_start_loc, block_tables=meta.block_tables)
-    if not (meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()):
-        raise ValueError("seq_lens and query_start_loc must be contiguous")
     group = Hq // Hkv
     BLOCK_M = block_m or invariant_block_m(group)
     if BLOCK_M < group or BLOCK_M < 16 or BLOCK_M & (BLOCK_M - 1):

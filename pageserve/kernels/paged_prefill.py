@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
-from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
                     online_softmax_step)
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
@@ -92,16 +92,8 @@ def paged_prefill_attention(
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
     ``meta.query_start_loc_cpu`` is present, as in the reference."""
-    page, Hkv = check_paged_qkv(q, k_cache, v_cache)
+    page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
-    B = meta.seq_lens.shape[0]
-    check("seq_lens", meta.seq_lens, shape=(B,), dtype=torch.int32)
-    check("query_start_loc", meta.query_start_loc, shape=(B + 1,), dtype=torch.int32)
-    check("block_tables", meta.block_tables, shape=(B, None), dtype=torch.int32)
-    check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=meta.seq_lens,
-                 query_start_loc=meta.query_start_loc, block_tables=meta.block_tables)
-    if not (meta.seq_lens.is_contiguous() and meta.query_start_loc.is_contiguous()):
-        raise ValueError("seq_lens and query_start_loc must be contiguous")
     out = torch.empty_like(q) if out is None else out
     check("out", out, shape=(T, Hq, D), dtype=q.dtype)
     if meta.query_start_loc_cpu is not None and meta.query_start_loc_cpu[-1] < T:
