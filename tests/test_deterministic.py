@@ -116,3 +116,33 @@ def test_deterministic_mode_captures_cuda_graphs(tiny_qwen2_config):
     model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")
     llm = LLM.from_model(model, None, num_blocks=64, max_model_len=128, max_num_seqs=8, deterministic=True)
     assert llm.engine.runner.graphs is not None
+
+
+@pytest.mark.skipif(ON_GPU, reason="on the GPU the engine captures real graphs (test above and the 09 notebook)")
+def test_deterministic_triton_path_same_logprobs_through_the_graph_runners_padded_buckets(tiny_qwen2_config):
+    # on the CPU the graph runner keeps its static buffers and pads each decode batch to its
+    # bucket (slot -1, seq_len 0), running eagerly: what changes under graphs but the replay
+    model = _tiny_model(tiny_qwen2_config, torch.float32, "cpu")
+
+    def make(graphs: bool):
+        llm = LLM.from_model(model, None, device="cpu", num_blocks=128, max_model_len=256, deterministic=True,
+                             use_triton=True, enforce_eager=True, max_num_seqs=8)
+        if graphs:
+            runner = llm.engine.runner
+            runner.enable_graphs(capture=False)
+            run = runner.graphs.run
+
+            def counting_run(*args, **kwargs):
+                replays.append(1)
+                return run(*args, **kwargs)
+
+            runner.graphs.run = counting_run
+        return llm
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (4, 9, 13)]  # 3 rows: a bucket of 4
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=3)
+    replays: list[int] = []
+    graphed, eager = (D.outputs_of(make(gr), prompts, params) for gr in (True, False))
+    assert replays  # the decode steps did go through the graph runner
+    assert D.count_identical(graphed, eager) == 3
