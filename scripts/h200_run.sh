@@ -69,18 +69,18 @@ for st in $stages; do
           -p CHAT_NUM_BLOCKS 4096 -p LOAD_STREAMS 64 -p LOAD_MAX_TOKENS 128 -p WARMUP_REQUESTS 16 -y "RATES: [4, 16, 32]" \
           -p RATE_DURATION_S 60 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p FP16_CHECK True -p FP16_RATE 4 ;;
     08) # vLLM 0.26 from the vllm-pack.sh pieces in /tmp/acc (.vllm1/.vllm2/.vllm3 carried);
-        # never run yet, predicted ~550 s: vLLM startup ~60 s x 2 (offline, serve), four workloads + decode ~90 s each
-        # for pageserve and vLLM, HF peers on 64 W1 requests ~60 s, 4 rates x 15 s x 2 servers + startups ~220 s.
-        # Run it alone (08:600); if it times out, drop hf_generate from ENGINES or RATE_DURATION_S to 15.
+        # 518 s at 3eef1891 (one process per engine); now two per engine for pageserve and vLLM (prefix
+        # caching off / on) and per-workload warm-ups, so HF on 32 W1 requests and 12 s per rate: predicted
+        # ~560 s. Run it alone (08:585); if it times out, drop hf_generate from ENGINES.
         [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08: vLLM install failed; running without it"
         [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl  # scripts/vllm_extra_wheels.sh
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
           -y 'ENGINES: [pageserve, vllm, hf_generate_batch, hf_generate]' -y 'SERVE_ENGINES: [pageserve, vllm]' \
-          -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}, shared_prefix: {}}' -p HF_W1_NUM_REQUESTS 64 \
-          -p HF_GENERATE_BATCH_SIZE 64 -y 'PAGESERVE_ARGS: {max_num_seqs: 512, enable_prefix_caching: true}' \
-          -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096, enable_prefix_caching: true}' \
+          -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}, shared_prefix: {}}' -p HF_W1_NUM_REQUESTS 32 \
+          -p HF_GENERATE_BATCH_SIZE 32 -y 'PAGESERVE_ARGS: {max_num_seqs: 512}' -y 'CACHED_WORKLOADS: [shared_prefix]' \
+          -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
           -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -y 'RATES: [4, 8, 16, 32]' \
-          -p RATE_DURATION_S 15 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
+          -p RATE_DURATION_S 12 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
     09) realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf  # the default model's real weights (model-pack.sh)
         [ -f "$realw" ] || { echo "09: $realw missing: carry .realw1/.realw2 first"; realw=smollm2-135m-instruct; }
         run_nb "$t" 09_deterministic -p CHAT_MODEL "$realw" -p DTYPE bfloat16 -p NUM_PROMPTS 16 -p MAX_TOKENS 64 \

@@ -91,6 +91,9 @@ def _settings_note(params: dict, figs: dict) -> str:
     """What a reader must know to compare the rows: prefix caching per engine, HF's request
     slice, and whether vLLM's serving figures came from its HTTP server or its engine alone."""
     notes = []
+    if "CACHED_WORKLOADS" in params:
+        cached = ", ".join(params["CACHED_WORKLOADS"]) or "none"
+        notes.append(f"prefix caching on for {cached} and off for the other workloads, in both engines")
     for name, key in (("pageserve", "PAGESERVE_ARGS"), ("vLLM", "VLLM_ARGS")):
         if isinstance(params.get(key), dict) and "enable_prefix_caching" in params[key]:
             notes.append(f"{name} prefix caching {'on' if params[key]['enable_prefix_caching'] else 'off'}")
