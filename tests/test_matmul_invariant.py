@@ -77,12 +77,18 @@ def test_rejects_bad_arguments(gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_block_k_and_block_m_are_the_same_for_every_batch_size(dtype):
-    # the invariance rests on these two never following the shape (and on no split-K: the
-    # config has no such field, the grid is one program per output tile)
+def test_block_k_is_the_same_for_every_batch_size_and_block_m_follows_only_the_measured_policy(dtype):
+    # the invariance rests on BLOCK_K never following the shape (and on no split-K: the config
+    # has no such field, the grid is one program per output tile); BLOCK_M follows M only on the
+    # GPU, only in bf16/fp16, and only through the policy the H200 measured invariant
+    Ms = (1, 2, 7, 8, 16, 17, 32, 33, 64, 255, 256, 1024, 4096, 16384)
     for N in (37, 2048, 2560, 22016, 151936):
-        cfgs = [invariant_config(M, N, dtype, sms=132) for M in (1, 2, 7, 8, 64, 257, 1024, 4096, 16384)]
-        assert {(c.block_k, c.block_m) for c in cfgs} == {(BLOCK_K[dtype], BLOCK_M[dtype])}
+        cfgs = [invariant_config(M, N, dtype, sms=132) for M in Ms]
+        assert {c.block_k for c in cfgs} == {BLOCK_K[dtype]}
+        if interpreting() or dtype == torch.float32:
+            assert {c.block_m for c in cfgs} == {BLOCK_M[dtype]}
+        else:
+            assert [c.block_m for c in cfgs] == [16, 16, 16, 16, 16, 32, 32, 64, 64, 64, 128, 128, 128, 128]
     # decode occupancy without split-K: the narrowest tile at N = 2048 (128 programs on 132 SMs)
     assert invariant_config(1, 2048, dtype, sms=132).block_n == 16
     if interpreting():  # numpy's tile matmul rounds by the tile's width: BLOCK_N follows N alone
@@ -170,3 +176,15 @@ def test_captures_in_a_cuda_graph_and_replays_the_eager_bits(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_the_gpu_block_m_policy_as_it_would_run_on_the_gpu(monkeypatch):
+    # the branch the CPU run of the test above cannot take
+    import sys
+
+    mi = sys.modules["pageserve.kernels.matmul_invariant"]  # the package re-exports the function under this name
+
+    monkeypatch.setattr(mi, "interpreting", lambda: False)
+    assert [mi.default_block_m(M, torch.bfloat16) for M in (1, 16, 17, 32, 33, 255, 256)] == [16, 16, 32, 32, 64, 64, 128]
+    assert mi.default_block_m(1024, torch.float32) == BLOCK_M[torch.float32]
+    assert mi.invariant_config(1, 2048, torch.bfloat16, sms=132).num_stages == 8  # skinny: more bytes in flight

@@ -14,19 +14,21 @@ of MMAs over the same K slices in the same order whatever tile it sits in, provi
   chain is cut; on the GPU the accumulator feeds the MMA and it may not matter, but nothing
   here relies on that;
 - there is no split-K, ever (that would re-associate the sum into partials);
-- the MMA instruction is the same: on Hopper Triton issues wgmma (m64nNk16) when BLOCK_M >=
-  64 and mma.sync (m16n8k16) below, and the two need not round the k16 step alike, so BLOCK_M
-  is one constant per dtype too (64: the smallest wgmma tile). The instruction's N (BLOCK_N,
-  num_warps) changes only how many columns one MMA covers, not how an element is summed (an
-  assumption the GPU checks: ``lab.determinism_checks``), so BLOCK_N, num_warps and
-  num_stages may follow M and N for occupancy;
+- the MMA's k16 step rounds alike whatever the tile: on Hopper Triton issues wgmma
+  (m64nNk16) when BLOCK_M >= 64 and mma.sync (m16n8k16) below. That the two agree bit for bit
+  was not assumed but measured: on the H200 at 65f7a342 (results/h200/gpu_det_tests.log) rows
+  computed with 16-, 32- and 128-row tiles equalled the 64-row tiles' on every 3B shape and
+  the LM head, bf16 and fp16, at M = 1..1024. So on the GPU BLOCK_M follows M
+  (``default_block_m``: 16 up to 16 rows, 32 up to 32, 64 below 256, 128 from 256), and the
+  GPU tests keep asserting rows alone = rows in batches of 2..1024 under that policy. The
+  instruction's N (BLOCK_N, num_warps) changes only how many columns one MMA covers, so
+  BLOCK_N, num_warps and num_stages follow M and N for occupancy. On Triton's CPU interpreter
+  (tl.dot = a numpy matmul of the tile, whose rounding can follow the tile's shape) BLOCK_M
+  and BLOCK_N stay fixed;
 - rows past M and columns past K load zeros, which add exact zeros.
 fp32 inputs take ``input_precision="ieee"``: Triton lowers that dot to FMAs on the CUDA cores,
-one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 (64 would
-multiply 64x more zeros at decode). ``block_m=`` overrides the default (tests, the lab's
-``invariance_report``): whether 16- or 32-row tiles at small M, or 128 at large M, stay
-bitwise equal to the 64-row default is a question for the GPU, not an assumption here (128
-is still wgmma m64, two warpgroups: likely invariant and faster for prefill).
+one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 throughout.
+``block_m=`` overrides the policy (tests, the lab's ``invariance_report``).
 
 An alternative left for later: swap the operands at small M (w as the MMA's M side, the batch
 as its N side, 16..256 wide) so decode wastes 15/16 of a 16-wide MMA instead of 63/64 of the
@@ -37,14 +39,15 @@ Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples 
 - BLOCK_K 128: the decode batch streams the weights, and a 128-wide K slice of a 16-row
   weight tile is 4 KB per pipeline stage (64 would halve the bytes in flight); at large M a
   64 x 256 x 128 stage is 80 KB, so 2 stages still fit in the 228 KB of shared memory.
-- BLOCK_M 64 (see above). At M = 1 the tensor cores do 64x the useful work: ~64 FLOP per
-  weight byte, ~300 TFLOP/s at full HBM bandwidth, well under the ~790 the H200 reaches.
-  The cost is shared memory: the x tile (64 x 128, 16 KB a stage) is mostly masked rows.
+- BLOCK_M by M (see above): 16 at decode (the smallest MMA tile: 16x the useful work, and a
+  4 KB x tile a stage), 128 from 256 rows (prefill chunks: twice the reuse of each weight tile).
+  At 0afd934b it was 64 for every M; the 09 run's eager figures could not tell the difference.
 - BLOCK_N: there is no split-K, so at decode the grid's size comes from the columns alone:
   the widest of 16..256 that still gives >= 2 programs per SM (N = 2048 on 132 SMs: 16 columns,
   128 programs, as many as the no-split rule allows); wider (more reuse of each x tile) once
   the row tiles fill the GPU. 64 x 256 tiles take 8 warps (two warpgroups side by side).
-- num_stages: as many as fit in ~200 KB of shared memory, 2 to 4 (4 at decode: streaming).
+- num_stages: as many as fit in ~200 KB of shared memory, 2 to 4, and up to 8 for skinny tiles
+  (BLOCK_M <= 32: decode streams the weights, so more bytes in flight per SM; not yet measured).
 ``pdl`` as the GEMV: on for launches of at most ``PDL_MAX_TOKENS`` rows where supported.
 """
 from __future__ import annotations
@@ -61,9 +64,17 @@ from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, groupe
 
 matmul_invariant_reference = reference.matmul_invariant_reference
 
-# one BLOCK_K and one BLOCK_M per dtype: changing either changes the bits (module docstring)
+# one BLOCK_K per dtype: changing it changes the bits (module docstring). BLOCK_M: the tile on
+# the CPU interpreter and for fp32; on the GPU bf16/fp16 follow default_block_m (measured invariant)
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
 BLOCK_M = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
+
+
+def default_block_m(M: int, dtype: torch.dtype) -> int:
+    """The row tile for M rows: fixed on the interpreter and for fp32, else by M (see above)."""
+    if interpreting() or dtype == torch.float32:
+        return BLOCK_M[dtype]
+    return 16 if M <= 16 else 32 if M <= 32 else 64 if M < 256 else 128
 BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
 
 
@@ -83,7 +94,7 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
     BLOCK_M and BLOCK_K come from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N is the
     widest choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it:
     the lab's sweeps). Warps and stages follow the tile."""
-    bm = BLOCK_M[dtype] if block_m is None else block_m
+    bm = default_block_m(M, dtype) if block_m is None else block_m
     if bm < 16 or bm > 256 or bm & (bm - 1):
         raise ValueError(f"block_m must be a power of two in [16, 256], got {block_m}")
     # On the GPU each output element is the same chain of MMA k-steps whatever the tile's width,
@@ -99,7 +110,7 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
     bn = bn if block_n is None else block_n
     # as many stages as fit in ~200 KB of the H200's 228 KB of shared memory, 2 to 4
     stage_bytes = (bm + bn) * BLOCK_K[dtype] * dtype.itemsize
-    stages = max(2, min(4, (200 << 10) // stage_bytes))
+    stages = max(2, min(8 if bm <= 32 else 4, (200 << 10) // stage_bytes))
     warps = 8 if bm * bn >= 64 * 256 else 4
     return InvariantMatmulConfig(block_m=bm, block_n=bn, block_k=BLOCK_K[dtype], num_warps=warps, num_stages=stages)
 
