@@ -27,6 +27,7 @@ from ..kernels.paged_decode import paged_decode_attention
 from ..kernels.paged_invariant import KV_SPLIT, invariant_block_m, paged_attention_invariant
 from ..kernels.paged_prefill import paged_prefill_attention
 from ..model.attention import AttentionMetadata
+from .kernel_bench.timing import graph_ms
 
 Attention = Callable[..., torch.Tensor]  # (q, k_cache, v_cache, meta, scale) -> out
 
@@ -176,24 +177,10 @@ def invariance_checks(
 
 
 # ------------------------------------------------------------------------------ timings (GPU)
-def _time_us(fn, iters: int = 20, reps: int = 5) -> float:
-    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``iters`` calls, so that
-    host launch overhead (tens of µs per eager call here) is not what gets measured."""
-    fn()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (reps * iters) * 1e3
+def _time_us(fn, iters: int = 20) -> float:
+    """Microseconds per call of ``fn``, replayed from a CUDA graph (``kernel_bench.timing.graph_ms``),
+    so that host launch overhead (tens of µs per eager call here) is not what gets measured."""
+    return 1e3 * graph_ms(lambda i: fn(), calls=iters)
 
 
 def attention_timings(
