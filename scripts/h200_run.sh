@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests dettests 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests dettests detbench 08serve 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -87,6 +87,15 @@ for st in $stages; do
           -p NUM_BLOCKS 4096 -p SHAPE_MODEL qwen2.5-3b -p BATCH_OTHERS 63 -p LOGIT_TOKENS 16 -p PROBE_LEN 512 \
           -p W1_NUM_REQUESTS 500 -y "TIMING_BATCHES: [1, 64]" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 \
           -p MAX_NUM_SEQS 512 -y "SHAPE_NUM_BLOCKS: null" -p MAX_MODEL_LEN 2048 ;;
+    detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" > "$RES/det_bench.log" 2>&1
+              echo "detbench rc=$?"; tail -n 30 "$RES/det_bench.log" ;;
+    08serve) # the serving sweep alone (results/h200/08_serving.*): pageserve serve and vllm serve over HTTP
+        [ -d /tmp/site/vllm ] || echo "08serve: no vLLM in /tmp/site (carry .vllm1-3 first): pageserve only"
+        [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl
+        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME 08_serving \
+          -y 'ENGINES: []' -y 'SERVE_ENGINES: [pageserve, vllm]' -y 'RATES: [4, 8, 16, 32]' -p RATE_DURATION_S 15 \
+          -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}'
+        mv "$RES/08_benchmarks.ipynb" "$RES/08_serving.ipynb"; mv "$RES/08_benchmarks.log" "$RES/08_serving.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
     dettests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_det_tests.xml" \
              tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s \

@@ -26,3 +26,18 @@ def test_without_vllm_there_is_no_ratio_column(tmp_path):
                                                                "w1_total_tok_s.hf_generate_batch": 5.0}, tmp_path / "h200")
     out = report.render(tmp_path)
     assert "| workload | `pageserve` | `hf_generate_batch` |" in out and "pageserve / vLLM" not in out
+
+
+def test_serving_table_has_a_row_per_server_and_rate_and_names_the_level(tmp_path):
+    figs = {"serve.pageserve.4.ttft_p50_ms": 26.0, "serve.pageserve.4.tpot_p50_ms": 4.7,
+            "serve.vllm.4.ttft_p50_ms": 25.0, "serve.vllm.4.tpot_p99_ms": 3.4, "serve.vllm.16.ttft_p50_ms": 31.5,
+            "serve.vllm.engine_level": 1}
+    params = {"MODEL": "qwen2.5-3b", "engine_dtype": "bfloat16", "vllm_version": "0.26.0",
+              "serve_levels": {"pageserve": "http", "vllm": "engine"}, "RATE_DURATION_S": 15}
+    write_figures("08_serving", params, figs, tmp_path / "h200")
+    out = report.render(tmp_path)
+    assert "| server | level | req/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 |" in out
+    assert "| `pageserve` | http | 4 | 26.0 |  | 4.7 |  |" in out
+    assert "| `vllm` | engine | 4 | 25.0 |  |  | 3.4 |" in out
+    assert out.index("| `vllm` | engine | 4 |") < out.index("| `vllm` | engine | 16 |")
+    assert "[08_serving](results/h200/08_serving.ipynb)" in out and "vLLM 0.26.0" in out

@@ -123,7 +123,7 @@ def invariance_report(shapes: Mapping[str, tuple[int, int]] | None = None,
                     for bm in sorted({p(M) for p in BLOCK_M_POLICIES.values()} - {None}) + [None]:
                         key = f"{DTYPE_NAMES[dtype]}/{name}/M={M}/block_m={bm or 'default'}"
                         report["mma"][key] = mma_instruction(M, N, K, dtype, bm)
-                report["ms"].update(_timings(name, N, K, dtype, timing_ms, seed))
+                report["ms"].update(matmul_timings(name, N, K, dtype, timing_ms, seed))
     return report
 
 
@@ -138,7 +138,10 @@ def mma_instruction(M: int, N: int, K: int, dtype: torch.dtype, block_m: int | N
     return "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
 
 
-def _timings(name: str, N: int, K: int, dtype: torch.dtype, ms_for: Iterable[int], seed: int) -> dict[str, float]:
+def matmul_timings(name: str, N: int, K: int, dtype: torch.dtype, ms_for: Iterable[int], seed: int) -> dict[str, float]:
+    """GPU ms per call of the invariant matmul (default config, each BLOCK_M policy, each BLOCK_N)
+    against cuBLAS and at M = 1 the GEMVs, for an [M, K] x [N, K]^T product: the timing half of
+    ``invariance_report`` (keys as there)."""
     out = {}
     gen = torch.Generator(device="cuda").manual_seed(seed)
     ws = weight_copies(N, K, dtype, gen, min_bytes=200e6)

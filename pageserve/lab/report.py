@@ -139,12 +139,49 @@ def render_peers(rec: dict, hardware: str) -> str:
     return "\n".join([caption, "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""])
 
 
+SERVE_COLUMNS = [("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("tpot_p50_ms", "TPOT p50"),
+                 ("tpot_p99_ms", "TPOT p99")]
+
+
+def render_serving(rec: dict, hardware: str) -> str:
+    """A record's serving sweep (``serve.<engine>.<rate>.<key>`` figures) as one table: a row
+    per engine and rate, latencies in ms, and how each engine was reached (HTTP or engine-level)."""
+    figs, params = rec["figures"], rec.get("parameters", {})
+    cells: dict[tuple[str, float], dict[str, float]] = {}
+    for k, v in figs.items():
+        parts = k.split(".")
+        if parts[0] == "serve" and len(parts) >= 4 and parts[-1] in dict(SERVE_COLUMNS):
+            cells.setdefault((parts[1], float(".".join(parts[2:-1]))), {})[parts[-1]] = v
+    if not cells:
+        return ""
+    levels = params.get("serve_levels", {})
+    rows = [f"| `{e}` | {levels.get(e, '?')} | {rate:g} | " + " | ".join(_fmt(m[k]) if k in m else "" for k, _ in SERVE_COLUMNS)
+            + " |" for (e, rate), m in sorted(cells.items(), key=lambda kv: (PEER_ENGINES.index(kv[0][0])
+                                                                             if kv[0][0] in PEER_ENGINES else 99, kv[0][1]))]
+    name = rec["notebook"]
+    caption = (f"Serving on `{hardware}` ({rec['hardware']}), `{params.get('MODEL', '?')}` shape (random weights), "
+               f"{params.get('engine_dtype') or params.get('DTYPE', '?')}, {rec['date']}"
+               + (f", vLLM {params['vllm_version']}" if params.get("vllm_version") else "")
+               + f"; commit `{rec['git_commit'][:10]}`{_provenance_note(rec)} ([{name}](results/{hardware}/{name}.ipynb)). "
+               f"Each server in its own process, Poisson arrivals for {params.get('RATE_DURATION_S', '?')} s per rate, "
+               f"{params.get('RATE_PROMPT_LEN', '?')}-token prompts, {params.get('RATE_OUTPUT_LEN', '?')} output tokens, "
+               "streamed; latencies in ms as vLLM's `bench serve` defines them; level `http` is the OpenAI server, "
+               "`engine` the engine alone (no HTTP).\n")
+    head = ["server", "level", "req/s", *[w for _, w in SERVE_COLUMNS]]
+    return "\n".join([caption, "| " + " | ".join(head) + " |", "|" + "---|" * len(head), *rows, ""])
+
+
 def render(results_dir: Path = ROOT / "results") -> str:
     headlines = render_headlines(results_dir)
     lines: list[str] = [headlines] if headlines else []
     peers = results_dir / "h200" / "08_benchmarks.json"
     if peers.exists():
         table = render_peers(json.loads(peers.read_text()), "h200")
+        if table:
+            lines.append(table)
+    serving = results_dir / "h200" / "08_serving.json"  # the sweep over HTTP, when it was a run of its own
+    for path in ([serving] if serving.exists() else [peers] if peers.exists() else []):
+        table = render_serving(json.loads(path.read_text()), "h200")
         if table:
             lines.append(table)
     for hw_dir in sorted(p for p in results_dir.iterdir() if p.is_dir() and p.name != "local"):

@@ -120,10 +120,12 @@ def sweep_figures(engine: str, sweep: dict[float, dict[str, Any]],
 
 def vllm_serve_command(model_dir: str, port: int, host: str = "127.0.0.1", dtype: str = "bfloat16",
                        served_model_name: str = "peer", extra_args: Sequence[str] = ()) -> list[str]:
-    """The ``vllm serve`` command line for a dummy-weight model dir with no tokenizer."""
+    """The ``vllm serve`` command line for a dummy-weight model dir with no tokenizer. Request
+    logging is off by default in vLLM 0.26, whose parser rejects the older ``--disable-log-requests``
+    (the 08 run at 1642299e fell back to engine-level on it)."""
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--load-format", "dummy", "--skip-tokenizer-init", "--dtype", dtype, "--host", host, "--port", str(port),
-            "--served-model-name", served_model_name, "--disable-log-requests", *extra_args]
+            "--served-model-name", served_model_name, *extra_args]
 
 
 def start_vllm_server(model_dir: str, dtype: str = "bfloat16", host: str = "127.0.0.1", port: int = 0,
