@@ -87,7 +87,7 @@ for st in $stages; do
           -p NUM_BLOCKS 4096 -p SHAPE_MODEL qwen2.5-3b -p BATCH_OTHERS 63 -p LOGIT_TOKENS 16 -p PROBE_LEN 512 \
           -p W1_NUM_REQUESTS 500 -y "TIMING_BATCHES: [1, 64]" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 \
           -p MAX_NUM_SEQS 512 -y "SHAPE_NUM_BLOCKS: null" -p MAX_MODEL_LEN 2048 ;;
-    detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" > "$RES/det_bench.log" 2>&1
+    detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" --ms "${DET_BENCH_MS:-1,64,4096}" > "$RES/det_bench.log" 2>&1
               echo "detbench rc=$?"; tail -n 30 "$RES/det_bench.log" ;;
     08serve) # the serving sweep alone (results/h200/08_serving.*): pageserve serve and vllm serve over HTTP
         [ -d /tmp/site/vllm ] || echo "08serve: no vLLM in /tmp/site (carry .vllm1-3 first): pageserve only"
