@@ -13,13 +13,7 @@ of MMAs over the same K slices in the same order whatever tile it sits in, provi
   product to the accumulator as a separate sum (the CPU interpreter does), it sets where the
   chain is cut; on the GPU the accumulator feeds the MMA and it may not matter, but nothing
   here relies on that;
-- K is summed in fixed segments of SEG_K (2048, a multiple of every BLOCK_K): each segment's
-  chain starts from zero, and the segment sums are added in order to a zero total, always, at
-  every M. How the segments are scheduled is free: one program may walk them all (large M), or
-  each segment may be its own program writing an fp32 partial that a second kernel adds up in
-  the same order (small M, where the columns alone do not fill the GPU: ``split``). Both do the
-  same fp32 operations in the same order, so the bits agree; what would break invariance is a
-  split that follows M (cuBLAS's and the GEMVs' split-K), and that never happens here;
+- there is no split-K, ever (that would re-associate the sum into partials);
 - the MMA's k16 step rounds alike whatever the tile: on Hopper Triton issues wgmma
   (m64nNk16) when BLOCK_M >= 64 and mma.sync (m16n8k16) below. That the two agree bit for bit
   was not assumed but measured: on the H200 at 65f7a342 (results/h200/gpu_det_tests.log) rows
@@ -48,16 +42,10 @@ Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples 
 - BLOCK_M by M (see above): 16 at decode (the smallest MMA tile: 16x the useful work, and a
   4 KB x tile a stage), 128 from 256 rows (prefill chunks: twice the reuse of each weight tile).
   At 0afd934b it was 64 for every M; the 09 run's eager figures could not tell the difference.
-- BLOCK_N: the widest of 16..256 that still gives >= 2 programs per SM (N = 2048 on 132 SMs:
-  16 columns, 128 programs); wider (more reuse of each x tile) once the row tiles fill the GPU,
-  For 128-row tiles: the widest up to 128 that still fills one wave (det_bench at c099ba1b,
-  M = 4096: 128 columns beat 256 on qkv 91 vs 124 us, gate_up 795 vs 875, lm_head 5.6 vs 6.0 ms;
-  and one wave rather than two is a guess for the M = 256..1024 decode batches, to be measured:
-  16-column tiles there re-read the 128-row x tile once per column tile and feed wgmma 16 wide).
-  64 x 256 tiles take 8 warps.
-- split: where K has more than one segment (the down projection, K = 11008: 6) and the tiles
-  alone give fewer than 2 programs per SM, each segment is its own program (det_bench at
-  c099ba1b: down at M = 1 took 24.8 us unsplit against the split-K GEMV's 13.8).
+- BLOCK_N: there is no split-K, so at decode the grid's size comes from the columns alone:
+  the widest of 16..256 that still gives >= 2 programs per SM (N = 2048 on 132 SMs: 16 columns,
+  128 programs, as many as the no-split rule allows); wider (more reuse of each x tile) once
+  the row tiles fill the GPU. 64 x 256 tiles take 8 warps (two warpgroups side by side).
 - num_stages: as many as fit in ~200 KB of shared memory, 2 to 4, and up to 8 for skinny tiles
   (BLOCK_M <= 32: decode streams the weights, so more bytes in flight per SM; not yet measured).
 ``pdl`` as the GEMV: on for launches of at most ``PDL_MAX_TOKENS`` rows where supported.
@@ -80,9 +68,6 @@ matmul_invariant_reference = reference.matmul_invariant_reference
 # the CPU interpreter and for fp32; on the GPU bf16/fp16 follow default_block_m (measured invariant)
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
 BLOCK_M = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
-# K is summed in segments of SEG_K, each from zero, added in order: one constant for every dtype,
-# shape and M (a multiple of every BLOCK_K). Changing it changes the bits.
-SEG_K = 2048
 
 
 def default_block_m(M: int, dtype: torch.dtype) -> int:
@@ -101,17 +86,14 @@ class InvariantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # launch order only (L2 reuse of weight tiles across row tiles): no effect on the bits
-    seg_k: int = SEG_K  # the K segment (module docstring): another value gives other bits
-    split: bool = False  # each K segment its own program + an ordered fp32 sum: the same bits, more programs
 
 
 def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
-                     block_n: int | None = None, K: int = 0) -> InvariantMatmulConfig:
-    """The launch config for an [M, K] x [N, K]^T product. BLOCK_M and BLOCK_K come from the
-    dtype (``block_m`` overrides BLOCK_M); BLOCK_N is the widest choice that keeps >= 2 programs
-    per SM (16 if none does; ``block_n`` overrides it: the lab's sweeps). Warps and stages
-    follow the tile. K decides only ``split`` (the same bits either way): on when K has more
-    than one SEG_K segment and the tiles alone give fewer than 2 programs per SM."""
+                     block_n: int | None = None) -> InvariantMatmulConfig:
+    """The launch config for an [M, K] x [N, K]^T product (K plays no part: BLOCK_K is fixed).
+    BLOCK_M and BLOCK_K come from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N is the
+    widest choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it:
+    the lab's sweeps). Warps and stages follow the tile."""
     bm = default_block_m(M, dtype) if block_m is None else block_m
     if bm < 16 or bm > 256 or bm & (bm - 1):
         raise ValueError(f"block_m must be a power of two in [16, 256], got {block_m}")
@@ -120,48 +102,24 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
     # interpreter runs tl.dot as a numpy matmul of the whole tile, whose per-element sum order
     # depends on the tile's width: there BLOCK_N follows N alone.
     row_tiles = 1 if interpreting() else cdiv(M, bm)
-    # fp32 runs on FMAs: its accumulator lives in registers; 128-row tiles measured best 128 wide
-    widest = 128 if dtype == torch.float32 or bm >= 128 else 256
-    # 128-row tiles (M >= 256) need only one wave: narrower tiles re-read the 128-row x tile once
-    # per column tile (at M = 512, N = 2048 and 16 columns: 128 reads of x) and feed wgmma 16 wide
-    waves = 1 if bm >= 128 else 2
+    widest = 128 if dtype == torch.float32 else 256  # fp32 runs on FMAs: its accumulator lives in registers
     bn = 16
     for cand in BLOCK_N_CHOICES:
-        if cand <= widest and row_tiles * cdiv(N, cand) >= waves * sms:
+        if cand <= widest and row_tiles * cdiv(N, cand) >= 2 * sms:
             bn = cand
     bn = bn if block_n is None else block_n
     # as many stages as fit in ~200 KB of the H200's 228 KB of shared memory, 2 to 4
     stage_bytes = (bm + bn) * BLOCK_K[dtype] * dtype.itemsize
     stages = max(2, min(8 if bm <= 32 else 4, (200 << 10) // stage_bytes))
     warps = 8 if bm * bn >= 64 * 256 else 4
-    split = cdiv(K, SEG_K) > 1 and cdiv(M, bm) * cdiv(N, bn) < 2 * sms
-    return InvariantMatmulConfig(block_m=bm, block_n=bn, block_k=BLOCK_K[dtype], num_warps=warps, num_stages=stages,
-                                 split=split)
-
-
-@triton.jit
-def _segment_sum(x_rows, w_rows, mmask, nmask, k_lo, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, SEG_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """One K segment, [k_lo, min(k_lo + SEG_K, K)), as a chain of MMAs from zero in K order."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, tl.minimum(k_lo + SEG_K, K), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < K
-        a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    return acc
+    return InvariantMatmulConfig(block_m=bm, block_n=bn, block_k=BLOCK_K[dtype], num_warps=warps, num_stages=stages)
 
 
 @triton.jit
 def _matmul_invariant_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SEG_K: tl.constexpr, SPLIT: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -170,36 +128,21 @@ def _matmul_invariant_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     pdl_enter(USE_PDL)
-    if SPLIT:  # this program's segment only: an fp32 partial for _segments_sum_kernel
-        seg = tl.program_id(1)
-        acc = _segment_sum(x_rows, w_rows, mmask, nmask, seg * SEG_K, K, BLOCK_M, BLOCK_N, BLOCK_K, SEG_K, PREC, UPCAST)
-        part = part_ptr + seg.to(tl.int64) * M * N + m.to(tl.int64)[:, None] * N + n[None, :]
-        tl.store(part, acc, mask=mmask[:, None] & nmask[None, :])
-    else:  # every segment in order, each from zero, added to a zero total
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k_lo in range(0, K, SEG_K):
-            total += _segment_sum(x_rows, w_rows, mmask, nmask, k_lo, K, BLOCK_M, BLOCK_N, BLOCK_K, SEG_K, PREC,
-                                  UPCAST)
-        if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
-            total += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], total.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _segments_sum_kernel(part_ptr, bias_ptr, out_ptr, M, N, NUM_SEG, stride_om, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """out = (0 + part[0] + part[1] + ...) + bias, in segment order, fp32, one rounding: the sum the
-    unsplit kernel forms in registers."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < M * N
-    total = tl.zeros([BLOCK], tl.float32)
-    for seg in range(0, NUM_SEG):  # split runs only while the tiles leave SMs idle: NUM_SEG * M * N is small
-        total += tl.load(part_ptr + seg * M * N + i, mask=mask, other=0.0)
-    row, col = i // N, i % N
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * stride_om + col, total.to(out_ptr.dtype.element_ty), mask=mask)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # the same K slices in the same order for every tile, the whole of K in one program
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
 
 
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -219,30 +162,19 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m, K=K), pdl)
+    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m), pdl)
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: InvariantMatmulConfig, pdl: bool | None):
-    """One product over checked arguments; returns Triton's compiled (first) kernel (the lab
-    reads its PTX to see which MMA instruction a config got)."""
+    """One launch over checked arguments; returns Triton's compiled kernel (the lab reads its
+    PTX to see which MMA instruction a config got)."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
-    if cfg.seg_k % cfg.block_k:
-        raise ValueError(f"seg_k {cfg.seg_k} must be a multiple of block_k {cfg.block_k}")
-    num_seg = cdiv(K, cfg.seg_k)
-    split = cfg.split and num_seg > 1
-    # fp32 partials of the split path: allocated per call (a CUDA graph keeps them in its pool)
-    part = torch.empty((num_seg, M, N), dtype=torch.float32, device=x.device) if split else out
-    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), num_seg if split else 1)
-    kernel = _matmul_invariant_kernel[grid](
-        x, w, bias if bias is not None else w, out, part, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SEG_K=cfg.seg_k,
-        SPLIT=split, GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
+    return _matmul_invariant_kernel[grid](
+        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
     )
-    if split:
-        block = 1024
-        _segments_sum_kernel[(cdiv(M * N, block),)](part, bias if bias is not None else part, out, M, N, num_seg,
-                                                     out.stride(0), HAS_BIAS=bias is not None, BLOCK=block)
-    return kernel

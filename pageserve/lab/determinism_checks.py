@@ -134,7 +134,7 @@ def mma_instruction(M: int, N: int, K: int, dtype: torch.dtype, block_m: int | N
     x = torch.zeros(M, K, device=device, dtype=dtype)
     w = torch.zeros(N, K, device=device, dtype=dtype)
     out = torch.empty(M, N, device=device, dtype=dtype)
-    ptx = _launch(x, w, None, out, invariant_config(M, N, dtype, sm_count_for(x), block_m, K=K), None).asm["ptx"]
+    ptx = _launch(x, w, None, out, invariant_config(M, N, dtype, sm_count_for(x), block_m), None).asm["ptx"]
     return "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "fma"
 
 
@@ -158,7 +158,7 @@ def matmul_timings(name: str, N: int, K: int, dtype: torch.dtype, ms_for: Iterab
                 impls[f"matmul_invariant_{policy}"] = lambda i, bm=p(M): matmul_invariant(x, ws[i % len(ws)], out=y,
                                                                                           block_m=bm)
         for bn in BLOCK_N_CHOICES:
-            cfg = invariant_config(M, N, dtype, sms, block_n=bn, K=K)
+            cfg = invariant_config(M, N, dtype, sms, block_n=bn)
             impls[f"matmul_invariant_bn{bn}"] = lambda i, c=cfg: matmul_invariant(x, ws[i % len(ws)], out=y, config=c)
         if M == 1:
             impls["gemv"] = lambda i: gemv(x, ws[i % len(ws)], out=y)
