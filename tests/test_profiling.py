@@ -1,0 +1,68 @@
+"""lab.profiling: kernel names land in the right phase, and the floors' arithmetic."""
+import pytest
+
+from pageserve.lab.peers import kv_bytes, weight_bytes
+from pageserve.lab.profiling import (CATEGORIES, KernelRow, by_category, decode_bytes, kernel_category, linear_flops,
+                                     phase_rows, prefill_attention_flops)
+from pageserve.model.config import ModelConfig
+
+
+@pytest.mark.parametrize("name, category", [
+    ("nvjet_sm90_tst_168x64_64x7_2x1_v_bz_TNN", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    ("_gemv_kernel", "gemm"), ("_matmul_invariant_kernel", "gemm"), ("_gemv_int8_kernel", "gemm"),
+    ("_decode_split_kernel", "attention"), ("_decode_merge_kernel", "attention"),
+    ("_paged_prefill_kernel", "attention"), ("_paged_invariant_kernel", "attention"),
+    ("_rms_norm_kernel", "norm"), ("_add_rms_norm_kernel", "norm"),
+    ("_rope_kv_kernel", "rope_kv"), ("_kv_write_kernel", "rope_kv"),
+    ("_silu_and_mul_kernel", "activation"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "sampling"),
+    ("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>", "sampling"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy"),
+    ("memcpy32_post", "copy"), ("Memset (Unknown)", "copy"),
+    ("some_new_kernel", "other"),
+])
+def test_kernel_names_fall_into_their_phase(name, category):
+    assert kernel_category(name) == category
+
+
+def test_by_category_sums_per_phase_and_lists_every_phase():
+    rows = [KernelRow("_gemv_kernel", 10.0, 4), KernelRow("nvjet_x", 5.0, 1), KernelRow("_rms_norm_kernel", 2.0, 2)]
+    cats = by_category(rows)
+    assert set(cats) == set(CATEGORIES)
+    assert cats["gemm"] == 15.0 and cats["norm"] == 2.0 and cats["attention"] == 0.0
+    table = phase_rows(cats, {"gemm": 7.5})
+    assert [r["phase"] for r in table] == ["gemm", "norm"]  # phases that ran, largest first
+    assert table[0]["fraction"] == pytest.approx(0.5) and table[1]["fraction"] is None
+
+
+def test_flops_and_bytes_of_the_qwen3b_shape():
+    c = ModelConfig.shipped("qwen2.5-3b")
+    # qkv 2560x2048 + o 2048x2048 + gate_up 22016x2048 + down 2048x11008 per layer, 36 layers
+    per_token = 36 * (2560 * 2048 + 2048 * 2048 + 22016 * 2048 + 2048 * 11008)
+    assert linear_flops(c, 1) == 2 * per_token
+    assert linear_flops(c, 10, sampled_rows=2) == 2 * (10 * per_token + 2 * 151936 * 2048)
+    # causal attention of one 4-token prompt: 10 visible (query, key) pairs, QK^T and PV
+    assert prefill_attention_flops(c, 4) == 2 * 2 * 10 * 128 * 16 * 36
+    assert decode_bytes(c, 3, 100) == weight_bytes(c) + 3 * kv_bytes(c, 100)
+    assert decode_bytes(c, 1, 0, weights=1.0) == 1.0
+    assert 6.0e9 < weight_bytes(c) < 6.4e9  # the issue's 6.17 GB a bf16 step reads
+
+
+def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
+    # the CPU has no kernels to count: this catches the script's own mistakes before a GPU session
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import profile_steps
+
+    profile_steps.main(["--out", str(tmp_path), "--device", "cpu", "--model", "smollm2-135m", "--modes",
+                        "default,int8,deterministic", "--batches", "1", "--context", "4", "--prefill-prompts", "1",
+                        "--prefill-len", "4", "--max-model-len", "32", "--decode-steps", "2"])
+    rec = json.loads((tmp_path / "profile_steps.json").read_text())
+    assert set(rec["modes"]) == {"default", "int8", "deterministic"} and "git_commit" in rec
+    for mode in rec["modes"].values():
+        assert mode["decode"]["1"]["step_ms"] > 0 and mode["prefill"]["tokens"] == 4
+        assert mode["prefill"]["floors_us"]["gemm"] > 0
