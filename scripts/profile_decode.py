@@ -8,7 +8,6 @@ Prints the kernels of one replay with their µs per step, and writes <out>/profi
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 
@@ -17,26 +16,12 @@ import torch
 from pageserve.lab.decode_bench import decode_step_ms
 from pageserve.lab.kernel_bench.sweeps import bench_decode_attention
 from pageserve.engine.llm import LLM
+from pageserve.lab.profiling import profile_kernels
 
 
 def kernel_breakdown(graph: torch.cuda.CUDAGraph, replays: int = 20) -> list[tuple[str, float, int]]:
     """(kernel name, µs per replay, launches per replay), largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    total: dict[str, float] = collections.defaultdict(float)
-    count: dict[str, int] = collections.defaultdict(int)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[e.name] += e.device_time
-            count[e.name] += 1
-    rows = [(n, t / replays, count[n] // replays) for n, t in total.items()]
-    return sorted(rows, key=lambda r: -r[1])
+    return [(r.name, r.us, r.launches) for r in profile_kernels(graph.replay, repeats=replays)]
 
 
 def main() -> None:
