@@ -10,7 +10,7 @@ from pageserve.model.config import ModelConfig
 @pytest.mark.parametrize("name, category", [
     ("nvjet_sm90_tst_168x64_64x7_2x1_v_bz_TNN", "gemm"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
-    ("_gemv_kernel", "gemm"), ("_matmul_invariant_kernel", "gemm"), ("_gemv_int8_kernel", "gemm"),
+    ("_gemv_kernel", "gemm"), ("_matmul_invariant_kernel", "gemm"), ("_gemm_int8_kernel", "gemm"),
     ("_decode_split_kernel", "attention"), ("_decode_merge_kernel", "attention"),
     ("_paged_prefill_kernel", "attention"), ("_paged_invariant_kernel", "attention"),
     ("_rms_norm_kernel", "norm"), ("_add_rms_norm_kernel", "norm"),

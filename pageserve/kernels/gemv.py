@@ -132,14 +132,27 @@ def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE
 
 
 @triton.jit
+def _int8_to(w, like, UPCAST: tl.constexpr):
+    """An int8 tile in ``like``'s dtype for tl.dot (exact: |q| <= 127). Under UPCAST (the CPU
+    interpreter's bf16, see ``_util.dot_upcast``) straight to fp32: the interpreter stores bf16
+    as raw uint16 and would convert the integers' values into those bits."""
+    if UPCAST:
+        return w.to(tl.float32)
+    return w.to(like.dtype)
+
+
+@triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
+    scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
+    the partials' sum); without it ``scale_ptr`` is unused."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,7 +181,10 @@ def _gemv_kernel(
             else:
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
         elif USE_DOT:
-            acc += mma(x, tl.trans(w), PREC, UPCAST)
+            if QUANT:  # q -> x's dtype is exact (|q| <= 127)
+                acc += mma(x, tl.trans(_int8_to(w, x, UPCAST)), PREC, UPCAST)
+            else:
+                acc += mma(x, tl.trans(w), PREC, UPCAST)
         else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores
             acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if BLOCK_M == 1:
@@ -179,18 +195,21 @@ def _gemv_kernel(
     else:
         acc2 = acc
     omask = mmask[:, None] & nmask[None, :]
-    if SPLIT:
+    if SPLIT:  # unscaled partials: the reduce kernel scales (QUANT) and biases their sum
         part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
         tl.store(part, acc2, mask=omask)
     else:
+        if QUANT:
+            acc2 = acc2 * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
             acc2 += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc2.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr,
-                        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out = (sum of the SPLITS partials, in order) [* scale] [+ bias], rounded once."""
     pdl_enter(USE_PDL)
     m = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -198,9 +217,23 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl
     acc = tl.zeros([BLOCK], tl.float32)
     for s in range(SPLITS):
         acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
+    if QUANT:
+        acc = acc * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def reduce_splits(part: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor,
+                  launch: dict) -> None:
+    """out[M, N] = the sum of part[splits, M, N] [* scale] [+ bias] (the split-K epilogue)."""
+    splits, M, N = part.shape
+    BLOCK = 256
+    anything = bias if bias is not None else scale if scale is not None else part  # unused pointers
+    _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
+        part, anything if scale is None else scale, anything if bias is None else bias, out, M, N, out.stride(0),
+        SPLITS=splits, HAS_BIAS=bias is not None, QUANT=scale is not None, BLOCK=BLOCK, num_warps=2, **launch,
+    )
 
 
 def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", configs: GemvConfigs | None = None,
@@ -245,6 +278,34 @@ def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvCon
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
 
 
+def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False) -> torch.Tensor:
+    """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
+    (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``)."""
+    M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
+    if M == 0 or N == 0:
+        return out
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = cdiv(K, k_per_split)
+    use_dot = M > 1 and cfg.block_n >= 16
+    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
+    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
+    anything = weight if scale is None else scale  # unused pointers point at something valid
+    launch = pdl_args(x, M, pdl)
+    _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
+        x, weight, anything if scale is None else scale, bias if bias is not None else anything, out, part,
+        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, QUANT=scale is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
+        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+    )
+    if splits > 1:
+        reduce_splits(part, scale, bias, out, launch)
+    return out
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: GemvConfig | None, split_k: str, configs: GemvConfigs | None, pdl: bool | None,
             silu_mul: bool = False) -> torch.Tensor:
@@ -252,29 +313,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = cdiv(K, k_per_split)
-    use_dot = M > 1 and cfg.block_n >= 16
-    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
-    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    b = bias if bias is not None else weight  # unused pointers point at something valid
-    launch = pdl_args(x, M, pdl)
-    _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
-        x, weight, b, out, part,
-        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
-        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-    )
-    if splits > 1:
-        BLOCK = 256
-        _gemv_reduce_kernel[(cdiv(N, BLOCK), M)](
-            part, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-            num_warps=2, **launch,
-        )
-    return out
+    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul)
 
 
 def _check_out(out, M, N, x) -> torch.Tensor:

@@ -6,7 +6,7 @@ activations stay in the model dtype. References: ``reference.linear_int8`` and
 
 Three kernels, for three regimes:
 
-- ``gemv_int8`` (decode, M <= 8): the bf16 GEMV's program layout (``gemv.py``): program (n, s)
+- ``gemv_int8`` (decode, M <= 8): the bf16 GEMV's kernel (``gemv.py``) with QUANT on: program (n, s)
   streams [BLOCK_N, BLOCK_K] int8 tiles of its rows over the s-th K slice, converts them in
   registers and accumulates x * q in fp32; the scale is applied once per output column after
   the K loop (a column's scale is a constant factor of its whole dot product). Half the bytes
@@ -42,7 +42,7 @@ import triton.language as tl
 from . import reference
 from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, grouped_tile, mma, next_pow2,
                     pdl_args, pdl_enter, sm_count_for)
-from .gemv import SPLIT_K_MODES, GemvConfig, _load_x, device_config_path
+from .gemv import SPLIT_K_MODES, GemvConfig, _int8_to, device_config_path, launch_gemv, reduce_splits
 
 linear_int8_reference = reference.linear_int8
 silu_mul_linear_int8_reference = reference.silu_mul_linear_int8
@@ -106,88 +106,7 @@ def load_int8_device_configs(device_name: str) -> dict[tuple, "GemvConfig | Int8
 
 
 # ---------------------------------------------------------------------------- decode: the GEMV
-@triton.jit
-def _int8_to(w, like, UPCAST: tl.constexpr):
-    """An int8 tile in ``like``'s dtype for tl.dot (exact: |q| <= 127). Under UPCAST (the CPU
-    interpreter's bf16, see ``_util.dot_upcast``) straight to fp32: the interpreter stores bf16
-    as raw uint16 and would convert the integers' values into those bits."""
-    if UPCAST:
-        return w.to(tl.float32)
-    return w.to(like.dtype)
-
-
-@triton.jit
-def _gemv_int8_kernel(
-    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
-    M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    q_rows = q_ptr + n.to(tl.int64)[:, None] * stride_qn
-    k_lo = pid_k * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    pdl_enter(USE_PDL)
-    m = tl.arange(0, BLOCK_M)
-    mmask = m < M
-    if BLOCK_M == 1:
-        if DEFER_REDUCE:
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_N], tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < k_hi
-        w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
-        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
-        if BLOCK_M == 1:  # x: [BLOCK_K]
-            if DEFER_REDUCE:
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-            else:
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        elif USE_DOT:  # q -> x's dtype is exact (|q| <= 127)
-            acc += mma(x, tl.trans(_int8_to(w, x, UPCAST)), PREC, UPCAST)
-        else:  # BLOCK_N < 16: too narrow for tl.dot
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if BLOCK_M == 1:
-        if DEFER_REDUCE:
-            acc2 = tl.sum(acc, axis=1)[None, :]
-        else:
-            acc2 = acc[None, :]
-    else:
-        acc2 = acc
-    omask = mmask[:, None] & nmask[None, :]
-    if SPLIT:  # unscaled partials; the reduce kernel scales their sum
-        part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
-        tl.store(part, acc2, mask=omask)
-    else:
-        acc2 = acc2 * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            acc2 += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc2.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def _gemv_int8_reduce_kernel(part_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr,
-                             HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    m = tl.program_id(1)
-    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    nmask = n < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(part_ptr + (s * M + m).to(tl.int64) * N + n, mask=nmask, other=0.0)
-    acc = acc * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+# the kernels are gemv.py's with QUANT on (int8 tiles, per-column scale in the epilogue)
 
 
 def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", configs: Int8Configs | None = None,
@@ -252,6 +171,20 @@ def _check_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, K: 
     return N
 
 
+def _check_linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> tuple[int, int, int]:
+    """M, N, K of x [M, K] @ (qweight [N, K] int8 * scale [N])^T + bias [N], every argument checked."""
+    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
+    M, K = x.shape
+    N = _check_int8(x, qweight, scale, K)
+    tensors = dict(x=x, qweight=qweight, scale=scale)
+    if bias is not None:
+        check("bias", bias, shape=(N,), dtype=x.dtype)
+        tensors["bias"] = bias
+    check_device(**tensors)
+    return M, N, K
+
+
 def _out(out: torch.Tensor | None, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     check("out", out, shape=(M, N), dtype=x.dtype)
@@ -263,29 +196,7 @@ def _launch_gemv(x, qweight, scale, bias, out, config, split_k, configs, pdl, si
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_int8_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = cdiv(K, k_per_split)
-    use_dot = M > 1 and cfg.block_n >= 16
-    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
-    part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
-    b = bias if bias is not None else scale  # unused pointers point at something valid
-    launch = pdl_args(x, M, pdl)
-    _gemv_int8_kernel[(cdiv(N, cfg.block_n), splits)](
-        x, qweight, scale, b, out, part,
-        M, N, K, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
-        PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
-    )
-    if splits > 1:
-        BLOCK = 256
-        _gemv_int8_reduce_kernel[(cdiv(N, BLOCK), M)](
-            part, scale, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-            num_warps=2, **launch,
-        )
-    return out
+    return launch_gemv(x, qweight, scale, bias, out, cfg, pdl, silu_mul)
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -293,14 +204,7 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
               configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] (M small), qweight: [N, K] int8, scale: [N] and bias: [N] or None in x's dtype -> [M, N].
     ``config`` / ``configs`` / ``split_k`` / ``pdl`` as ``gemv.gemv`` (configs keyed by ``int8_config_key``)."""
-    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    M, K = x.shape
-    N = _check_int8(x, qweight, scale, K)
-    tensors = dict(x=x, qweight=qweight, scale=scale)
-    if bias is not None:
-        check("bias", bias, shape=(N,), dtype=x.dtype)
-        tensors["bias"] = bias
-    check_device(**tensors)
+    M, N, K = _check_linear_int8(x, qweight, scale, bias)
     if M > 64:
         raise ValueError(f"gemv_int8 is for small M (got M={M}); use gemm_int8 or dequantize_int8 + linear")
     return _launch_gemv(x, qweight, scale, bias, _out(out, M, N, x), config, split_k, configs, pdl)
@@ -384,14 +288,7 @@ def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
               configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] (any M), qweight: [N, K] int8, scale / bias: [N] in x's dtype -> [M, N]; int8
     tiles dequantized in registers, fp32 accumulation, scale and bias in the epilogue."""
-    check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    M, K = x.shape
-    N = _check_int8(x, qweight, scale, K)
-    tensors = dict(x=x, qweight=qweight, scale=scale)
-    if bias is not None:
-        check("bias", bias, shape=(N,), dtype=x.dtype)
-        tensors["bias"] = bias
-    check_device(**tensors)
+    M, N, K = _check_linear_int8(x, qweight, scale, bias)
     out = _out(out, M, N, x)
     if M == 0 or N == 0:
         return out
@@ -408,11 +305,7 @@ def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
-        BLOCK = 256
-        _gemv_int8_reduce_kernel[(cdiv(N, BLOCK), M)](
-            part, scale, b, out, M, N, out.stride(0), SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-            num_warps=2, **launch,
-        )
+        reduce_splits(part, scale, bias, out, launch)
     return out
 
 
