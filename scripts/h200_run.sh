@@ -86,7 +86,8 @@ for st in $stages; do
         run_nb "$t" 09_deterministic -p CHAT_MODEL "$realw" -p DTYPE bfloat16 -p NUM_PROMPTS 16 -p MAX_TOKENS 64 \
           -p NUM_BLOCKS 4096 -p SHAPE_MODEL qwen2.5-3b -p BATCH_OTHERS 63 -p LOGIT_TOKENS 16 -p PROBE_LEN 512 \
           -p W1_NUM_REQUESTS 500 -y "TIMING_BATCHES: [1, 64]" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 \
-          -p MAX_NUM_SEQS 512 -y "SHAPE_NUM_BLOCKS: null" -p MAX_MODEL_LEN 2048 ;;
+          -p MAX_NUM_SEQS 512 -y "SHAPE_NUM_BLOCKS: null" -p MAX_MODEL_LEN 2048 \
+          -p VLLM_COST "$([ -d /tmp/site/vllm ] && echo True || echo False)" ;;  # vLLM's cost too where carried (+~200 s)
     detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" --ms "${DET_BENCH_MS:-1,64,4096}" > "$RES/det_bench.log" 2>&1
               echo "detbench rc=$?"; tail -n 30 "$RES/det_bench.log" ;;
     profile_steps) timeout "$t" python3 scripts/profile_steps.py --out "$RES/diagnostics" ${PROFILE_STEPS_ARGS:-} \

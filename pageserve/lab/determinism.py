@@ -138,3 +138,37 @@ def batch_invariance_of_logits(llm, prompt: list[int], others: list[list[int]], 
     alone = outputs_of(llm, [prompt], params)
     batched = outputs_of(llm, [prompt, *others], params)[:1]
     return count_identical(alone, batched) == 1
+
+
+def vllm_batch_invariant_cost(run_peer: Callable[..., dict], model: str, workloads: dict[str, dict],
+                              decode: dict, out_dir: str, engine_args: dict | None = None,
+                              log: Callable[[str], None] = print, **run_kw: Any) -> dict[str, float]:
+    """vLLM's own price for batch invariance, for the table beside pageserve's: one vLLM process
+    with ``VLLM_BATCH_INVARIANT=0`` and one with ``=1`` (vLLM reads it at import), the same
+    ``workloads`` (W1) and ``decode`` timings in each. ``run_peer`` is ``lab.peers.run_peer``
+    (a stand-in in the tests). Returns ``vllm_{default,det}_w1_total_tok_s``,
+    ``vllm_{default,det}_batch{B}_ms_per_step`` and the ratios ``vllm_det_w1_ratio`` (det /
+    default throughput) and ``vllm_det_batch{B}_ratio`` (det / default step time) for what both
+    processes measured; a process that fails is logged and leaves its figures out."""
+    figures: dict[str, float] = {}
+    for mode, flag in (("default", "0"), ("det", "1")):
+        try:
+            rec = run_peer("vllm", model, workloads, out=f"{out_dir}/vllm_{mode}.json", decode=decode,
+                           engine_args={**(engine_args or {}), "enable_prefix_caching": False},
+                           env={"VLLM_BATCH_INVARIANT": flag}, **run_kw)
+        except Exception as e:  # noqa: BLE001 - vLLM missing, or its invariant mode refusing this GPU
+            log(f"vLLM with VLLM_BATCH_INVARIANT={flag}: {str(e)[-1500:]}")
+            continue
+        for b, d in rec.get("decode", {}).items():
+            figures[f"vllm_{mode}_batch{b}_ms_per_step"] = d["decode_ms"]
+        if "w1" in rec.get("offline", {}):
+            figures[f"vllm_{mode}_w1_total_tok_s"] = rec["offline"]["w1"]["total_tok_s"]
+        if rec.get("errors"):
+            log(f"vLLM with VLLM_BATCH_INVARIANT={flag}, errors: {rec['errors']}")
+    if "vllm_det_w1_total_tok_s" in figures and "vllm_default_w1_total_tok_s" in figures:
+        figures["vllm_det_w1_ratio"] = figures["vllm_det_w1_total_tok_s"] / figures["vllm_default_w1_total_tok_s"]
+    for b in decode.get("batches", []):
+        det, base = figures.get(f"vllm_det_batch{b}_ms_per_step"), figures.get(f"vllm_default_batch{b}_ms_per_step")
+        if det and base:
+            figures[f"vllm_det_batch{b}_ratio"] = det / base
+    return figures
