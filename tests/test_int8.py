@@ -50,6 +50,23 @@ def test_int8_gemv_is_right_at_every_decode_batch_size_one_to_eight(dtype, gen):
     _ok(checks.check_silu_mul_gemv_int8(8, 33, 70, dtype, DEVICE, gen, split_k="never"), dtype)
 
 
+@pytest.mark.parametrize("config", [GemvConfig(2, 16, 1, defer_reduce=True), GemvConfig(4, 16, 1),
+                                    GemvConfig(2, 16, 2, defer_reduce=True)], ids=["defer", "sum", "split"])
+@pytest.mark.parametrize("magic", [True, False], ids=["magic", "cvt"])
+def test_int8_gemv_converts_every_byte_value_exactly(config, magic):
+    # row n of the weight holds q = n - 128 (all 256 int8 values) at column 3, zeros elsewhere; x
+    # picks column 3 with weight 1 and the scale is 1, so out[0, n] must be n - 128 exactly: the
+    # exponent trick (magic) and the plain conversion on the CUDA-core paths alike
+    from pageserve.kernels.gemv_int8 import gemv_int8
+
+    q = torch.zeros(256, 37, dtype=torch.int8)
+    q[:, 3] = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    x = torch.zeros(1, 37)
+    x[0, 3] = 1.0
+    out = gemv_int8(x.to(DEVICE), q.to(DEVICE), torch.ones(256, device=DEVICE), config=config, magic=magic)
+    assert torch.equal(out.cpu()[0], torch.arange(-128, 128, dtype=torch.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_gemv_serves_decode_batches_of_9_to_64_rows_with_split_k(dtype, gen):
     # K = 600 on the interpreter's 4 "SMs": the heuristic splits K in two at every M here

@@ -142,17 +142,32 @@ def _int8_to(w, like, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _int8_to_f32(w, MAGIC: tl.constexpr):
+    """An int8 tile as exact fp32 values. MAGIC: without the int-to-float conversion unit, which
+    converts 16 values a clock per SM on Hopper (a quarter of the integer ALU's rate, an eighth
+    of the FMA's): the byte b = q mod 256, flipped to q + 128 and ORed under the exponent of
+    2^23, is the float 2^23 + q + 128 exactly; one subtraction leaves q. One LOP3 and one FADD
+    a weight instead of an I2F, for a GEMV that must turn ~4.4 G weights a ms into floats to
+    stream int8 at the read bandwidth. Otherwise the plain conversion (the reference)."""
+    if MAGIC:
+        b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
+        return ((b ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, QUANT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
     scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
-    the partials' sum); without it ``scale_ptr`` is unused."""
+    the partials' sum); without it ``scale_ptr`` is unused. MAGIC (with QUANT): the CUDA-core
+    paths convert int8 to fp32 by ``_int8_to_f32``'s exponent trick."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -176,17 +191,25 @@ def _gemv_kernel(
         w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
         if BLOCK_M == 1:  # x: [BLOCK_K]
-            if DEFER_REDUCE:
-                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if QUANT:
+                wf = _int8_to_f32(w, MAGIC)
             else:
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+                wf = w.to(tl.float32)
+            if DEFER_REDUCE:
+                acc += wf * x.to(tl.float32)[None, :]
+            else:
+                acc += tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
         elif USE_DOT:
             if QUANT:  # q -> x's dtype is exact (|q| <= 127)
                 acc += mma(x, tl.trans(_int8_to(w, x, UPCAST)), PREC, UPCAST)
             else:
                 acc += mma(x, tl.trans(w), PREC, UPCAST)
         else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if QUANT:
+                wf = _int8_to_f32(w, MAGIC)
+            else:
+                wf = w.to(tl.float32)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * wf[None, :, :], axis=2)
     if BLOCK_M == 1:
         if DEFER_REDUCE:
             acc2 = tl.sum(acc, axis=1)[None, :]
@@ -279,9 +302,11 @@ def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvCon
 
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False) -> torch.Tensor:
+                out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
+                magic: bool = True) -> torch.Tensor:
     """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
-    (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``)."""
+    (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``; ``magic``: its int8 to
+    fp32 conversion by ``_int8_to_f32``'s exponent trick, else the plain conversion)."""
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
@@ -296,7 +321,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         x, weight, anything if scale is None else scale, bias if bias is not None else anything, out, part,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, QUANT=scale is not None,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        MAGIC=magic and scale is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
