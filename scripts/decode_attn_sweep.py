@@ -3,6 +3,7 @@ choose the kernel's defaults). K/V caches are rotated so back-to-back calls read
 36 layers of a real step do.
 
     python scripts/decode_attn_sweep.py --out /tmp/out     # Qwen2.5-3B heads, bf16
+    python scripts/decode_attn_sweep.py --cases 256x640,512x640 --warps 2,4,8   # W1's decode batches
 
 Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
 """
@@ -48,14 +49,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--max-blocks", type=int, default=128, help="block-table width (max_model_len 2048 / 16)")
+    ap.add_argument("--cases", default="1x512,64x512,64x2048",
+                    help="batch x context pairs, e.g. 256x640,512x640 for W1's decode steps")
+    ap.add_argument("--warps", default="2,4", help="num_warps values to sweep (e.g. 2,4,8)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     record = {}
-    for batch, ctx in [(1, 512), (64, 512), (64, 2048)]:
+    cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
+    warps = tuple(int(w) for w in args.warps.split(","))
+    for batch, ctx in cases:
         auto = decode_num_splits(batch, HKV, args.max_blocks, 16, sms)
-        splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}))
+        # at W1's batches (hundreds of rows) the grid is full with 1-2 splits: sweep those too
+        splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 128 else set()))
         configs = [{"num_splits": s, "block_n": bn, "num_warps": nw}
-                   for s, bn, nw in itertools.product(splits, (32, 64), (2, 4))]
+                   for s, bn, nw in itertools.product(splits, (32, 64), warps)]
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
         rows = sweep(batch, ctx, args.max_blocks, min(copies, 64), configs)
         key = f"b{batch}_ctx{ctx}"

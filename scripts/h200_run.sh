@@ -45,7 +45,7 @@ for st in $stages; do
     decode_switches) timeout "$t" python3 scripts/decode_switches.py --out "$RES" ${DECODE_SWITCHES_ARGS:-} \
                 > "$RES/decode_switches.log" 2>&1
                 echo "decode_switches rc=$?"; tail -n 25 "$RES/decode_switches.log" ;;
-    attn_sweep) timeout "$t" python3 scripts/decode_attn_sweep.py --out "$RES" > "$RES/decode_attn_sweep.log" 2>&1
+    attn_sweep) timeout "$t" python3 scripts/decode_attn_sweep.py --out "$RES" ${ATTN_SWEEP_ARGS:-} > "$RES/decode_attn_sweep.log" 2>&1
                 echo "attn_sweep rc=$?"; tail -n 25 "$RES/decode_attn_sweep.log" ;;
     profile) timeout "$t" python3 scripts/profile_decode.py --out "$RES" > "$RES/profile_decode.log" 2>&1
                 echo "profile rc=$?"; tail -n 70 "$RES/profile_decode.log" ;;
