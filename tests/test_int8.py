@@ -68,6 +68,25 @@ def test_int8_gemv_converts_every_byte_value_exactly(config, magic):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("magic", [True, False], ids=["magic", "cvt"])
+def test_int8_tensor_core_paths_convert_every_byte_value_exactly(dtype, magic):
+    # as above on the tl.dot paths (the GEMV's 16-column tiles at M = 2, the GEMM): fp16 has its
+    # own exponent trick, bf16 goes through fp32's; every value -128..127 exactly representable
+    from pageserve.kernels.gemv_int8 import gemm_int8, gemv_int8
+
+    q = torch.zeros(256, 32, dtype=torch.int8)
+    q[:, 3] = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    x = torch.zeros(2, 32)
+    x[:, 3] = 1.0
+    args = (x.to(DEVICE, dtype), q.to(DEVICE), torch.ones(256, device=DEVICE, dtype=dtype))
+    want = torch.arange(-128, 128, dtype=torch.float32).expand(2, 256)
+    got = gemv_int8(*args, config=GemvConfig(16, 16, 1), magic=magic)
+    assert torch.equal(got.float().cpu(), want)
+    got = gemm_int8(*args, config=Int8GemmConfig(16, 16, 16), magic=magic)
+    assert torch.equal(got.float().cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_gemv_serves_decode_batches_of_9_to_64_rows_with_split_k(dtype, gen):
     # K = 600 on the interpreter's 4 "SMs": the heuristic splits K in two at every M here
     for M in (9, 16, 17, 64):

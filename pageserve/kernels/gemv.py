@@ -132,12 +132,19 @@ def _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL: tl.constexpr, ONE
 
 
 @triton.jit
-def _int8_to(w, like, UPCAST: tl.constexpr):
+def _int8_to(w, like, UPCAST: tl.constexpr, MAGIC: tl.constexpr):
     """An int8 tile in ``like``'s dtype for tl.dot (exact: |q| <= 127). Under UPCAST (the CPU
     interpreter's bf16, see ``_util.dot_upcast``) straight to fp32: the interpreter stores bf16
-    as raw uint16 and would convert the integers' values into those bits."""
+    as raw uint16 and would convert the integers' values into those bits. MAGIC: without the
+    int-to-float unit (``_int8_to_f32``); fp16 has its own exact trick (1024 + q + 128 under the
+    exponent of 2^10, 10 mantissa bits), bf16 (7 bits: too few) goes through the fp32 one."""
     if UPCAST:
-        return w.to(tl.float32)
+        return _int8_to_f32(w, MAGIC)
+    if MAGIC:
+        if like.dtype == tl.float16:
+            b = w.to(tl.uint8, bitcast=True).to(tl.uint16)
+            return ((b ^ 0x80) | 0x6400).to(tl.float16, bitcast=True) - 1152.0
+        return _int8_to_f32(w, MAGIC).to(like.dtype)
     return w.to(like.dtype)
 
 
@@ -166,8 +173,8 @@ def _gemv_kernel(
 ):
     """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
     scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
-    the partials' sum); without it ``scale_ptr`` is unused. MAGIC (with QUANT): the CUDA-core
-    paths convert int8 to fp32 by ``_int8_to_f32``'s exponent trick."""
+    the partials' sum); without it ``scale_ptr`` is unused. MAGIC (with QUANT): int8 tiles are
+    converted by exponent tricks (``_int8_to_f32``, ``_int8_to``) instead of the conversion unit."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -201,7 +208,7 @@ def _gemv_kernel(
                 acc += tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
         elif USE_DOT:
             if QUANT:  # q -> x's dtype is exact (|q| <= 127)
-                acc += mma(x, tl.trans(_int8_to(w, x, UPCAST)), PREC, UPCAST)
+                acc += mma(x, tl.trans(_int8_to(w, x, UPCAST, MAGIC)), PREC, UPCAST)
             else:
                 acc += mma(x, tl.trans(w), PREC, UPCAST)
         else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores

@@ -237,6 +237,7 @@ def _gemm_int8_kernel(
     x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    MAGIC: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -254,7 +255,7 @@ def _gemm_int8_kernel(
         kmask = k < k_hi
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
-        acc += mma(a, tl.trans(_int8_to(w, a, UPCAST)), PREC, UPCAST)
+        acc += mma(a, tl.trans(_int8_to(w, a, UPCAST, MAGIC)), PREC, UPCAST)
     if SPLIT:  # unscaled partials [splits, M, N]; the reduce kernel scales their sum
         tl.store(part_ptr + (pid_k * M + m).to(tl.int64)[:, None] * N + n[None, :], acc,
                  mask=mmask[:, None] & nmask[None, :])
@@ -289,9 +290,10 @@ def gemm_int8_config(M: int, N: int, K: int, configs: Int8Configs | None = None,
 
 def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               config: Int8GemmConfig | None = None, out: torch.Tensor | None = None,
-              configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
+              configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool = True) -> torch.Tensor:
     """x: [M, K] (any M), qweight: [N, K] int8, scale / bias: [N] in x's dtype -> [M, N]; int8
-    tiles dequantized in registers, fp32 accumulation, scale and bias in the epilogue."""
+    tiles dequantized in registers, fp32 accumulation, scale and bias in the epilogue. ``magic``
+    as ``gemv_int8`` (the tile's conversion without the int-to-float unit)."""
     M, N, K = _check_linear_int8(x, qweight, scale, bias)
     out = _out(out, M, N, x)
     if M == 0 or N == 0:
@@ -306,7 +308,7 @@ def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         x, qweight, scale, b, out, part, M, N, K, k_per_split, x.stride(0), qweight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, MAGIC=magic, **launch,
     )
     if splits > 1:
         reduce_splits(part, scale, bias, out, launch)
