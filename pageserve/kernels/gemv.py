@@ -150,12 +150,12 @@ def _int8_to(w, like, UPCAST: tl.constexpr, MAGIC: tl.constexpr):
 
 @triton.jit
 def _int8_to_f32(w, MAGIC: tl.constexpr):
-    """An int8 tile as exact fp32 values. MAGIC: without the int-to-float conversion unit, which
-    converts 16 values a clock per SM on Hopper (a quarter of the integer ALU's rate, an eighth
-    of the FMA's): the byte b = q mod 256, flipped to q + 128 and ORed under the exponent of
-    2^23, is the float 2^23 + q + 128 exactly; one subtraction leaves q. One LOP3 and one FADD
-    a weight instead of an I2F, for a GEMV that must turn ~4.4 G weights a ms into floats to
-    stream int8 at the read bandwidth. Otherwise the plain conversion (the reference)."""
+    """An int8 tile as exact fp32 values. MAGIC: without the int-to-float conversion (I2F), whose
+    rate is a fraction of the FMA's (16 a clock per SM on recent GPUs, as we read NVIDIA's
+    throughput table; to be confirmed by 06b's A/B): the byte b = q mod 256, flipped to q + 128
+    and ORed under the exponent of 2^23, is the float 2^23 + q + 128 exactly; one subtraction
+    leaves q. A logic op and an FADD a weight instead of an I2F, for a GEMV that must turn ~4.4 G
+    weights a ms into floats to stream int8 at the read bandwidth. Otherwise the plain conversion."""
     if MAGIC:
         b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
         return ((b ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
