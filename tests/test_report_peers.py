@@ -41,3 +41,12 @@ def test_serving_table_has_a_row_per_server_and_rate_and_names_the_level(tmp_pat
     assert "| `vllm` | engine | 4 | 25.0 |  |  | 3.4 |" in out
     assert out.index("| `vllm` | engine | 4 |") < out.index("| `vllm` | engine | 16 |")
     assert "[08_serving](results/h200/08_serving.ipynb)" in out and "vLLM 0.26.0" in out
+
+
+def test_installed_version_reads_the_distribution_and_says_none_when_absent():
+    from importlib import metadata
+
+    from pageserve.lab.peers import installed_version
+
+    assert installed_version("torch") == metadata.version("torch")
+    assert installed_version("no-such-package-pageserve") is None

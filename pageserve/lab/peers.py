@@ -90,6 +90,17 @@ def peer_versions() -> dict[str, str | None]:
     return out
 
 
+def installed_version(package: str) -> str | None:
+    """The installed distribution's version of ``package`` without importing it (None: not
+    installed): what a record names when no runner process reported its versions."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 # --------------------------------------------------------------------------- model dir for vLLM
 
 
