@@ -19,6 +19,7 @@ import torch
 from pageserve.lab import kernel_checks as checks
 from pageserve.lab.kernel_bench.shapes import HEAD_DIM, HKV, HQ
 from pageserve.lab.kernel_bench.timing import graph_ms
+from pageserve.lab.results import provenance
 from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention
 
 
@@ -54,7 +55,7 @@ def main() -> None:
     ap.add_argument("--warps", default="2,4", help="num_warps values to sweep (e.g. 2,4,8)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    record = {}
+    record = dict(provenance())
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     warps = tuple(int(w) for w in args.warps.split(","))
     for batch, ctx in cases:
@@ -63,12 +64,14 @@ def main() -> None:
         splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 128 else set()))
         configs = [{"num_splits": s, "block_n": bn, "num_warps": nw}
                    for s, bn, nw in itertools.product(splits, (32, 64), warps)]
+        if 1 in splits:  # the A/B of the one-split direct write: the same config through the merge kernel
+            configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
         rows = sweep(batch, ctx, args.max_blocks, min(copies, 64), configs)
         key = f"b{batch}_ctx{ctx}"
         record[key] = {"auto_splits": auto, "rows": rows}
         default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
-                        and r.get("num_warps") == 4), None)
+                        and r.get("num_warps") == 4 and "direct" not in r), None)
         print(f"== batch {batch} x ctx {ctx} (auto splits {auto}); default "
               f"{default and round(default['us'], 2)} µs", flush=True)
         for r in rows[:6]:

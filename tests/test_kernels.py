@@ -47,7 +47,7 @@ ATTN_SHAPES = [(4, 4, 64, 16), (8, 4, 128, 16), (16, 2, 128, 16), (14, 2, 64, 32
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "hq%d-hkv%d-d%d-bs%d" % s)
-@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])  # 1: the split kernel writes the output itself
 def test_decode_attention_matches_reference_across_block_boundaries_and_padding_rows(shape, dtype, num_splits, gen):
     Hq, Hkv, D, bs = shape
     # 0 = padding row (must come out zero), 1 token, exactly one/two blocks, partial last block
@@ -76,6 +76,21 @@ def test_decode_attention_num_stages_keyword_gives_the_default_result(num_stages
     staged = paged_decode_attention(*args, num_splits=2, block_n=16, num_stages=num_stages)
     torch.testing.assert_close(staged, default, rtol=1e-5, atol=1e-5)
     _ok(checks.rel_err(staged, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_one_split_written_directly_equals_the_merged_path_bitwise(dtype, gen):
+    # one split: the merge multiplies by exp2(0) / 1, so skipping it must change no bit; padding row -> zeros
+    ctx = [0, 1, 17, 70 * BIG]
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
+                                                      dtype, DEVICE, gen)
+    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE, dtype)
+    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+    poisoned = torch.full_like(q, float("nan"))
+    direct = paged_decode_attention(*args, num_splits=1, out=poisoned.clone())
+    merged = paged_decode_attention(*args, num_splits=1, direct=False, out=poisoned.clone())
+    assert torch.equal(direct, merged)
+    assert torch.equal(direct[0], torch.zeros_like(direct[0]))
 
 
 def test_decode_split_count_is_the_fewest_that_fill_the_gpu_three_times_without_short_pieces():

@@ -42,29 +42,33 @@ def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr,
-    stride_qb, stride_qh,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs
     pdl_enter(USE_PDL)  # before the first read: seq_lens, q and the cache come from earlier kernels
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
-    if start >= seq_len:
-        return
-    end = tl.minimum(start + per, seq_len)
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     gmask = g < GROUP
     dmask = d < HEAD_DIM
     heads = h * GROUP + g  # query heads of this KV head
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    seq_len = tl.load(seq_lens_ptr + b)
+    per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
+    if start >= seq_len:
+        if DIRECT:  # a padding row (seq_len 0): zeros, as the merge would write
+            tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=gmask[:, None] & dmask[None, :])
+        return
+    end = tl.minimum(start + per, seq_len)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
@@ -82,6 +86,9 @@ def _decode_split_kernel(
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
 
     out = acc / l_i[:, None]
+    if DIRECT:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        return
     lse = m_i + tl.log2(l_i)
     # partials: o [B, Hq, S, D] fp32, lse [B, Hq, S] fp32, contiguous
     row = (b * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + s  # [BLOCK_G]
@@ -128,13 +135,16 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, pdl: bool | None = None,
+    num_warps: int = 4, num_stages: int = 2, pdl: bool | None = None, direct: bool | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
     ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` (split kernel) are tuning knobs;
-    the defaults are what the engine runs. ``pdl``: see ``_util.use_pdl`` (rows = sequences)."""
+    the defaults are what the engine runs. ``pdl``: see ``_util.use_pdl`` (rows = sequences).
+    ``direct``: with one split, the split kernel writes ``out`` itself and the merge kernel
+    (a copy at one split) is skipped; None = whenever there is one split, False = always merge
+    (the A/B reference: large batches get one split, results/h200/diagnostics/profile_steps.json)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -152,20 +162,26 @@ def paged_decode_attention(
     # a short context spread over all of them (batch 1, context 512 on the H200: 5.4 vs 5.9 µs)
     BLOCK_N = block_n or (32 if 4 * B * Hkv <= sm_count_for(q) else 64)
     BLOCK_D = max(16, next_pow2(D))
-    part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    direct = S == 1 if direct is None else (direct and S == 1)
+    if direct:  # unused by the kernel; any fp32 buffer will do for the pointer arguments
+        part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+    else:
+        part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     launch = pdl_args(q, B, pdl)
     _decode_split_kernel[(B, Hkv, S)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse,
-        q.stride(0), q.stride(1),
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
+    if direct:
+        return out
     _decode_merge_kernel[(B, Hq)](
         part_o, part_lse, seq_lens, out, out.stride(0), out.stride(1),
         HEAD_DIM=D, NUM_SPLITS=S, BLOCK_S=next_pow2(S), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
