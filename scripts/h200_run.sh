@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests dettests detbench profile_steps 08serve 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests dettests detbench profile_steps 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -77,7 +77,7 @@ for st in $stages; do
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
           -y 'ENGINES: [pageserve, vllm, hf_generate_batch, hf_generate]' -y 'SERVE_ENGINES: [pageserve, vllm]' \
           -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}, shared_prefix: {}}' -p HF_W1_NUM_REQUESTS 32 \
-          -p HF_GENERATE_BATCH_SIZE 32 -y 'PAGESERVE_ARGS: {max_num_seqs: 512}' -y 'CACHED_WORKLOADS: [shared_prefix]' \
+          -p HF_GENERATE_BATCH_SIZE 32 -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: [shared_prefix]' \
           -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
           -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -y 'RATES: [4, 8, 16, 32]' \
           -p RATE_DURATION_S 12 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}' ;;
@@ -99,6 +99,16 @@ for st in $stages; do
           -y 'ENGINES: []' -y 'SERVE_ENGINES: [pageserve, vllm]' -y 'RATES: [4, 8, 16, 32]' -p RATE_DURATION_S 15 \
           -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}'
         mv "$RES/08_benchmarks.ipynb" "$RES/08_serving.ipynb"; mv "$RES/08_benchmarks.log" "$RES/08_serving.log" ;;
+    08tput) # issue 14's comparison alone (results/h200/08_throughput.*): pageserve and vLLM offline, defaults on
+        # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving
+        [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08tput: vLLM install failed; running without it"
+        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME 08_throughput \
+          -y 'ENGINES: [pageserve, vllm]' -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
+          -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: []' -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
+          -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -p WARMUP_REQUESTS 16
+        mv "$RES/08_benchmarks.ipynb" "$RES/08_throughput.ipynb"; mv "$RES/08_benchmarks.log" "$RES/08_throughput.log" ;;
+    w1defaults) timeout "$t" python3 scripts/w1_defaults.py --out "$RES/diagnostics" ${W1_DEFAULTS_ARGS:-} > "$RES/w1_defaults.log" 2>&1
+                echo "w1defaults rc=$?"; tail -n 8 "$RES/w1_defaults.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
     dettests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_det_tests.xml" \
              tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s \

@@ -463,3 +463,26 @@ def test_smollm2_chat_and_streaming_text_match_a_whole_decode(smol):
         texts += [o.outputs[0].text for o in engine.step()]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
     assert texts[-1] == c.text
+
+
+def test_auto_max_num_seqs_is_the_power_of_two_that_gives_each_sequence_512_tokens_within_32_to_512():
+    from pageserve.engine.config import auto_max_num_seqs
+
+    assert auto_max_num_seqs(3_000_000) == 512  # an H200's pool at the 3B shape: the cap
+    assert auto_max_num_seqs(136_000) == 256  # a T4's (16 GB, fp16 3B weights): 265 fit -> 256
+    assert auto_max_num_seqs(128 * 512) == 128
+    assert auto_max_num_seqs(128 * 512 - 1) == 64
+    assert auto_max_num_seqs(1000) == 32  # a tiny pool still runs a batch (it preempts at long contexts)
+    with pytest.raises(ValueError):
+        auto_max_num_seqs(-1)
+
+
+def test_max_num_seqs_left_none_is_sized_from_the_pool_and_an_explicit_one_is_kept(tiny):
+    auto = tiny_engine(tiny, num_blocks=2048)  # 16-token blocks: 32,768 tokens -> 64 sequences of 512
+    assert auto.config.max_num_seqs == 64 and auto.scheduler.max_num_seqs == 64
+    big = tiny_engine(tiny, num_blocks=2048 * 16)  # 524,288 tokens -> 1,024 fit -> the cap, 512
+    assert big.scheduler.max_num_seqs == 512
+    kept = tiny_engine(tiny, num_blocks=2048 * 16, max_num_seqs=3)
+    assert kept.scheduler.max_num_seqs == 3
+    with pytest.raises(ValueError, match="positive"):
+        EngineConfig(model="tiny", device="cpu", max_num_seqs=0)

@@ -32,3 +32,14 @@ def test_two_point_sweep_of_notebook_02_writes_a_csv_row_per_point_and_a_plot(tm
     assert all(float(r["w1_total_tok_s"]) > 0 and r["error"] == "" for r in rows)
     assert (tmp_path / "sweep.png").stat().st_size > 1000
     assert (tmp_path / "MAX_NUM_BATCHED_TOKENS=64" / "02_continuous_batching_paged_kv.json").exists()
+
+
+def test_w1_defaults_grid_leaves_max_num_seqs_to_the_engine_at_auto():
+    import w1_defaults
+
+    points = w1_defaults.grid("auto,256", "8192,16384")
+    assert points == [{"max_num_batched_tokens": 8192}, {"max_num_batched_tokens": 16384},
+                      {"max_num_batched_tokens": 8192, "max_num_seqs": 256},
+                      {"max_num_batched_tokens": 16384, "max_num_seqs": 256}]
+    with pytest.raises(ValueError):
+        w1_defaults.grid("many", "8192")

@@ -18,7 +18,9 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: sized from gpu_memory_utilization (or 1 GiB on the CPU)
     gpu_memory_utilization: float = 0.85
-    max_num_seqs: int = 256
+    # None: sized from the KV pool once it is allocated (auto_max_num_seqs): 512 on an H200 at
+    # the Qwen2.5-3B shape, 256 on a 16 GB T4, 32 in the CPU's 1 GiB pool
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = False
@@ -44,7 +46,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+        if (self.max_num_seqs is not None and self.max_num_seqs <= 0) or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
@@ -72,6 +74,29 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 
+    def resolve_max_num_seqs(self, kv_tokens: int) -> int:
+        """Fill in ``max_num_seqs`` when it was left None (``auto_max_num_seqs``) and return it."""
+        if self.max_num_seqs is None:
+            self.max_num_seqs = auto_max_num_seqs(kv_tokens)
+        return self.max_num_seqs
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
+
+
+AUTO_MAX_NUM_SEQS = 512  # the cap: CUDA graphs are captured up to cuda_graph_max_bs (512)
+AUTO_MIN_NUM_SEQS = 32
+AUTO_TOKENS_PER_SEQ = 512  # context each running sequence is budgeted when sizing the batch
+
+
+def auto_max_num_seqs(kv_tokens: int) -> int:
+    """The default running-batch limit for a KV pool of ``kv_tokens`` tokens: the largest power
+    of two such that every running sequence has AUTO_TOKENS_PER_SEQ tokens of cache, within
+    [AUTO_MIN_NUM_SEQS, AUTO_MAX_NUM_SEQS]. A big pool gets the cap (W1 admits all of its 500
+    requests at once); a small one gets a batch it can hold without preempting at ~512 tokens of
+    context each (longer ones are preempted and recomputed, as with any limit)."""
+    if kv_tokens < 0:
+        raise ValueError(f"kv_tokens must be >= 0, got {kv_tokens}")
+    fit = max(1, kv_tokens // AUTO_TOKENS_PER_SEQ)
+    return max(AUTO_MIN_NUM_SEQS, min(AUTO_MAX_NUM_SEQS, 1 << (fit.bit_length() - 1)))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..model.attention import AttentionMetadata, PagedAttention
-from .config import EngineConfig
+from .config import AUTO_MAX_NUM_SEQS, EngineConfig
 from ..model.decoder import Decoder
 from ..model.ops import TorchOps
 from .scheduler import ScheduledBatch
@@ -123,6 +123,7 @@ class ModelRunner:
         model.set_ops(self.ops)
         model.eval()
         self.num_blocks = config.num_blocks or self._num_blocks_from_memory()
+        config.resolve_max_num_seqs(self.num_blocks * self.block_size)  # None: sized from the pool
         cfg = self.cfg
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
@@ -175,7 +176,8 @@ class ModelRunner:
         T = c.max_num_batched_tokens
         per_token = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + 2 * (cfg.q_size + 2 * cfg.kv_size)
         acts = 2 * T * per_token * elsize
-        logits = 4 * min(c.max_num_seqs, T) * cfg.vocab_size * 4  # fp32 logits + sampler temporaries
+        seqs = c.max_num_seqs or AUTO_MAX_NUM_SEQS  # None is resolved after the pool is sized: assume the cap
+        logits = 4 * min(seqs, T) * cfg.vocab_size * 4  # fp32 logits + sampler temporaries
         return acts + logits + (512 << 20)
 
     def _num_blocks_from_memory(self) -> int:
