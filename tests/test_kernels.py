@@ -125,6 +125,16 @@ def test_prefill_attention_long_chunk_spans_several_query_blocks(gen):
     _ok(err, torch.float32)
 
 
+@pytest.mark.parametrize("config", [dict(block_m=128, block_n=32, num_warps=8, num_stages=3),
+                                    dict(block_m=256, block_n=64, num_warps=8), dict(block_m=64, block_n=128)],
+                         ids=["m128-n32-w8-s3", "m256-n64-w8", "m64-n128"])
+def test_prefill_attention_tuning_keywords_change_the_schedule_not_the_answer(config, gen):
+    # the configs scripts/prefill_attn_sweep.py tries: a chunk over a prefix, several query blocks, a decode
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    err = checks.check_prefill([70, 1, 33], [100, 20, 33], 16, 2, 128, 16, dtype, DEVICE, gen, pad_tokens=1, **config)
+    _ok(err, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hkv,d,bs", [(2, 128, 16), (1, 64, 32), (4, 64, 16)])
 def test_write_kv_stores_every_token_and_skips_padding_slots(hkv, d, bs, dtype, gen):

@@ -88,10 +88,13 @@ def prefill_block_m(group: int) -> int:
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int = 2,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
-    ``meta.query_start_loc_cpu`` is present, as in the reference."""
+    ``meta.query_start_loc_cpu`` is present, as in the reference. ``block_m`` / ``block_n`` /
+    ``num_warps`` / ``num_stages`` are tuning knobs (scripts/prefill_attn_sweep.py); the defaults
+    are what the engine runs."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -116,6 +119,6 @@ def paged_prefill_attention(
         GROUP=group, HEAD_DIM=D, PAGE=page, Q_TOK=q_tok,
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
-        num_warps=4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8, num_stages=2,
+        num_warps=num_warps or (4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8), num_stages=num_stages,
     )
     return out

@@ -116,12 +116,13 @@ def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
 
 
 def check_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-                  pad_tokens=0) -> float:
+                  pad_tokens=0, **config) -> float:
+    """``config``: the kernel's tuning keywords (block_m, block_n, num_warps, num_stages)."""
     q, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
                                                dtype, device, gen, pad_tokens=pad_tokens)
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
-    paged_prefill_attention(q, kc, vc, meta, scale, out=out)
+    paged_prefill_attention(q, kc, vc, meta, scale, out=out, **config)
     return rel_err(out, attention_reference(q, kc, vc, meta, scale))
 
 
