@@ -36,7 +36,7 @@ for st in $stages; do
   s=${st%%:*}; t=${st##*:}
   case $s in
     tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
-             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1
+             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py tests/test_int8.py > "$RES/gpu_tests.log" 2>&1
            echo "tests rc=$? ($(grep -cE "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu_tests.log") named results in gpu_tests.log/.xml)"; tail -n 15 "$RES/gpu_tests.log" ;;
     switches) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts switches --skip-checks \
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
