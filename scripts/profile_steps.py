@@ -1,18 +1,59 @@
-"""Where a decode step's and a prefill step's GPU time goes, phase by phase, against the floor
-(issue 14's table; the same for the deterministic and int8 modes, issues 15 and 12).
+"""Where a decode step's, a mixed step's and a prefill step's GPU time goes, phase by phase,
+against the floor (issue 14's table; the same for the deterministic and int8 modes, issues 15
+and 12), and how much of each step no kernel covers.
 
     python scripts/profile_steps.py --out DIR [--modes default,deterministic,int8]
-        [--batches 1,64,256] [--context 512] [--prefill-prompts 16] [--prefill-len 512]
+        [--batches 1,64,256,512] [--context 512] [--prefill-prompts 16] [--prefill-len 512]
+        [--mixed | --no-mixed] [--mixed-decodes 256] [--mixed-prefill-tokens 8192]
+        [--mixed-prompt-len 512] [--mixed-steps 3]
 
-For each mode, one engine (Qwen2.5-3B shape, bf16, random weights):
-- decode at each batch size: the engine's step time (``decode_bench.decode_step_ms``) and the
-  kernels of one replay of the batch's CUDA graph (``lab.profiling.profile_kernels``), summed
-  per phase; the step's floor is (weights + KV) / the read bandwidth measured in this run;
-- prefill: ``--prefill-prompts`` fresh prompts of ``--prefill-len`` tokens in one step, one
-  output token each; its kernels per phase, with the linear and attention FLOPs over the bf16
-  matmul TFLOP/s measured in this run as their floors.
-Writes DIR/profile_steps.json (with the commit) after each mode and prints a table per step.
-GPU only; the arithmetic it relies on is tested on the CPU (tests/test_profiling.py).
+For each mode, one engine (Qwen2.5-3B shape, bf16, random weights, max_num_seqs 512 with
+the defaults, its KV pool sized from memory and checked to hold every decode batch):
+
+- decode at each batch size (``modes.<mode>.decode.<batch>``):
+  ``step_ms``: the engine's steady step time (``decode_bench.decode_step_ms``: consecutive
+  ``engine.step()`` calls, async scheduling on, as served);
+  ``host``: ``lab.profiling.mean_step_timing`` of those same timed calls, read from the
+  engine's own ``StepTiming`` (``engine.last_step``) after each call (the engine is not
+  changed): ``total_us``, ``sched_us``, ``launch_us`` (input preparation + host->device copy
+  + graph/kernel and sampler launches; it may include waiting for the previous step's
+  input copy to leave the pinned staging buffer), ``wait_us`` (blocked on the device), ``post_us``
+  (token appends, stop checks, outputs), ``host_busy_us`` = total - wait, ``steps``. The
+  host is hidden behind the device while ``wait_us`` stays well above zero;
+  ``step_kernel_us``: every kernel of one steady engine step under torch.profiler (graph
+  replay, sampler, input copies; null on the CPU), ``step_categories_us`` per phase, and
+  ``gpu_idle_fraction`` = 1 - step_kernel_us / step_ms (clamped at 0);
+  with a CUDA graph for the batch: ``graph_replay_ms`` (``decode_bench.graph_replay_ms``,
+  the bucket's graph replayed back to back), ``kernel_us`` / ``categories_us`` /
+  ``phases`` / ``kernels``: the kernels of one replay (``lab.profiling.profile_kernels``),
+  ``floor_us`` = (weights + KV) / the read bandwidth measured in this run, and
+  (``lab.profiling.decode_gaps``) ``in_graph_gap_us`` = replay - kernel sum, clamped at 0,
+  with ``kernels_overlap`` true when the sum exceeds the replay (programmatic dependent
+  launch overlaps kernels, e.g. at batch 1: the gap is then unknown);
+  ``outside_graph_us`` = step - replay (signed), split into ``outside_graph_kernel_us`` =
+  step_kernel_us - kernel_us and ``outside_graph_idle_us`` = the rest. Without a graph
+  ``note`` says so and the graph keys are absent.
+- mixed (``modes.<mode>.mixed``, on unless ``--no-mixed``): ``--mixed-decodes`` sequences
+  decoding at ``--context`` plus ``prefill_tokens`` = min(``--mixed-prefill-tokens``,
+  max_num_batched_tokens - decodes) prompt tokens in every step: fresh ``--mixed-prompt-len``
+  prompts (one output token each) kept queued, the last one of a step chunked, as in W1's
+  first steps (500 prompts of 512 tokens, 8192-token budget); eager (no graph runs a prompt).
+  Keys: ``decodes``, ``context``, ``prompt_len``, ``prefill_tokens``, ``steps``;
+  ``scheduled_tokens``: the mean tokens of the timed steps (decodes + prefill_tokens when
+  the scheduler did what was asked); ``step_ms``: wall time per step over ``steps``
+  consecutive steps; ``host`` as above over those steps; ``kernel_us`` / ``categories_us``
+  / ``phases`` / ``kernels``: one step's kernels under torch.profiler; ``floors_us``: the
+  linear FLOPs over the bf16 matmul TFLOP/s measured here; ``idle_us`` and
+  ``kernels_overlap`` (``lab.profiling.idle_us``) and ``gpu_idle_fraction`` = 1 -
+  kernel_us / step_ms (the three null on the CPU).
+- prefill (``modes.<mode>.prefill``): ``--prefill-prompts`` fresh prompts of
+  ``--prefill-len`` tokens in one step, one output token each; its kernels per phase, with
+  the linear and attention FLOPs over the bf16 matmul TFLOP/s measured in this run as their
+  floors (``tokens``, ``wall_ms``, ``kernel_us``, ``categories_us``, ``floors_us``,
+  ``phases``, ``kernels``).
+Writes DIR/profile_steps.json (with the commit and the ``ceilings`` measured) after each mode
+and prints a table per step. GPU only (``--device cpu`` smoke-tests the script: no kernels);
+the arithmetic it relies on is tested on the CPU (tests/test_profiling.py).
 """
 from __future__ import annotations
 
@@ -26,14 +67,15 @@ import torch
 
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
-from pageserve.lab.decode_bench import decode_step_ms
+from pageserve.lab.decode_bench import decode_step_ms, decoding_batch, graph_replay_ms, record_step_timings
 from pageserve.lab.kernel_bench.ceilings import measure_ceilings
 from pageserve.lab.peers import measure_read_gbps
-from pageserve.lab.profiling import (by_category, decode_bytes, linear_flops, phase_rows, prefill_attention_flops,
-                                     profile_kernels)
+from pageserve.lab.profiling import (by_category, decode_bytes, decode_gaps, gpu_idle_fraction, idle_us, linear_flops,
+                                     mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
 from pageserve.lab.results import provenance
 
 MODES = {"default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"}}
+PROFILED_STEPS = 4  # engine steps under torch.profiler per decode batch (their kernels, averaged)
 
 
 def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None) -> str:
@@ -46,24 +88,118 @@ def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None
     return "\n".join(lines)
 
 
+def _host_line(host: dict) -> str:
+    if not host.get("steps"):
+        return "  host: no steps recorded"
+    return (f"  host per step ({host['steps']} steps): busy {host['host_busy_us']:.0f} us (schedule "
+            f"{host['sched_us']:.0f}, launch {host['launch_us']:.0f}, postprocess {host['post_us']:.0f}), "
+            f"waiting on the device {host['wait_us']:.0f} us")
+
+
+def _kernel_list(rows) -> list[dict]:
+    return [{"name": r.name, "us": r.us, "launches": r.launches, "category": r.category} for r in rows[:40]]
+
+
 def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: float | None, steps: int = 32) -> dict:
-    runner = llm.engine.runner
-    step_ms = decode_step_ms(llm, batch, context, steps, vocab_size=512, repeats=3 if steps >= 8 else 1)
-    rec: dict = {"step_ms": step_ms}
+    engine, runner = llm.engine, llm.engine.runner
+    with record_step_timings(engine) as timed:
+        step_ms = decode_step_ms(llm, batch, context, steps, vocab_size=512, repeats=3 if steps >= 8 else 1)
+    # the timed calls: a decode-only step launched, a decode step landed (setup and drain excluded)
+    steady = [t for t in timed.steps if t.kind == "decode" and t.num_seqs == batch and t.num_tokens == batch]
+    rec: dict = {"step_ms": step_ms, "host": mean_step_timing(steady)}
+
+    # every kernel of a steady step (graph replay, sampler, input copies): what lies outside the graph
+    with decoding_batch(llm, batch, context, max_tokens=PROFILED_STEPS + 8, vocab_size=512):
+        step_rows = profile_kernels(engine.step, repeats=PROFILED_STEPS)
+    if step_rows:  # none on the CPU
+        step_cats = by_category(step_rows)
+        rec.update(step_kernel_us=sum(step_cats.values()), step_categories_us=step_cats,
+                   gpu_idle_fraction=gpu_idle_fraction(sum(step_cats.values()), step_ms))
+    else:
+        rec["step_kernel_us"] = None
+
     graphs = runner.graphs
     buckets = [b for b in (graphs.buckets if graphs is not None and graphs.graphs else []) if b >= batch]
     if not buckets:
-        rec["note"] = "no CUDA graph for this batch: step time only"
+        rec["note"] = "no CUDA graph for this batch: step time, host timings and step kernels only"
+        print(f"\n== decode batch {batch} x {context}: engine step {step_ms:.3f} ms (no graph)\n"
+              + _host_line(rec["host"]), flush=True)
         return rec
     graph = graphs.graphs[min(buckets)]
+    replay_ms = graph_replay_ms(runner, batch)
     rows = profile_kernels(graph.replay, repeats=20)
     cats = by_category(rows)
     floor_us = 1e6 * decode_bytes(llm.engine.model_config, batch, context, weights=weights) / (read_gbps * 1e9)
-    rec.update(kernel_us=sum(cats.values()), categories_us=cats, floor_us=floor_us,
-               phases=phase_rows(cats, {}),
-               kernels=[{"name": r.name, "us": r.us, "launches": r.launches, "category": r.category} for r in rows[:40]])
-    print(_table(f"decode batch {batch} x {context}: engine step {step_ms:.3f} ms", rec["phases"],
-                 rec["kernel_us"], floor_us), flush=True)
+    rec.update(graph_replay_ms=replay_ms, kernel_us=sum(cats.values()), categories_us=cats, floor_us=floor_us,
+               phases=phase_rows(cats, {}), kernels=_kernel_list(rows))
+    rec.update(decode_gaps(step_ms, replay_ms, rec["kernel_us"], rec["step_kernel_us"]))
+    overlap = " (kernels overlap)" if rec["kernels_overlap"] else ""
+    title = (f"decode batch {batch} x {context}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
+             f"in-graph gap {rec['in_graph_gap_us']:.0f} us{overlap}, outside graph {rec['outside_graph_us']:.0f} us")
+    lines = [_table(title, rec["phases"], rec["kernel_us"], floor_us), _host_line(rec["host"])]
+    if rec["step_kernel_us"] is not None:
+        lines.append(f"  whole step: kernels {rec['step_kernel_us']:.0f} us (outside the graph "
+                     f"{rec['outside_graph_kernel_us']:.0f} us, idle outside {rec['outside_graph_idle_us']:.0f} us), "
+                     f"GPU idle {rec['gpu_idle_fraction']:.2f}")
+    print("\n".join(lines), flush=True)
+    return rec
+
+
+def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_len: int, steps: int,
+                  tflops: float) -> dict:
+    """Steps of ``decodes`` decoding sequences plus ``prefill_tokens`` prompt tokens each (see
+    the module docstring: ``modes.<mode>.mixed``)."""
+    engine = llm.engine
+    sched = engine.scheduler
+    budget = sched.max_num_batched_tokens
+    prefill = min(prefill_tokens, budget - decodes)
+    if prefill <= 0:
+        raise SystemExit(f"--mixed-decodes {decodes} leaves no prompt tokens in a {budget}-token step")
+    vocab = bench.prompt_vocab_size(llm)
+    gen = torch.Generator().manual_seed(4321)
+    params = bench.greedy_params(1)
+    prompt_ids: list[str] = []
+
+    def step():  # fresh prompts keep a step's worth of tokens waiting: every step is N decodes + the chunk
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+        while queued < prefill:
+            rid = f"mixed-{len(prompt_ids)}-{time.monotonic_ns()}"
+            engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
+            prompt_ids.append(rid)
+            queued += prompt_len
+        engine.step()
+
+    with decoding_batch(llm, decodes, context, max_tokens=2 * steps + 8, vocab_size=vocab):
+        sched.max_num_batched_tokens = decodes + prefill  # exactly what the scheduler will put in a step
+        try:
+            rows = profile_kernels(step, repeats=steps)
+            step()  # the timing starts with a step in flight, as in a run
+            with record_step_timings(engine) as timed:
+                bench.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                bench.synchronize()
+                wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+        finally:
+            sched.max_num_batched_tokens = budget
+            engine.abort_request(prompt_ids)
+    cats = by_category(rows)
+    kernel_us = sum(cats.values())
+    cfg = llm.engine.model_config
+    sampled = decodes + -(-prefill // prompt_len)  # rows whose logits the step computes, at most
+    floors = {"gemm": 1e6 * linear_flops(cfg, decodes + prefill, sampled_rows=sampled) / (tflops * 1e12)}
+    idle, overlap = idle_us(1e3 * wall_ms, kernel_us) if rows else (None, None)  # no kernels on the CPU
+    rec = {"decodes": decodes, "context": context, "prompt_len": prompt_len, "prefill_tokens": prefill,
+           "steps": steps, "scheduled_tokens": sum(t.num_tokens for t in timed.steps) / max(len(timed.steps), 1),
+           "step_ms": wall_ms, "host": mean_step_timing(timed.steps), "kernel_us": kernel_us, "categories_us": cats,
+           "floors_us": floors, "phases": phase_rows(cats, floors), "idle_us": idle, "kernels_overlap": overlap,
+           "gpu_idle_fraction": gpu_idle_fraction(kernel_us, wall_ms) if rows else None,
+           "kernels": _kernel_list(rows)}
+    idle_text = (f", GPU idle {rec['gpu_idle_fraction']:.2f}" + (" (kernels overlap)" if overlap else "")) if rows else ""
+    title = (f"mixed step: {decodes} decodes x {context} + {prefill} prompt tokens ({prompt_len}-token prompts, "
+             f"{rec['scheduled_tokens']:.0f} tokens scheduled): wall {wall_ms:.2f} ms{idle_text}")
+    print(_table(title, rec["phases"], kernel_us, sum(floors.values())) + "\n" + _host_line(rec["host"]), flush=True)
     return rec
 
 
@@ -88,10 +224,29 @@ def profile_prefill(llm, num_prompts: int, prompt_len: int, tflops: float) -> di
               "attention": 1e6 * prefill_attention_flops(cfg, prompt_len, num_prompts) / (tflops * 1e12)}
     rec = {"tokens": tokens, "wall_ms": 1e3 * min(walls[1:] or walls), "kernel_us": sum(cats.values()),
            "categories_us": cats, "floors_us": floors, "phases": phase_rows(cats, floors),
-           "kernels": [{"name": r.name, "us": r.us, "launches": r.launches, "category": r.category} for r in rows[:40]]}
+           "kernels": _kernel_list(rows)}
     print(_table(f"prefill {num_prompts} x {prompt_len} tokens: wall {rec['wall_ms']:.1f} ms", rec["phases"],
                  rec["kernel_us"], sum(floors.values())), flush=True)
     return rec
+
+
+def _check_capacity(llm, args, max_batch: int) -> None:
+    """Every sequence a run holds at once fits the engine: its length under max_model_len
+    (a capped sequence would leave its batch early) and all their blocks in the KV pool."""
+    engine = llm.engine
+    bs, pool, max_len = engine.block_manager.block_size, engine.block_manager.num_blocks, engine.max_model_len
+    decode_len = args.context + (3 if args.decode_steps >= 8 else 1) * args.decode_steps + 8  # decode_step_ms's
+    runs = [("decode", max_batch * -(-decode_len // bs), decode_len)]
+    if args.mixed:
+        mixed_len = args.context + 2 * args.mixed_steps + 8
+        prompts = 2 * (-(-args.mixed_prefill_tokens // args.mixed_prompt_len) + 1)  # this step's and the last's
+        runs.append(("mixed", args.mixed_decodes * -(-mixed_len // bs) + prompts * -(-args.mixed_prompt_len // bs),
+                     mixed_len))
+    for what, blocks, length in runs:
+        if length > max_len:
+            raise SystemExit(f"{what}: sequences reach {length} tokens; raise --max-model-len ({max_len})")
+        if blocks > pool:
+            raise SystemExit(f"{what}: needs {blocks} KV blocks of {bs} tokens; the pool has {pool}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,14 +254,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="qwen2.5-3b")
     ap.add_argument("--modes", default="default,deterministic,int8")
-    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--batches", default="1,64,256,512", help="decode batch sizes (W1 decodes at about 500)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--prefill-prompts", type=int, default=16)
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="cuda; cpu only smoke-tests the script (no kernels to count)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--decode-steps", type=int, default=32, help="engine steps per timed decode run")
+    ap.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile mixed steps (decodes + a prefill chunk, eager), as in W1's first ~32 steps")
+    ap.add_argument("--mixed-decodes", type=int, default=256, help="decoding sequences in a mixed step")
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=8192,
+                    help="prompt tokens in a mixed step, capped at max_num_batched_tokens - decodes")
+    ap.add_argument("--mixed-prompt-len", type=int, default=512, help="tokens of each prompt in a mixed step (W1's)")
+    ap.add_argument("--mixed-steps", type=int, default=3, help="mixed steps profiled, and as many timed")
     args = ap.parse_args(argv)
+    if args.mixed and args.mixed_prompt_len >= args.max_model_len:
+        raise SystemExit(f"--mixed-prompt-len {args.mixed_prompt_len} needs --max-model-len above it")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("profile_steps profiles CUDA kernels: it needs a GPU (--device cpu smoke-tests it)")
     out = Path(args.out) / "profile_steps.json"
@@ -115,10 +279,14 @@ def main(argv: list[str] | None = None) -> None:
     print({k: round(v) for k, v in ceilings.items()}, flush=True)
     record: dict = {**provenance(), "model": args.model, "ceilings": ceilings, "modes": {}}
     batches = [int(b) for b in args.batches.split(",")]
+    # a mixed step's running list: the decodes, the last step's prompts (landing) and this step's
+    mixed_prompts = -(-args.mixed_prefill_tokens // args.mixed_prompt_len) + 1
+    mixed_seqs = args.mixed_decodes + 2 * mixed_prompts + 1 if args.mixed else 0
     for mode in args.modes.split(","):
         llm = LLM(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, seed=0,
-                  max_num_seqs=max(max(batches), args.prefill_prompts), max_model_len=args.max_model_len,
+                  max_num_seqs=max(max(batches), args.prefill_prompts, mixed_seqs), max_model_len=args.max_model_len,
                   **MODES[mode])
+        _check_capacity(llm, args, max(batches))
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         weights = None
         if mode == "int8":  # int8 linears read a byte a weight (+ scales); embeddings and head stay bf16
@@ -133,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
                                                    args.decode_steps)
         if args.prefill_prompts:
             rec["prefill"] = profile_prefill(llm, args.prefill_prompts, args.prefill_len, ceilings["matmul_bf16_tflops"])
+        if args.mixed:
+            rec["mixed"] = profile_mixed(llm, args.mixed_decodes, args.context, args.mixed_prefill_tokens,
+                                         args.mixed_prompt_len, args.mixed_steps, ceilings["matmul_bf16_tflops"])
         record["modes"][mode] = rec
         out.write_text(json.dumps(record, indent=1, default=str))
         llm.shutdown()

@@ -2,8 +2,10 @@
 import pytest
 
 from pageserve.lab.peers import kv_bytes, weight_bytes
-from pageserve.lab.profiling import (CATEGORIES, KernelRow, by_category, decode_bytes, kernel_category, linear_flops,
-                                     phase_rows, prefill_attention_flops)
+from pageserve.engine.llm_engine import StepTiming
+from pageserve.lab.profiling import (CATEGORIES, KernelRow, by_category, decode_bytes, decode_gaps, gpu_idle_fraction,
+                                     idle_us, kernel_category, linear_flops, mean_step_timing, phase_rows,
+                                     prefill_attention_flops)
 from pageserve.model.config import ModelConfig
 
 
@@ -49,6 +51,44 @@ def test_flops_and_bytes_of_the_qwen3b_shape():
     assert 6.0e9 < weight_bytes(c) < 6.4e9  # the 6.17 GB a bf16 step reads
 
 
+def test_idle_time_is_wall_minus_kernels_clamped_and_flagged_when_kernels_overlap():
+    assert idle_us(3300.0, 3182.0) == (pytest.approx(118.0), False)
+    # batch 1 on the H200: the graph's kernels sum past the replay (PDL overlaps them)
+    assert idle_us(2100.0, 3093.0) == (0.0, True)
+
+
+def test_decode_gaps_split_a_step_into_graph_kernels_gaps_and_the_outside_in_microseconds():
+    # step 3.4 ms, replay 3.3 ms (both ms), graph kernels 3182 us, all of a step's kernels 3232 us
+    g = decode_gaps(3.4, 3.3, 3182.0, step_kernel_us=3232.0)
+    assert g["in_graph_gap_us"] == pytest.approx(118.0) and g["kernels_overlap"] is False
+    assert g["outside_graph_us"] == pytest.approx(100.0)
+    assert g["outside_graph_kernel_us"] == pytest.approx(50.0) and g["outside_graph_idle_us"] == pytest.approx(50.0)
+    # the pieces add back up to the step
+    assert 3182.0 + g["in_graph_gap_us"] + g["outside_graph_kernel_us"] + g["outside_graph_idle_us"] == \
+        pytest.approx(3400.0)
+    g = decode_gaps(2.2, 2.1, 3093.0)  # overlapping kernels: no gap to report; no step profile: no split
+    assert g["in_graph_gap_us"] == 0.0 and g["kernels_overlap"] is True
+    assert g["outside_graph_us"] == pytest.approx(100.0) and "outside_graph_idle_us" not in g
+    assert decode_gaps(2.0, 2.1, 1500.0)["outside_graph_us"] == pytest.approx(-100.0)  # signed: noise shows
+
+
+def test_gpu_idle_fraction_compares_kernel_microseconds_with_a_millisecond_wall():
+    assert gpu_idle_fraction(30_000.0, 40.0) == pytest.approx(0.25)
+    assert gpu_idle_fraction(50_000.0, 40.0) == 0.0  # overlapping kernels: clamped
+
+
+def test_mean_step_timing_averages_the_engines_step_timings_in_microseconds():
+    steps = [StepTiming(total_s=4e-3, sched_s=1e-4, launch_s=3e-4, wait_s=3e-3, post_s=2e-4),
+             StepTiming(total_s=6e-3, sched_s=3e-4, launch_s=5e-4, wait_s=4e-3, post_s=4e-4)]
+    m = mean_step_timing(steps)
+    assert m["steps"] == 2
+    assert m["total_us"] == pytest.approx(5000.0) and m["wait_us"] == pytest.approx(3500.0)
+    assert m["sched_us"] == pytest.approx(200.0) and m["launch_us"] == pytest.approx(400.0)
+    assert m["post_us"] == pytest.approx(300.0)
+    assert m["host_busy_us"] == pytest.approx(1500.0)  # total - wait
+    assert mean_step_timing([]) == {"steps": 0}
+
+
 def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
     # the CPU has no kernels to count: this catches the script's own mistakes before a GPU session
     import json
@@ -60,9 +100,16 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
 
     profile_steps.main(["--out", str(tmp_path), "--device", "cpu", "--model", "smollm2-135m", "--modes",
                         "default,int8,deterministic", "--batches", "1", "--context", "4", "--prefill-prompts", "1",
-                        "--prefill-len", "4", "--max-model-len", "32", "--decode-steps", "2"])
+                        "--prefill-len", "4", "--max-model-len", "32", "--decode-steps", "2",
+                        "--mixed-decodes", "2", "--mixed-prefill-tokens", "12", "--mixed-prompt-len", "8",
+                        "--mixed-steps", "2"])
     rec = json.loads((tmp_path / "profile_steps.json").read_text())
     assert set(rec["modes"]) == {"default", "int8", "deterministic"} and "git_commit" in rec
     for mode in rec["modes"].values():
-        assert mode["decode"]["1"]["step_ms"] > 0 and mode["prefill"]["tokens"] == 4
-        assert mode["prefill"]["floors_us"]["gemm"] > 0
+        decode = mode["decode"]["1"]
+        assert decode["step_ms"] > 0 and decode["host"]["steps"] == 2 and decode["host"]["host_busy_us"] > 0
+        assert mode["prefill"]["tokens"] == 4 and mode["prefill"]["floors_us"]["gemm"] > 0
+        mixed = mode["mixed"]
+        # 2 decodes + 12 prompt tokens (an 8-token prompt and a chunk of the next) in every timed step
+        assert mixed["prefill_tokens"] == 12 and mixed["scheduled_tokens"] == 14
+        assert mixed["step_ms"] > 0 and mixed["host"]["steps"] == 2

@@ -8,6 +8,10 @@
   on the same padded batch and on the unpadded one, to bound their difference (bf16).
 - ``decode_step_ms``: the steady-state time of one full engine step (schedule, one forward,
   sample, postprocess) with ``batch_size`` sequences decoding at a given context length.
+- ``graph_replay_ms``: the GPU time of one bucket's graph replayed back to back.
+- ``record_step_timings``: the engine's own ``StepTiming`` of every ``step()`` call, from the outside.
+- ``decoding_batch``: sequences decoding at a given context for the body of a ``with`` (to profile
+  or extend their steps).
 """
 from __future__ import annotations
 
@@ -232,3 +236,64 @@ def graph_replay_ms(runner, batch_size: int, n: int = 50) -> float | None:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
+
+
+class record_step_timings:
+    """Every ``engine.step()`` call's ``StepTiming`` (``engine.last_step``, which the engine
+    fills in on every call), collected from the outside by wrapping the engine's ``step``
+    for the body of the ``with``::
+
+        with record_step_timings(llm.engine) as rec:
+            ...  # drive the engine
+        rec.steps  # one StepTiming per step() call
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.steps: list = []
+
+    def __enter__(self) -> "record_step_timings":
+        engine, orig = self.engine, self.engine.step
+
+        def step():
+            try:
+                return orig()
+            finally:
+                self.steps.append(engine.last_step)  # a fresh object each call: no copy needed
+
+        engine.step = step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.__dict__.pop("step", None)
+
+
+class decoding_batch:
+    """``batch_size`` sequences decoding at about ``context_len`` tokens of context for the
+    body of the ``with`` (the same start as ``decode_step_ms``: prompts added, prefilled,
+    one plain decode step run); on exit they are aborted. Each may generate ``max_tokens``
+    tokens in all, so the body may run that many steps less the two of the setup. The ids
+    of their requests are in ``.ids``."""
+
+    def __init__(self, llm, batch_size: int, context_len: int, max_tokens: int, vocab_size: int | None = None,
+                 seed: int = 0) -> None:
+        self.engine = llm.engine
+        self.batch_size, self.context_len, self.max_tokens = batch_size, context_len, max_tokens
+        self.vocab_size = vocab_size or self.engine.model_config.vocab_size
+        self.seed = seed
+        self.ids: list[str] = []
+
+    def __enter__(self) -> "decoding_batch":
+        engine = self.engine
+        gen = torch.Generator().manual_seed(self.seed)
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
+        self.ids = [f"decoding-{self.batch_size}-{i}-{time.monotonic_ns()}" for i in range(self.batch_size)]
+        for rid in self.ids:
+            engine.add_request(rid, _random_ids(gen, self.context_len, self.vocab_size, 0), params)
+        while any(s.num_output_tokens == 0 for r in self.ids if r in engine.requests for s in engine.requests[r].seqs):
+            engine.step()
+        engine.step()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.abort_request(self.ids)

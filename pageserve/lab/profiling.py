@@ -10,6 +10,10 @@ Issue 14 asks for a table per phase of a workload: measured, floor, fraction. Th
 - ``linear_flops`` / ``prefill_attention_flops`` / ``decode_bytes``: what a prefill of T tokens
   must compute and a decode step must read, from the model's shape (a ``ModelConfig``), to divide by the
   measured TFLOP/s and GB/s (``kernel_bench.ceilings.measure_ceilings``).
+- ``idle_us`` / ``decode_gaps`` / ``gpu_idle_fraction``: how much of a step's wall time no
+  kernel covers: inside a decode graph's replay, outside it (sampling, input copies, host
+  work not hidden), or in an eager step.
+- ``mean_step_timing``: the engine's own per-``step()`` host timings (``StepTiming``), averaged.
 
 ``scripts/profile_steps.py`` puts them together on the GPU (stage ``profile_steps`` of
 scripts/h200_run.sh); everything here but ``profile_kernels`` is plain arithmetic, tested on
@@ -126,3 +130,61 @@ def phase_rows(categories_us: dict[str, float], floors_us: dict[str, float]) -> 
         rows.append({"phase": cat, "measured_us": us, "floor_us": floor,
                      "fraction": (floor / us) if floor else None})
     return sorted(rows, key=lambda r: -r["measured_us"])
+
+
+def idle_us(wall_us: float, kernel_us: float) -> tuple[float, bool]:
+    """Time in a span that no kernel covers: ``wall - kernels`` (µs), clamped at 0, and
+    whether the kernels' summed durations exceed the wall. They can: with programmatic
+    dependent launch a kernel starts before its predecessor ends, so durations overlap
+    and the true gap is unknown (not zero) when the flag is set."""
+    return max(0.0, wall_us - kernel_us), kernel_us > wall_us
+
+
+def decode_gaps(step_ms: float, replay_ms: float, graph_kernel_us: float,
+                step_kernel_us: float | None = None) -> dict:
+    """Where a graphed decode step's wall time goes beyond its graph's kernels, in µs.
+
+    - ``in_graph_gap_us``: one replay's time minus its kernels' sum: idle between kernels
+      inside the graph (``idle_us``: clamped, ``kernels_overlap`` when the sum is larger);
+    - ``outside_graph_us``: the engine step minus one replay: sampling, input copies and host
+      work the async scheduling did not hide. Signed: the two are timed in different runs,
+      so a small negative value is noise;
+    - with ``step_kernel_us`` (every kernel of one engine step): ``outside_graph_kernel_us``,
+      the kernels launched outside the graph, and ``outside_graph_idle_us``, the rest of
+      ``outside_graph_us`` (signed likewise)."""
+    gap, overlap = idle_us(1e3 * replay_ms, graph_kernel_us)
+    outside = 1e3 * (step_ms - replay_ms)
+    out = {"in_graph_gap_us": gap, "kernels_overlap": overlap, "outside_graph_us": outside}
+    if step_kernel_us is not None:
+        out_kernels = step_kernel_us - graph_kernel_us
+        out.update(outside_graph_kernel_us=out_kernels, outside_graph_idle_us=outside - out_kernels)
+    return out
+
+
+def gpu_idle_fraction(kernel_us: float, wall_ms: float) -> float:
+    """``1 - kernels / wall``: the share of a step's wall time with no kernel running,
+    clamped at 0 (overlapping kernels can sum to more than the wall; see ``idle_us``)."""
+    return max(0.0, 1.0 - kernel_us / (1e3 * wall_ms))
+
+
+STEP_TIMING_FIELDS = ("total", "sched", "launch", "wait", "post")
+
+
+def mean_step_timing(timings: Iterable) -> dict[str, float]:
+    """Means over ``engine.step()`` calls of their ``StepTiming`` (``engine.last_step``), in µs:
+    ``total_us`` (the call's wall time), ``sched_us`` (``Scheduler.schedule``), ``launch_us``
+    (the runner's ``execute``: input preparation, the host->device copy, the graph or kernel
+    launches, the sampler's launches), ``wait_us`` (blocked on the device for the landed
+    step's tokens), ``post_us`` (appending tokens, stop checks, outputs) and ``host_busy_us``
+    = total - wait: the host's own work per call. Under async scheduling the device runs the
+    next step during that work, so the host is hidden while ``wait_us`` stays above zero.
+    ``steps``: how many calls; an empty input gives ``{"steps": 0}``."""
+    timings = list(timings)
+    if not timings:
+        return {"steps": 0}
+    n = len(timings)
+    out: dict[str, float] = {"steps": n}
+    for f in STEP_TIMING_FIELDS:
+        out[f"{f}_us"] = 1e6 * sum(getattr(t, f"{f}_s") for t in timings) / n
+    out["host_busy_us"] = out["total_us"] - out["wait_us"]
+    return out
