@@ -270,8 +270,8 @@ def test_int8_large_m_is_validated_and_reaches_tritonops_through_triton_options(
 
     with pytest.raises(ValueError, match="int8_large_m"):
         TritonOps(int8_large_m="bogus")
-    assert TritonOps().int8_large_m == "chunked"
-    assert select_ops(True, torch.device(DEVICE), {"int8_large_m": "dequant"}).int8_large_m == "dequant"
+    assert TritonOps().int8_large_m == "dequant"  # chunked measured slower on the H200 (NOTES.md)
+    assert select_ops(True, torch.device(DEVICE), {"int8_large_m": "chunked"}).int8_large_m == "chunked"
     with pytest.raises(ValueError, match="triton_options"):
         select_ops(True, torch.device(DEVICE), {"int8_large_m": "bogus"})
 

@@ -59,10 +59,12 @@ class TritonOps(TorchOps):
     cuBLAS above (prefill chunks: compute-bound). On the H200 at cceced8 the unsplit GEMM lost to
     dequantize + cuBLAS from M = 64 up (128 vs 118 us a layer; 280 vs 136 at 256), so by default
     ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
-    ``int8_large_m``: how dequantize + cuBLAS runs. ``"chunked"``: ``linear_int8_chunked``, the weight
-    dequantized ~8 MiB of rows at a time into one scratch that stays in L2, cuBLAS on each slice (HBM
-    reads only the int8 weight); ``"dequant"``: the whole float weight written once per call, then one
-    cuBLAS product (the A/B reference: at batch 256 on the H200 its dequant kernel took 2.16 of a 7.8 ms step).
+    ``int8_large_m``: how dequantize + cuBLAS runs. ``"dequant"`` (default): the whole float weight
+    written once per call, then one cuBLAS product (at batch 256 on the H200 its dequant kernel took
+    2.16 of a 7.8 ms step). ``"chunked"``: ``linear_int8_chunked``, the weight dequantized ~8 MiB of
+    rows at a time into one reused scratch meant to stay in L2, cuBLAS on each slice — measured
+    slower on the H200 at every M (06b at c20c22f2, a layer: 270 vs 180 us at M = 512, 602 vs 463 at
+    2,048; int8 W1 0.69x bf16's vs 0.90x), kept as the A/B of that negative result (NOTES.md).
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
     """
@@ -74,7 +76,7 @@ class TritonOps(TorchOps):
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
-                 int8_gemv_max_m: int = 64, int8_large_m: str = "chunked") -> None:
+                 int8_gemv_max_m: int = 64, int8_large_m: str = "dequant") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
