@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests dettests detbench profile_steps prefill_sweep 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests dettests detbench profile_steps prefill_sweep timeline int8tests 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -36,7 +36,7 @@ for st in $stages; do
   s=${st%%:*}; t=${st##*:}
   case $s in
     tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
-             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py tests/test_int8.py > "$RES/gpu_tests.log" 2>&1
+             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1
            echo "tests rc=$? ($(grep -cE "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu_tests.log") named results in gpu_tests.log/.xml)"; tail -n 15 "$RES/gpu_tests.log" ;;
     switches) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts switches --skip-checks \
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
@@ -49,6 +49,10 @@ for st in $stages; do
                 echo "attn_sweep rc=$?"; tail -n 25 "$RES/decode_attn_sweep.log" ;;
     prefill_sweep) timeout "$t" python3 scripts/prefill_attn_sweep.py --out "$RES/diagnostics" ${PREFILL_SWEEP_ARGS:-} \
                      > "$RES/prefill_attn_sweep.log" 2>&1; echo "prefill_sweep rc=$?"; tail -n 16 "$RES/prefill_attn_sweep.log" ;;
+    timeline) timeout "$t" python3 scripts/step_timeline.py --out "$RES/diagnostics" ${TIMELINE_ARGS:-} > "$RES/step_timeline.log" 2>&1
+              echo "timeline rc=$?"; tail -n 8 "$RES/step_timeline.log" ;;
+    int8tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_int8_tests.xml" tests/test_int8.py \
+                 > "$RES/gpu_int8_tests.log" 2>&1; echo "int8tests rc=$?"; tail -n 5 "$RES/gpu_int8_tests.log" ;;
     profile) timeout "$t" python3 scripts/profile_decode.py --out "$RES" > "$RES/profile_decode.log" 2>&1
                 echo "profile rc=$?"; tail -n 70 "$RES/profile_decode.log" ;;
     01) run_nb "$t" 01_naive_generation $Q3B -p DTYPE bfloat16 -p PARITY_PROMPTS 8 -p PARITY_STEPS 64 -y "REAL_BF16_MODEL: null" \

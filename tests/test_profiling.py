@@ -113,3 +113,24 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
         # 2 decodes + 12 prompt tokens (an 8-token prompt and a chunk of the next) in every timed step
         assert mixed["prefill_tokens"] == 12 and mixed["scheduled_tokens"] == 14
         assert mixed["step_ms"] > 0 and mixed["host"]["steps"] == 2
+
+
+def test_step_timeline_splits_each_step_and_the_idle_between_steps_on_the_gpu_clock():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import step_timeline
+
+    class Ev:  # a completed CUDA event at time t (ms)
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, later):
+            return later.t - self.t
+
+    # step 1: copies 0.1 ms, replay 6.8, sampler 0.1; the GPU then waits 2.2 ms for step 2
+    marks = [(Ev(0.0), Ev(0.1), Ev(6.9), Ev(7.0)), (Ev(9.2), Ev(9.25), Ev(16.05), Ev(16.1))]
+    parts = step_timeline.gpu_parts(marks)
+    assert parts["copy_us"] == pytest.approx([100, 50]) and parts["replay_us"] == pytest.approx([6800, 6800])
+    assert parts["sample_us"] == pytest.approx([100, 50]) and parts["idle_us"] == pytest.approx([2200])

@@ -1,0 +1,127 @@
+"""Where a large decode batch's step goes on the GPU's own clock: profile_steps measured the
+engine's b512 step at 9.19 ms against 6.86 ms of back-to-back replays of the same graph
+(results/h200/diagnostics/profile_steps_host_c20c22f2.json). This puts CUDA events around each
+step's parts in the running engine and reads, per step:
+
+- ``copy_us``: the step's input copies (start of ``runner.execute`` to the graph's replay);
+- ``replay_us``: the graph replay as the engine runs it;
+- ``sample_us``: the sampler and the token copy (replay end to the end of ``execute``);
+- ``idle_us``: from the end of one step's work to the start of the next one's on the GPU — time
+  in which no work of the engine was queued (the host had not launched the next step yet).
+
+    python scripts/step_timeline.py --out DIR [--batches 64,256,512] [--context 512] [--steps 32]
+
+Writes DIR/step_timeline.json (with the commit): per batch the medians of the four, their
+per-step lists, and ``engine_step_ms`` (wall) for the same steps. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pageserve.engine.llm import LLM
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.lab import bench
+from pageserve.lab.bench import _random_ids
+from pageserve.lab.results import provenance
+
+
+def gpu_parts(marks: list[tuple]) -> dict:
+    """``marks``: per step (start, replay_start, replay_end, end) CUDA events, completed.
+    Returns per-part lists in us; idle is between one step's end and the next one's start."""
+    parts: dict[str, list[float]] = {"copy_us": [], "replay_us": [], "sample_us": [], "idle_us": []}
+    for i, (s, r0, r1, e) in enumerate(marks):
+        parts["copy_us"].append(1e3 * s.elapsed_time(r0))
+        parts["replay_us"].append(1e3 * r0.elapsed_time(r1))
+        parts["sample_us"].append(1e3 * r1.elapsed_time(e))
+        if i:
+            parts["idle_us"].append(1e3 * marks[i - 1][3].elapsed_time(s))
+    return parts
+
+
+def timeline(llm, batch: int, context: int, steps: int) -> dict:
+    engine, runner = llm.engine, llm.engine.runner
+    graphs = runner.graphs
+    if graphs is None or not graphs.graphs:
+        raise RuntimeError("no CUDA graphs captured: nothing to time")
+    gen = torch.Generator().manual_seed(batch)
+    vocab = bench.prompt_vocab_size(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    ids = [f"tl-{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, _random_ids(gen, context, vocab, 0), params)
+    while any(s.num_output_tokens == 0 for r in ids if r in engine.requests for s in engine.requests[r].seqs):
+        engine.step()
+    for _ in range(2):
+        engine.step()
+
+    marks: list[list] = []
+    run, execute = graphs.run, runner.execute
+
+    def ev():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def timed_execute(*a, **k):
+        mark = [ev(), None, None, None]
+        marks.append(mark)
+        out = execute(*a, **k)
+        mark[3] = ev()
+        return out
+
+    def timed_run(*a, **k):
+        marks[-1][1] = ev()
+        out = run(*a, **k)
+        marks[-1][2] = ev()
+        return out
+
+    runner.execute, graphs.run = timed_execute, timed_run
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+    finally:
+        del runner.execute, graphs.run  # back to the class's methods
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    complete = [m for m in marks if all(x is not None for x in m)]
+    parts = gpu_parts(complete)
+    return {"engine_step_ms": wall_ms, "steps": len(complete),
+            **{k + "_median": statistics.median(v) for k, v in parts.items() if v}, "per_step": parts}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="qwen2.5-3b")
+    ap.add_argument("--batches", default="64,256,512")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, max_num_seqs=max(batches), max_model_len=2048)
+    bench.warmup(llm, bench.prompt_vocab_size(llm))
+    record = {**provenance(), "model": args.model, "context": args.context, "batches": {}}
+    for b in batches:
+        rec = timeline(llm, b, args.context, args.steps)
+        record["batches"][str(b)] = rec
+        print(f"b{b}: engine step {rec['engine_step_ms']:.3f} ms; GPU per step (median us): copy "
+              f"{rec.get('copy_us_median', 0):.0f}, replay {rec.get('replay_us_median', 0):.0f}, sample "
+              f"{rec.get('sample_us_median', 0):.0f}, idle before the next {rec.get('idle_us_median', 0):.0f}",
+              flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "step_timeline.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
