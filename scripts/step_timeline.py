@@ -28,6 +28,7 @@ from pageserve.engine.llm import LLM
 from pageserve.engine.sampling_params import SamplingParams
 from pageserve.lab import bench
 from pageserve.lab.bench import _random_ids
+from pageserve.lab.decode_bench import prefill_steps
 from pageserve.lab.results import provenance
 
 
@@ -51,7 +52,8 @@ def timeline(llm, batch: int, context: int, steps: int) -> dict:
         raise RuntimeError("no CUDA graphs captured: nothing to time")
     gen = torch.Generator().manual_seed(batch)
     vocab = bench.prompt_vocab_size(llm)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16 + prefill_steps(engine, batch, context),
+                            ignore_eos=True)
     ids = [f"tl-{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, _random_ids(gen, context, vocab, 0), params)

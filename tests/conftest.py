@@ -16,10 +16,13 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (real weights, from the default model's GGUF) in fp32 on the
-    CPU, as a ``pageserve.model.loader.LoadedModel`` (model, config, tokenizer, source)."""
+    CPU, as a ``pageserve.model.loader.LoadedModel`` (model, config, tokenizer, source).
+    ``$PAGESERVE_TEST_MODEL``: a local copy of that GGUF (the GPU machine has no package index
+    to fetch it from; scripts/h200_run.sh points it at the carried one)."""
     from pageserve.model.loader import load_model
 
-    return load_model("smollm2-135m-instruct", device="cpu", dtype="float32")
+    return load_model(os.environ.get("PAGESERVE_TEST_MODEL") or "smollm2-135m-instruct", device="cpu",
+                      dtype="float32")
 
 
 @pytest.fixture(scope="session")

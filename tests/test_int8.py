@@ -218,7 +218,8 @@ def test_int8_configs_parse_from_their_json_form_and_the_tuned_entry_wins():
 
 # ------------------------------------------------------------------------------------------ the decoder
 def _tiny_pair(cfg, seed=3):
-    """A float decoder whose linears hold the dequantized int8 weights, and its int8 twin."""
+    """A float decoder whose linears hold the dequantized int8 weights, and its int8 twin (on
+    DEVICE: on a GPU machine the Triton ops want CUDA tensors)."""
     qmodel = Decoder(cfg)
     qmodel.init_dummy_weights(seed=seed, std=0.3)
     quantize_model(qmodel.eval(), "int8")
@@ -229,7 +230,7 @@ def _tiny_pair(cfg, seed=3):
         for (name, m) in qmodel.named_modules():
             if isinstance(m, QuantizedLinear):
                 fmodel.get_submodule(name).weight.copy_(m.weight.dequantize())
-    return fmodel.eval().requires_grad_(False), qmodel.requires_grad_(False)
+    return fmodel.eval().requires_grad_(False).to(DEVICE), qmodel.requires_grad_(False).to(DEVICE)
 
 
 def test_quantize_model_replaces_exactly_the_four_projections_of_every_layer(tiny_qwen2_config):
