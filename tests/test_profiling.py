@@ -134,3 +134,24 @@ def test_step_timeline_splits_each_step_and_the_idle_between_steps_on_the_gpu_cl
     parts = step_timeline.gpu_parts(marks)
     assert parts["copy_us"] == pytest.approx([100, 50]) and parts["replay_us"] == pytest.approx([6800, 6800])
     assert parts["sample_us"] == pytest.approx([100, 50]) and parts["idle_us"] == pytest.approx([2200])
+
+
+def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import w1_profile
+
+    class Ev:
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, later):
+            return later.t - self.t
+
+    # an eager mixed step (80 ms), the GPU idle 6 ms, a graphed decode (9 ms), idle 0, another decode
+    marks = [(Ev(0), Ev(80), False), (Ev(86), Ev(95), True), (Ev(95), Ev(104), True)]
+    split = w1_profile.idle_split(marks)
+    assert split["eager"] == {"steps": 1, "gpu_ms": 80, "idle_before_ms": 0.0}
+    assert split["decode"] == {"steps": 2, "gpu_ms": 18, "idle_before_ms": 6}

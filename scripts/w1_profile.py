@@ -1,0 +1,137 @@
+"""Where W1's wall time goes on the GPU's clock and on the host's: two passes of W1 through one
+engine (after a W1-shaped warm-up), the engine's defaults.
+
+1. CUDA events around every ``runner.execute`` (its input copies, forward, sampler): per step
+   its GPU time and the GPU's idle time before it (no engine work queued: the host was late),
+   split by step kind (graphed decode / eager mixed or prefill). W1's wall time = the steps'
+   GPU time + the idle.
+2. cProfile over the whole W1 (host hot spots; the profiler slows the host, so this pass's
+   wall time is not W1's): the functions with the most own time and the most cumulative time.
+   A host sync inside a launch shows up as a C function (``synchronize``, ``item``, ``tolist``,
+   a copy) with wall time near the GPU's.
+
+    python scripts/w1_profile.py --out DIR [--requests 500] [--top 40]
+
+Writes DIR/w1_profile.json (with the commit) and prints a summary. GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from pageserve.engine.llm import LLM
+from pageserve.lab import bench
+from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
+from pageserve.lab.results import provenance
+from pageserve.lab.workloads import w1_workload
+
+
+def idle_split(marks: list[tuple]) -> dict:
+    """``marks``: per step (start event, end event, graphed) in launch order, completed.
+    Returns per kind ("decode" graphed, "eager" otherwise): steps, GPU ms of the steps, and
+    idle ms before them (the first step's idle is not counted)."""
+    out = {k: {"steps": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0} for k in ("decode", "eager")}
+    for i, (s, e, graphed) in enumerate(marks):
+        row = out["decode" if graphed else "eager"]
+        row["steps"] += 1
+        row["gpu_ms"] += s.elapsed_time(e)
+        if i:
+            row["idle_before_ms"] += marks[i - 1][1].elapsed_time(s)
+    return out
+
+
+def events_pass(llm, workload) -> dict:
+    runner = llm.engine.runner
+    execute, graphs = runner.execute, runner.graphs
+    marks: list[list] = []
+    graphed = [False]
+
+    def ev():
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def timed_execute(*a, **k):
+        graphed[0] = False
+        start = ev()
+        out = execute(*a, **k)
+        marks.append([start, ev(), graphed[0]])
+        return out
+
+    run = graphs.run if graphs is not None else None
+
+    def timed_run(*a, **k):
+        graphed[0] = True
+        return run(*a, **k)
+
+    runner.execute = timed_execute
+    if graphs is not None:
+        graphs.run = timed_run
+    try:
+        bench.synchronize()
+        t0 = time.perf_counter()
+        r = bench.run_pageserve(llm, workload)
+        bench.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        del runner.execute
+        if graphs is not None:
+            del graphs.run
+    split = idle_split(marks)
+    return {"wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
+            "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
+            "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3}
+
+
+def cprofile_pass(llm, workload, top: int) -> dict:
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    bench.run_pageserve(llm, workload)
+    bench.synchronize()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    rows = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        rows[key] = buf.getvalue().splitlines()
+    return {"wall_s_under_profiler": wall, "top": rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="qwen2.5-3b")
+    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--top", type=int, default=40)
+    args = ap.parse_args(argv)
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0)
+    vocab = workload_vocab(args.model)
+    bench.run_pageserve(llm, warmup_workload(WorkloadSpec("w1", {}), vocab, num_requests=32))
+    w = w1_workload(vocab, num_requests=args.requests)
+    rec = {**provenance(), "model": args.model, "requests": args.requests,
+           "max_num_seqs": llm.engine.config.max_num_seqs, "events": events_pass(llm, w)}
+    e = rec["events"]
+    print(f"W1 {e['total_tok_s']:.0f} tok/s, wall {e['wall_s']:.3f} s = GPU {e['gpu_s']:.3f} + idle {e['idle_s']:.3f} s",
+          flush=True)
+    for kind, v in e["kinds"].items():
+        print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms",
+              flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "w1_profile.json"
+    path.write_text(json.dumps(rec, indent=1))
+    rec["cprofile"] = cprofile_pass(llm, w1_workload(vocab, num_requests=args.requests, seed=1), args.top)
+    print("\n".join(rec["cprofile"]["top"]["tottime"][:45]), flush=True)
+    path.write_text(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    main()
