@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests dettests detbench profile_steps prefill_sweep timeline w1prof int8tests 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests dettests detbench profile_steps prefill_sweep timeline w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -38,6 +38,9 @@ for st in $stages; do
     tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
              tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1
            echo "tests rc=$? ($(grep -cE "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu_tests.log") named results in gpu_tests.log/.xml)"; tail -n 15 "$RES/gpu_tests.log" ;;
+    skinny) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES/diagnostics" --parts gemv --skip-checks \
+              --gemv-batches "${SKINNY_MS:-64}" --json kernels_skinny.json > "$RES/skinny.log" 2>&1
+            echo "skinny rc=$?"; grep -E "stack|error" "$RES/skinny.log" | tail -n 12 ;;
     switches) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts switches --skip-checks \
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
     sweep_m1) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts sweep_m1 --skip-checks \

@@ -40,6 +40,8 @@ def main(argv=None) -> int:
                     help=f"comma-separated subset of {','.join(BENCH_PARTS)} (default: all but sweep_m1; "
                          "e.g. --parts switches, --parts sweep_m1)")
     ap.add_argument("--json", default="kernels_bench.json", help="file name under --out (default: %(default)s)")
+    ap.add_argument("--gemv-batches", default="1,4,8",
+                    help="batch sizes M of the gemv part (default %(default)s; e.g. 16,64: the skinny GEMM against cuBLAS)")
     args = ap.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     unknown = set(parts) - set(BENCH_PARTS)
@@ -63,7 +65,8 @@ def main(argv=None) -> int:
         save()
     if cuda and not args.skip_bench:
         tuned: dict = {}
-        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts, tuned=tuned)
+        gemv_batches = tuple(int(m) for m in args.gemv_batches.split(","))
+        record["bench"] = run_benchmarks(tune_gemv=not args.no_tune, parts=parts, tuned=tuned, gemv_batches=gemv_batches)
         record["gemv_tuned_configs"] = {str(k): repr(v) for k, v in tuned.items()}
     save()
 

@@ -109,18 +109,23 @@ def bench_decode_attention(batch=64, ctx=2048, dtype=torch.bfloat16, block_size=
 
 
 def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
+    """The configs ``bench_gemv`` times at batch M. Above 8 rows (the tl.dot tiles of a skinny
+    GEMM: every program re-reads the [M, BLOCK_K] activations for its BLOCK_N weight rows, so at
+    M = 64 wide weight tiles matter) it goes up to 256-row weight tiles and 4 stages."""
     base = gemv_config(M, N, K, sms)
     cands = {base}
-    for bn in (8, 16, 32, 64):
+    skinny = M > 8
+    for bn in (32, 64, 128, 256) if skinny else (8, 16, 32, 64):
         for bk in (256, 512) if M == 1 else (64, 128):
-            if bn * bk > 16384:  # [64, 512] tiles spill registers
+            if bn * bk > (32768 if skinny else 16384):  # [64, 512] tiles spill registers at M = 1
                 continue
             for nw in (4, 8):
                 rows = triton.cdiv(N, bn)
                 for mult in ((2, 4, 8) if M == 1 else (4,)):
                     split = max(1, min(triton.cdiv(mult * sms, rows), K // (2 * bk)))
-                    cands.add(GemvConfig(bn, bk, split, nw, 3))
-    return sorted(cands, key=lambda c: (c.block_n, c.block_k, c.num_warps, c.split_k))
+                    for stages in (3, 4) if skinny and bk == 64 else (3,):
+                        cands.add(GemvConfig(bn, bk, split, nw, stages))
+    return sorted(cands, key=lambda c: (c.block_n, c.block_k, c.num_warps, c.split_k, c.num_stages))
 
 
 def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: float = 256e6,
