@@ -64,6 +64,9 @@ def test_run_benchmarks_runs_the_asked_parts_in_order_and_survives_a_failing_one
     calls.clear()
     run.run_benchmarks(parts=("sweep_m1",))
     assert [c[0] for c in calls] == ["sweep_m1"]
+    calls.clear()
+    run.run_benchmarks(parts=("gemv_int8",), gemv_batches=(64,), tuned={})  # the int8 GEMV only when asked for
+    assert [(c[0], c[1][0], c[2].get("quant")) for c in calls] == [("gemv", 64, True)]
 
 
 def test_decode_split_choices_are_auto_multiples_and_fixed_values_capped():
@@ -163,6 +166,19 @@ def test_bench_gemv_times_gemv_and_torch_alike_and_keeps_the_best():
         assert r[f"gemv_{name}_m1_ms"] > 0 and r[f"cublas_{name}_m1_ms"] > 0
         assert parse_config(r[f"gemv_{name}_m1_config"]) == tuned[config_key(1, N, K)]
     assert r["gemv_stack_m1_ms"] == pytest.approx(36 * r["gemv_qkv_m1_ms"] + r["gemv_lm_head_m1_ms"])
+
+
+def test_bench_gemv_int8_times_the_int8_gemv_against_float_cublas_and_keeps_its_best():
+    from pageserve.kernels.gemv_int8 import int8_config_key
+
+    shapes = {"qkv": (24, 64), "lm_head": (40, 64)}
+    tuned: dict = {}
+    r = sweeps.bench_gemv(16, torch.float32, tune=False, min_bytes=0, shapes=shapes, device="cpu", tuned=tuned,
+                          quant=True)
+    for name, (N, K) in shapes.items():
+        assert r[f"int8gemv_{name}_m16_ms"] > 0 and r[f"cublas_{name}_m16_ms"] > 0
+        assert parse_config(r[f"int8gemv_{name}_m16_config"]) == tuned[int8_config_key(16, N, K)]
+    assert "gemv_stack_m16_ms" not in r and r["int8gemv_stack_m16_vs_cublas"] > 0
 
 
 def test_shipped_device_configs_parse_and_name_real_shapes():

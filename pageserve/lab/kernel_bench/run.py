@@ -13,8 +13,8 @@ from .switches import bench_switches
 from .throughput import bench_elementwise, bench_prefill_attention
 
 
-BENCH_PARTS = ("ceilings", "elementwise", "decode_attn", "prefill_attn", "gemv", "switches", "sweep_m1")
-DEFAULT_PARTS = BENCH_PARTS[:-1]  # sweep_m1 (~2 min of compiles) only when asked for
+BENCH_PARTS = ("ceilings", "elementwise", "decode_attn", "prefill_attn", "gemv", "switches", "sweep_m1", "gemv_int8")
+DEFAULT_PARTS = BENCH_PARTS[:-2]  # sweep_m1 (~2 min of compiles) and the int8 GEMV only when asked for
 
 
 def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1, 4, 8),
@@ -32,10 +32,13 @@ def run_benchmarks(dtype=torch.bfloat16, tune_gemv: bool = True, gemv_batches=(1
              ("decode_attn", lambda: bench_decode_attention(decode_batch, decode_context, dtype)),
              ("prefill_attn", lambda: bench_prefill_attention(dtype))]
     table += [(f"gemv_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv, tuned=tuned)) for m in gemv_batches]
+    table += [(f"gemv_int8_m{m}", lambda m=m: bench_gemv(m, dtype, tune_gemv, tuned=tuned, quant=True))
+              for m in gemv_batches]
     table += [("switches", lambda: bench_switches(dtype, configs=tuned)),
               ("sweep_m1", lambda: sweep_gemv_m1(dtype, tuned=tuned))]
     for part, fn in table:
-        if ("gemv" if part.startswith("gemv_m") else part) not in parts:
+        name = "gemv_int8" if part.startswith("gemv_int8_m") else "gemv" if part.startswith("gemv_m") else part
+        if name not in parts:
             continue
         try:
             figures.update(fn())

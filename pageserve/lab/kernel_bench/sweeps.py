@@ -129,26 +129,37 @@ def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
 
 
 def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: float = 256e6,
-               shapes: dict = GEMV_SHAPES, device: str = "cuda", tuned: dict | None = None) -> dict:
+               shapes: dict = GEMV_SHAPES, device: str = "cuda", tuned: dict | None = None,
+               quant: bool = False) -> dict:
     """Each 3B linear at batch M: the GEMV (tuned over ``gemv_candidates``, best kept in
     into ``tuned`` under ``config_key`` when given) against torch.nn.functional.linear (cuBLAS). Both timed the same way: calls
     back to back in a CUDA graph (``timed_ms``), each call on the next of ``weight_copies``
-    so the weights stream from HBM as they do in a decode step."""
+    so the weights stream from HBM as they do in a decode step. ``quant``: the int8 GEMV
+    (``gemv_int8`` on per-channel int8 copies of the weights, figures ``int8gemv_*``, bests under
+    ``int8_config_key``) against cuBLAS on the float weights, the speed an int8 step must beat."""
+    from ...kernels.gemv_int8 import gemv_int8, int8_config_key
+    from ...kernels.reference import quantize_int8
+
     es = torch.tensor([], dtype=dtype).element_size()
+    prefix = "int8gemv" if quant else "gemv"
     g = torch.Generator(device=device).manual_seed(0)
     sms = sm_count_for(torch.empty(1, device=device))
     r: dict = {}
     stack_gemv = stack_cublas = 0.0
     for name, (N, K) in shapes.items():
-        key = f"gemv_{name}_m{M}"
+        key = f"{prefix}_{name}_m{M}"
         ws = weight_copies(N, K, dtype, g, min_bytes)
+        qs = [quantize_int8(w) for w in ws] if quant else None
         calls = max(8, len(ws))
         x = torch.randn(M, K, device=device, dtype=dtype, generator=g)
         b = torch.randn(N, device=device, dtype=dtype, generator=g) if name == "qkv" else None
         out = torch.empty(M, N, device=device, dtype=dtype)
         nbytes = (N * K + M * K + M * N + (N if b is not None else 0)) * es
+        qbytes = N * K + (N + M * K + M * N + (N if b is not None else 0)) * es
 
         def run(cfg):
+            if quant:
+                return lambda i: gemv_int8(x, *qs[i % len(qs)], b, config=cfg, out=out)
             return lambda i: gemv(x, ws[i % len(ws)], b, config=cfg, out=out)
 
         t_cublas = timed_ms(r, f"cublas_{name}_m{M}",
@@ -164,9 +175,9 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
             raise RuntimeError(f"{key}: no GEMV config ran (last error: {r.get(f'{key}_cfg_error')})")
         best_cfg = min(timed, key=timed.get)
         if tuned is not None:
-            tuned[config_key(M, N, K)] = best_cfg
+            tuned[int8_config_key(M, N, K) if quant else config_key(M, N, K)] = best_cfg
         t_gemv = timed_ms(r, key, run(best_cfg), calls)
-        r[f"{key}_ms"], r[f"{key}_gbps"] = t_gemv, gbps(nbytes, t_gemv)
+        r[f"{key}_ms"], r[f"{key}_gbps"] = t_gemv, gbps(qbytes if quant else nbytes, t_gemv)
         if heuristic in timed:
             r[f"{key}_heuristic_ms"] = timed[heuristic]
         r[f"cublas_{name}_m{M}_ms"], r[f"cublas_{name}_m{M}_gbps"] = t_cublas, gbps(nbytes, t_cublas)
@@ -175,10 +186,10 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
         reps = 1 if name == "lm_head" else LAYERS
         stack_gemv += reps * t_gemv
         stack_cublas += reps * t_cublas
-        del ws
-    r[f"gemv_stack_m{M}_ms"] = stack_gemv  # 36 layers of qkv+o+gate_up+down, plus lm_head
+        del ws, qs
+    r[f"{prefix}_stack_m{M}_ms"] = stack_gemv  # 36 layers of qkv+o+gate_up+down, plus lm_head
     r[f"cublas_stack_m{M}_ms"] = stack_cublas
-    r[f"gemv_stack_m{M}_vs_cublas"] = stack_cublas / stack_gemv
+    r[f"{prefix}_stack_m{M}_vs_cublas"] = stack_cublas / stack_gemv
     return r
 
 
