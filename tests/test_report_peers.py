@@ -50,3 +50,18 @@ def test_installed_version_reads_the_distribution_and_says_none_when_absent():
 
     assert installed_version("torch") == metadata.version("torch")
     assert installed_version("no-such-package-pageserve") is None
+
+
+def test_the_throughput_record_gets_its_own_table_linked_to_its_own_notebook(tmp_path):
+    params = {"MODEL": "qwen2.5-3b", "engine_dtype": "bfloat16", "vllm_version": "0.26.0", "PAGESERVE_ARGS": {},
+              "CACHED_WORKLOADS": []}
+    write_figures("08_benchmarks", {"MODEL": "qwen2.5-3b"}, {"w1_total_tok_s.pageserve": 70000.0,
+                                                             "w1_total_tok_s.vllm": 65000.0}, tmp_path / "h200")
+    write_figures("08_throughput", params, {"w1_total_tok_s.pageserve": 74000.0, "w1_total_tok_s.vllm": 60000.0},
+                  tmp_path / "h200")
+    out = report.render(tmp_path)
+    assert out.count("| workload | `pageserve` | `vllm` | pageserve / vLLM |") == 2
+    assert "both engines on their defaults" in out and "pageserve on its defaults" in out
+    assert "prefix caching off in both engines" in out and "HF peers" not in out
+    assert "(results/h200/08_throughput.ipynb)" in out and "(results/h200/08_benchmarks.ipynb)" in out
+    assert "| W1 total tok/s (500 × 512 → 256) | 74,000.0 | 60,000.0 | 1.233 |" in out

@@ -169,12 +169,15 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, QUANT: tl.constexpr,
     MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, W_VEC: tl.constexpr = 0,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
     scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
     the partials' sum); without it ``scale_ptr`` is unused. MAGIC (with QUANT): int8 tiles are
-    converted by exponent tricks (``_int8_to_f32``, ``_int8_to``) instead of the conversion unit."""
+    converted by exponent tricks (``_int8_to_f32``, ``_int8_to``) instead of the conversion unit.
+    W_VEC (M = 1; ``weight_vector``): the weight tile is read W_VEC elements a thread, x's vector
+    width, so its layout is x's and the product needs no shared-memory shuffle (0: the compiler's
+    choice, which for int8 is 16 a thread against bf16 x's 8: scripts/gemv_sass.py)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,7 +198,11 @@ def _gemv_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
-        w = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if W_VEC > 0 and BLOCK_M == 1:
+            kw = tl.max_contiguous(k, W_VEC)  # true (k is contiguous over BLOCK_K), and caps the vector at W_VEC
+        else:
+            kw = k
+        w = tl.load(w_rows + kw[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
         if BLOCK_M == 1:  # x: [BLOCK_K]
             if QUANT:
@@ -308,12 +315,22 @@ def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvCon
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4)
 
 
+def weight_vector(x_elem_size: int, quant: bool, match_x: bool = True) -> int:
+    """The M = 1 GEMV's ``W_VEC``: int8 weights read in x's 16-byte vector width (8 elements for
+    bf16/fp16 x, 4 for fp32), so the weight tile and x share one register layout. 0 (the
+    compiler's 16-byte int8 vectors) for float weights, which already match, and when
+    ``match_x`` is False (the A/B: at ca551bec that layout cost 2 STS.128, 4 LDS.128 and 4
+    BAR.SYNC a K-loop trip, and the int8 GEMV streamed at 2.36 TB/s; scripts/gemv_sass.py)."""
+    return 16 // x_elem_size if quant and match_x else 0
+
+
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                 out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
-                magic: bool = True) -> torch.Tensor:
+                magic: bool = True, match_x: bool = True) -> torch.Tensor:
     """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
     (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``; ``magic``: its int8 to
-    fp32 conversion by ``_int8_to_f32``'s exponent trick, else the plain conversion)."""
+    fp32 conversion by ``_int8_to_f32``'s exponent trick, else the plain conversion; ``match_x``:
+    int8 read in x's vector width at M = 1, ``weight_vector``)."""
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
@@ -331,6 +348,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         MAGIC=magic and scale is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if M == 1 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:

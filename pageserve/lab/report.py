@@ -92,20 +92,24 @@ def _settings_note(params: dict, figs: dict) -> str:
     slice, and whether vLLM's serving figures came from its HTTP server or its engine alone."""
     notes = []
     if "CACHED_WORKLOADS" in params:
-        cached = ", ".join(params["CACHED_WORKLOADS"]) or "none"
-        notes.append(f"prefix caching on for {cached} and off for the other workloads, in both engines")
+        cached = ", ".join(params["CACHED_WORKLOADS"])
+        notes.append(f"prefix caching on for {cached} and off for the other workloads, in both engines" if cached
+                     else "prefix caching off in both engines")
     for name, key in (("pageserve", "PAGESERVE_ARGS"), ("vLLM", "VLLM_ARGS")):
         if isinstance(params.get(key), dict) and "enable_prefix_caching" in params[key]:
             notes.append(f"{name} prefix caching {'on' if params[key]['enable_prefix_caching'] else 'off'}")
-    if params.get("HF_W1_NUM_REQUESTS"):
+    if params.get("PAGESERVE_ARGS") == {}:
+        notes.append("pageserve on its defaults")
+    if params.get("HF_W1_NUM_REQUESTS") and any(k.endswith((".hf_generate", ".hf_generate_batch")) for k in figs):
         notes.append(f"the HF peers ran W1's first {params['HF_W1_NUM_REQUESTS']} requests")
     if figs.get("serve.vllm.engine_level"):
         notes.append("vLLM's serving sweep is engine-level (AsyncLLM, no HTTP)")
     return ("; " + ", ".join(notes)) if notes else ""
 
 
-def render_peers(rec: dict, hardware: str) -> str:
-    """The 08 record as one table: rows are workloads, columns engines, and pageserve / vLLM."""
+def render_peers(rec: dict, hardware: str, title: str = "pageserve against its peers") -> str:
+    """An 08 record as one table: rows are workloads, columns engines, and pageserve / vLLM.
+    ``title`` opens the caption (the 08_throughput record: issue 14's comparison on defaults)."""
     figs, params = rec["figures"], rec.get("parameters", {})
     engines = [e for e in PEER_ENGINES if any(f"{k}.{e}" in figs for k, _ in PEER_ROWS)]
     if not engines:
@@ -129,10 +133,11 @@ def render_peers(rec: dict, hardware: str) -> str:
     dtype = params.get("engine_dtype") or params.get("DTYPE", "?")
     peers = ", ".join(f"{n} {params[k]}" for n, k in (("vLLM", "vllm_version"), ("transformers", "transformers_version"))
                       if params.get(k))
-    caption = (f"pageserve against its peers on `{hardware}` ({rec['hardware']}), model shape `{params.get('MODEL', '?')}` "
+    caption = (f"{title} on `{hardware}` ({rec['hardware']}), model shape `{params.get('MODEL', '?')}` "
                f"(random weights), {dtype}, {rec['date']}; torch {rec['torch']}" + (f", {peers}" if peers else "")
                + f"; commit `{rec['git_commit'][:10]}`{_provenance_note(rec)} "
-               f"([08](results/{hardware}/08_benchmarks.ipynb)). Each engine in its own process, same requests"
+               f"([{rec.get('notebook', '08_benchmarks')}](results/{hardware}/{rec.get('notebook', '08_benchmarks')}.ipynb)). "
+               "Each engine in its own process, same requests"
                + _settings_note(params, figs)
                + ("; the ratio column divides pageserve's figure by vLLM's (> 1: faster in tok/s rows, slower in "
                   "ms or s rows)" if len(head) > len(engines) + 1 else "") + ".\n")
@@ -177,6 +182,12 @@ def render(results_dir: Path = ROOT / "results") -> str:
     peers = results_dir / "h200" / "08_benchmarks.json"
     if peers.exists():
         table = render_peers(json.loads(peers.read_text()), "h200")
+        if table:
+            lines.append(table)
+    throughput = results_dir / "h200" / "08_throughput.json"  # issue 14's comparison, when it was a run of its own
+    if throughput.exists():
+        table = render_peers(json.loads(throughput.read_text()), "h200",
+                             title="pageserve against vLLM, both engines on their defaults,")
         if table:
             lines.append(table)
     serving = results_dir / "h200" / "08_serving.json"  # the sweep over HTTP, when it was a run of its own

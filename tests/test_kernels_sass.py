@@ -1,0 +1,49 @@
+"""The M = 1 GEMV's K loop, compiled for sm_90 on this machine (no GPU needed): no shared-memory
+shuffle and no barrier in it, int8 weights included (scripts/gemv_sass.py says why it matters)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tools_present() -> bool:
+    try:
+        import triton
+    except ImportError:
+        return False
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists()
+
+
+@pytest.mark.skipif(not _tools_present(), reason="this Triton wheel ships no NVIDIA backend tools")
+def test_gemv_k_loop_has_no_barrier_or_shared_memory_for_bf16_and_int8_weights():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gemv_sass.py"), "--check"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = [ln for ln in p.stdout.splitlines() if "instructions a loop trip" in ln]
+    assert len(lines) == 5 and all("BAR 0, STS 0, LDS 0" in ln for ln in lines), p.stdout
+
+
+def test_int8_gemv_reads_the_same_values_in_either_vector_width():
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from pageserve.kernels.gemv import weight_vector
+    from pageserve.kernels.gemv_int8 import gemv_int8
+    from pageserve.kernels.reference import quantize_int8
+
+    assert weight_vector(2, True) == 8 and weight_vector(4, True) == 4
+    assert weight_vector(2, False) == 0 and weight_vector(2, True, match_x=False) == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 300, generator=g).to(device)
+    q, s = quantize_int8(torch.randn(70, 300, generator=g).to(device))
+    ref = torch.nn.functional.linear(x.double(), (q.double() * s.double()[:, None]))
+    for match_x in (True, False):
+        got = gemv_int8(x, q, s, match_x=match_x)
+        assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5, match_x
