@@ -230,3 +230,17 @@ def test_bench_cli_takes_the_gemv_batches():
         except Exception:  # the summary after the run may want figures the fake did not give
             pass
     assert seen.get("gemv_batches") == (16, 64) and seen.get("parts") == ("gemv",)
+
+
+def test_skinny_m_without_its_own_entry_takes_the_nearest_larger_tuned_m():
+    from pageserve.kernels.gemv import gemv_config
+
+    c16, c64, c1 = GemvConfig(64, 128, 4, 8, 3), GemvConfig(128, 64, 2, 8, 4), GemvConfig(2, 1024, 1, 4, 3, True)
+    configs = {config_key(16, 2048, 2048): c16, config_key(64, 2048, 2048): c64, config_key(1, 2048, 2048): c1}
+    assert gemv_config(16, 2048, 2048, 132, configs=configs) is c16
+    assert gemv_config(32, 2048, 2048, 132, configs=configs) is c64 and gemv_config(48, 2048, 2048, 132, configs=configs) is c64
+    assert gemv_config(12, 2048, 2048, 132, configs=configs) is c16
+    heuristic = gemv_config(4, 2048, 2048, 132)  # at or below 8 rows: only an exact entry, else the heuristic
+    assert gemv_config(4, 2048, 2048, 132, configs=configs) == heuristic
+    assert gemv_config(32, 2560, 2048, 132, configs=configs) == gemv_config(32, 2560, 2048, 132)  # other shape
+    assert gemv_config(32, 2048, 2048, 132, configs=configs, silu_mul=True) is c64  # falls back to the plain entry

@@ -292,9 +292,30 @@ def gemv_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", configs
         tuned = configs.get(config_key(M, N, K, silu_mul))
         if tuned is None:
             tuned = configs.get(config_key(M, N, K))
+        if tuned is None and M > SKINNY_M:  # its own kind's nearest entry first, then the plain one's
+            tuned = nearest_tuned(configs, M, N, K, silu_mul)
+            if tuned is None and silu_mul:
+                tuned = nearest_tuned(configs, M, N, K)
     if tuned is not None and (split_k == "auto" or tuned.split_k == 1):
         return tuned
     return _heuristic_config(M, N, K, sms, split_k)
+
+
+SKINNY_M = 8  # above this many rows the GEMV's tl.dot tiles are a skinny GEMM (sweeps: kernel_bench --gemv-batches)
+
+
+def nearest_tuned(configs: Mapping, M: int, N: int, K: int, silu_mul: bool = False) -> "GemvConfig | None":
+    """For a skinny M (> SKINNY_M) with no entry of its own: the entry of the smallest tuned M' >= M
+    (also > SKINNY_M) for the same (N, K[, silu_mul]) — the decode graphs' buckets (16, 32, 48, 64)
+    then share the configs a sweep measured at a few of them. None if there is none."""
+    best = None
+    for key, cfg in configs.items():
+        if len(key) < 3 or key[1:3] != (N, K) or (len(key) == 4) != silu_mul:
+            continue
+        m = key[0]
+        if SKINNY_M < m and M <= m and (best is None or m < best[0]):
+            best = (m, cfg)
+    return None if best is None else best[1]
 
 
 def _heuristic_config(M: int, N: int, K: int, sms: int, split_k: str) -> GemvConfig:
