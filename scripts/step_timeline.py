@@ -25,10 +25,8 @@ from pathlib import Path
 import torch
 
 from pageserve.engine.llm import LLM
-from pageserve.engine.sampling_params import SamplingParams
 from pageserve.lab import bench
-from pageserve.lab.bench import _random_ids
-from pageserve.lab.decode_bench import prefill_steps
+from pageserve.lab.decode_bench import decoding_batch
 from pageserve.lab.results import provenance
 
 
@@ -46,22 +44,10 @@ def gpu_parts(marks: list[tuple]) -> dict:
 
 
 def timeline(llm, batch: int, context: int, steps: int) -> dict:
-    engine, runner = llm.engine, llm.engine.runner
+    runner = llm.engine.runner
     graphs = runner.graphs
     if graphs is None or not graphs.graphs:
         raise RuntimeError("no CUDA graphs captured: nothing to time")
-    gen = torch.Generator().manual_seed(batch)
-    vocab = bench.prompt_vocab_size(llm)
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 16 + prefill_steps(engine, batch, context),
-                            ignore_eos=True)
-    ids = [f"tl-{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, _random_ids(gen, context, vocab, 0), params)
-    while any(s.num_output_tokens == 0 for r in ids if r in engine.requests for s in engine.requests[r].seqs):
-        engine.step()
-    for _ in range(2):
-        engine.step()
-
     marks: list[list] = []
     run, execute = graphs.run, runner.execute
 
@@ -83,19 +69,21 @@ def timeline(llm, batch: int, context: int, steps: int) -> dict:
         marks[-1][2] = ev()
         return out
 
-    runner.execute, graphs.run = timed_execute, timed_run
-    try:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall_ms = 1e3 * (time.perf_counter() - t0) / steps
-    finally:
-        del runner.execute, graphs.run  # back to the class's methods
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+    with decoding_batch(llm, batch, context, max_tokens=steps + 16, vocab_size=bench.prompt_vocab_size(llm),
+                        seed=batch):
+        llm.engine.step()
+        runner.execute, graphs.run = timed_execute, timed_run
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                llm.engine.step()
+            torch.cuda.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+        finally:
+            del runner.execute, graphs.run  # back to the class's methods
+    while llm.engine.has_unfinished_requests():  # land the aborted batch's step in flight
+        llm.engine.step()
     complete = [m for m in marks if all(x is not None for x in m)]
     parts = gpu_parts(complete)
     return {"engine_step_ms": wall_ms, "steps": len(complete),
