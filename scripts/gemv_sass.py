@@ -38,20 +38,24 @@ CASES = [("bf16 2x1024", False, 2, 1024, 4), ("int8 2x1024", True, 2, 1024, 4), 
          ("int8 1x2048", True, 1, 2048, 4), ("int8 4x1024", True, 4, 1024, 4)]
 
 
-def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: bool = True) -> str:
+def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: bool = True, block_m: int = 1,
+                 swap_ab: bool = False, stages: int = 3) -> str:
+    """SASS of ``_gemv_kernel`` for sm_90: M = 1 (the CUDA-core GEMV) or ``block_m`` > 1 (its tl.dot
+    tiles, split-K on, ``swap_ab`` as ``GemvConfig.swap_ab``)."""
     k = gemv_mod._gemv_kernel
     sig = {n: "i32" for n in ARGS}
     sig.update(x_ptr="*bf16", w_ptr="*i8" if quant else "*bf16", scale_ptr="*bf16", bias_ptr="*bf16",
                out_ptr="*bf16", part_ptr="*fp32")
-    const = dict(HAS_BIAS=False, SPLIT=False, SILU_MUL=False, QUANT=quant, MAGIC=quant, BLOCK_M=1, BLOCK_N=block_n,
-                 BLOCK_K=block_k, USE_DOT=False, DEFER_REDUCE=True, PREC="ieee", UPCAST=False, USE_PDL=False,
-                 W_VEC=gemv_mod.weight_vector(2, quant, match_x))
+    dot = block_m > 1
+    const = dict(HAS_BIAS=False, SPLIT=dot, SILU_MUL=False, QUANT=quant, MAGIC=quant, BLOCK_M=block_m,
+                 BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, DEFER_REDUCE=not dot, PREC="ieee", UPCAST=False,
+                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab)
     sig.update({n: "constexpr" for n in const})
     names = list(k.arg_names)
     aligned = [["tt.divisibility", 16]]
-    attrs = {(names.index(n),): aligned for n in ("x_ptr", "w_ptr", "K", "K_PER_SPLIT", "stride_wn")}
+    attrs = {(names.index(n),): aligned for n in ("x_ptr", "w_ptr", "K", "K_PER_SPLIT", "stride_wn", "stride_xm", "N")}
     src = ASTSource(k, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 3})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
@@ -80,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a K loop has a barrier or shared-memory access")
     ap.add_argument("--old", action="store_true", help="also show the int8 tiles in their own vector width (match_x=False)")
+    ap.add_argument("--dot", action="store_true",
+                    help="also the tl.dot tiles at M = 64 (64 x 128 x 64, 4 warps, 4 stages), plain and swap_ab")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
@@ -96,6 +102,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"{dict(ops.most_common(6))}")
             if match_x and (not loop or ops["BAR"] or ops["STS"] or ops["LDS"]):
                 bad.append(tag)
+    if args.dot:
+        for quant in (False, True):
+            for swap in (False, True):
+                loop = k_loop(compile_sass(quant, 128, 64, 4, block_m=64, swap_ab=swap, stages=4))
+                ops = collections.Counter(o.split(".")[0] for o in loop)
+                print(f"{'int8' if quant else 'bf16'} M=64 64x128x64{' swap_ab' if swap else ''}: {len(loop)} instructions "
+                      f"a loop trip; BAR {ops['BAR']}, STS {ops['STS']}, LDS {ops['LDS']}, LDGSTS {ops['LDGSTS']}, "
+                      f"HGMMA {ops['HGMMA']}, F2FP {ops['F2FP']}")
     if args.check and bad:
         print("shared memory or barriers in the K loop (or no loop found): " + ", ".join(bad), file=sys.stderr)
         return 1

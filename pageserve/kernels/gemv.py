@@ -53,6 +53,10 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
+    # M > 1 on tl.dot: out^T = w @ x^T, the weight tile as the MMA's A (M) side and the batch as its
+    # N side: the converted int8 tile can feed the MMA from registers, and a 64-row MMA is filled
+    # by weight rows instead of padded batch rows (BLOCK_N >= 64 then)
+    swap_ab: bool = False
 
 
 # Tuned configs are a plain mapping config_key(...) -> GemvConfig that the caller owns and passes
@@ -170,6 +174,7 @@ def _gemv_kernel(
     MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, W_VEC: tl.constexpr = 0,
+    SWAP_AB: tl.constexpr = False,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
     scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
@@ -177,7 +182,8 @@ def _gemv_kernel(
     converted by exponent tricks (``_int8_to_f32``, ``_int8_to``) instead of the conversion unit.
     W_VEC (M = 1; ``weight_vector``): the weight tile is read W_VEC elements a thread, x's vector
     width, so its layout is x's and the product needs no shared-memory shuffle (0: the compiler's
-    choice, which for int8 is 16 a thread against bf16 x's 8: scripts/gemv_sass.py)."""
+    choice, which for int8 is 16 a thread against bf16 x's 8: scripts/gemv_sass.py). SWAP_AB (with
+    USE_DOT): the product is accumulated transposed, [BLOCK_N, BLOCK_M] = w @ x^T (``GemvConfig.swap_ab``)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,6 +199,8 @@ def _gemv_kernel(
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         else:
             acc = tl.zeros([BLOCK_N], tl.float32)
+    elif SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -215,9 +223,13 @@ def _gemv_kernel(
                 acc += tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
         elif USE_DOT:
             if QUANT:  # q -> x's dtype is exact (|q| <= 127)
-                acc += mma(x, tl.trans(_int8_to(w, x, UPCAST, MAGIC)), PREC, UPCAST)
+                wt = _int8_to(w, x, UPCAST, MAGIC)
             else:
-                acc += mma(x, tl.trans(w), PREC, UPCAST)
+                wt = w
+            if SWAP_AB:
+                acc += mma(wt, tl.trans(x), PREC, UPCAST)
+            else:
+                acc += mma(x, tl.trans(wt), PREC, UPCAST)
         else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores
             if QUANT:
                 wf = _int8_to_f32(w, MAGIC)
@@ -229,6 +241,8 @@ def _gemv_kernel(
             acc2 = tl.sum(acc, axis=1)[None, :]
         else:
             acc2 = acc[None, :]
+    elif SWAP_AB:
+        acc2 = tl.trans(acc)
     else:
         acc2 = acc
     omask = mmask[:, None] & nmask[None, :]
@@ -370,6 +384,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if M == 1 else 0,
+        SWAP_AB=cfg.swap_ab and use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:

@@ -125,7 +125,9 @@ def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
                     split = max(1, min(triton.cdiv(mult * sms, rows), K // (2 * bk)))
                     for stages in (3, 4) if skinny and bk == 64 else (3,):
                         cands.add(GemvConfig(bn, bk, split, nw, stages))
-    return sorted(cands, key=lambda c: (c.block_n, c.block_k, c.num_warps, c.split_k, c.num_stages))
+                    if skinny and bn == 128 and nw == 4:  # the weights as the MMA's A side (swap_ab)
+                        cands.add(GemvConfig(bn, bk, split, nw, 3, swap_ab=True))
+    return sorted(cands, key=lambda c: (c.block_n, c.block_k, c.num_warps, c.split_k, c.num_stages, c.swap_ab))
 
 
 def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: float = 256e6,
