@@ -19,10 +19,9 @@ the defaults, its KV pool sized from memory and checked to hold every decode bat
   + graph/kernel and sampler launches; it may include waiting for the previous step's
   input copy to leave the pinned staging buffer), ``wait_us`` (blocked on the device), ``post_us``
   (token appends, stop checks, outputs), ``host_busy_us`` = total - wait, ``steps``. The
-  host is hidden behind the device while ``wait_us`` stays well above zero;
-  ``step_kernel_us``: every kernel of one steady engine step under torch.profiler (graph
-  replay, sampler, input copies; null on the CPU), ``step_categories_us`` per phase, and
-  ``gpu_idle_fraction`` = 1 - step_kernel_us / step_ms (clamped at 0);
+  host is hidden behind the device while ``wait_us`` stays well above zero (the GPU's own
+  idle time between steps is scripts/step_timeline.py's: a torch.profiler trace of whole
+  engine steps missed the graphs' kernels at 0afd934b..c20c22f2, so it is not taken here);
   with a CUDA graph for the batch: ``graph_replay_ms`` (``decode_bench.graph_replay_ms``,
   the bucket's graph replayed back to back), ``kernel_us`` / ``categories_us`` /
   ``phases`` / ``kernels``: the kernels of one replay (``lab.profiling.profile_kernels``),
@@ -30,8 +29,7 @@ the defaults, its KV pool sized from memory and checked to hold every decode bat
   (``lab.profiling.decode_gaps``) ``in_graph_gap_us`` = replay - kernel sum, clamped at 0,
   with ``kernels_overlap`` true when the sum exceeds the replay (programmatic dependent
   launch overlaps kernels, e.g. at batch 1: the gap is then unknown);
-  ``outside_graph_us`` = step - replay (signed), split into ``outside_graph_kernel_us`` =
-  step_kernel_us - kernel_us and ``outside_graph_idle_us`` = the rest. Without a graph
+  ``outside_graph_us`` = step - replay (signed: sampling, input copies, unhidden host work). Without a graph
   ``note`` says so and the graph keys are absent.
 - mixed (``modes.<mode>.mixed``, on unless ``--no-mixed``): ``--mixed-decodes`` sequences
   decoding at ``--context`` plus ``prefill_tokens`` = min(``--mixed-prefill-tokens``,
@@ -75,7 +73,6 @@ from pageserve.lab.profiling import (by_category, decode_bytes, decode_gaps, gpu
 from pageserve.lab.results import provenance
 
 MODES = {"default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"}}
-PROFILED_STEPS = 4  # engine steps under torch.profiler per decode batch (their kernels, averaged)
 
 
 def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None) -> str:
@@ -108,20 +105,10 @@ def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: flo
     steady = [t for t in timed.steps if t.kind == "decode" and t.num_seqs == batch and t.num_tokens == batch]
     rec: dict = {"step_ms": step_ms, "host": mean_step_timing(steady)}
 
-    # every kernel of a steady step (graph replay, sampler, input copies): what lies outside the graph
-    with decoding_batch(llm, batch, context, max_tokens=PROFILED_STEPS + 8, vocab_size=512):
-        step_rows = profile_kernels(engine.step, repeats=PROFILED_STEPS)
-    if step_rows:  # none on the CPU
-        step_cats = by_category(step_rows)
-        rec.update(step_kernel_us=sum(step_cats.values()), step_categories_us=step_cats,
-                   gpu_idle_fraction=gpu_idle_fraction(sum(step_cats.values()), step_ms))
-    else:
-        rec["step_kernel_us"] = None
-
     graphs = runner.graphs
     buckets = [b for b in (graphs.buckets if graphs is not None and graphs.graphs else []) if b >= batch]
     if not buckets:
-        rec["note"] = "no CUDA graph for this batch: step time, host timings and step kernels only"
+        rec["note"] = "no CUDA graph for this batch: step time and host timings only"
         print(f"\n== decode batch {batch} x {context}: engine step {step_ms:.3f} ms (no graph)\n"
               + _host_line(rec["host"]), flush=True)
         return rec
@@ -132,15 +119,11 @@ def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: flo
     floor_us = 1e6 * decode_bytes(llm.engine.model_config, batch, context, weights=weights) / (read_gbps * 1e9)
     rec.update(graph_replay_ms=replay_ms, kernel_us=sum(cats.values()), categories_us=cats, floor_us=floor_us,
                phases=phase_rows(cats, {}), kernels=_kernel_list(rows))
-    rec.update(decode_gaps(step_ms, replay_ms, rec["kernel_us"], rec["step_kernel_us"]))
+    rec.update(decode_gaps(step_ms, replay_ms, rec["kernel_us"]))
     overlap = " (kernels overlap)" if rec["kernels_overlap"] else ""
     title = (f"decode batch {batch} x {context}: engine step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms, "
              f"in-graph gap {rec['in_graph_gap_us']:.0f} us{overlap}, outside graph {rec['outside_graph_us']:.0f} us")
     lines = [_table(title, rec["phases"], rec["kernel_us"], floor_us), _host_line(rec["host"])]
-    if rec["step_kernel_us"] is not None:
-        lines.append(f"  whole step: kernels {rec['step_kernel_us']:.0f} us (outside the graph "
-                     f"{rec['outside_graph_kernel_us']:.0f} us, idle outside {rec['outside_graph_idle_us']:.0f} us), "
-                     f"GPU idle {rec['gpu_idle_fraction']:.2f}")
     print("\n".join(lines), flush=True)
     return rec
 

@@ -11,7 +11,7 @@ import torch
 from pageserve.kernels import reference
 from pageserve.kernels.gemv import GemvConfig
 from pageserve.kernels.gemv_int8 import (Int8GemmConfig, dequantize_int8, gemm_int8_config, gemv_int8_config,
-                                         int8_config_key, linear_int8_chunked, parse_int8_configs)
+                                         int8_config_key, parse_int8_configs)
 from pageserve.lab import kernel_checks as checks
 from pageserve.lab.kernel_checks import TOLERANCE
 from pageserve.model.decoder import Decoder
@@ -132,69 +132,6 @@ def test_dequantize_kernel_equals_the_reference_bit_for_bit(dtype, gen):
         assert torch.equal(out, ref)
 
 
-def _chunked_case(M, N, K, dtype, gen, bias):
-    q, s = reference.quantize_int8(torch.randn(N, K, generator=gen), scale_dtype=dtype)
-    x = torch.randn(M, K, generator=gen).to(dtype)
-    b = torch.randn(N, generator=gen).to(dtype) if bias else None
-    return x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), None if b is None else b.to(DEVICE)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_chunked_int8_linear_equals_dequantize_then_linear_for_every_slice_size(dtype, bias, gen):
-    # N = 300, K = 45, M = 70: odd everywhere. Slices of 128 rows (the floor: 128, 128, 44), 256 rows
-    # (256, 44), 128 again from 200 rows' bytes (rounded down to the alignment), one slice (the old path)
-    x, q, s, b = _chunked_case(70, 300, 45, dtype, gen, bias)
-    want = torch.nn.functional.linear(x, dequantize_int8(q, s), b)
-    row = 45 * x.element_size()
-    for chunk_bytes in (1, 256 * row, 200 * row, 300 * row, 8 << 20):
-        got = linear_int8_chunked(x, q, s, b, chunk_bytes=chunk_bytes)
-        assert got.dtype == dtype and got.shape == (70, 300)
-        if not CUDA:  # the CPU BLAS computes each output element the same way whatever the slice
-            assert torch.equal(got, want), chunk_bytes
-        else:  # cuBLAS may pick another kernel (K order) per slice width: one rounding of the dtype apart
-            assert checks.rel_err(got, want) <= {torch.float32: 1e-6}.get(dtype, 2**-8), chunk_bytes
-    out = torch.full((70, 300), float("nan"), dtype=dtype, device=DEVICE)
-    assert linear_int8_chunked(x, q, s, b, chunk_bytes=1, out=out) is out and not out.isnan().any()
-
-
-def test_chunked_int8_linear_rejects_bad_arguments(gen):
-    x, q, s, b = _chunked_case(70, 300, 45, torch.float32, gen, True)
-    bad = [dict(qweight=q.float()), dict(scale=s[:-1]), dict(scale=s.half()), dict(bias=b[:7]), dict(x=x[:, :44]),
-           dict(chunk_bytes=0), dict(chunk_bytes=1.5), dict(out=torch.empty(70, 299, device=DEVICE))]
-    for kw in bad:
-        args = dict(x=x, qweight=q, scale=s, bias=b) | kw
-        with pytest.raises(ValueError):
-            linear_int8_chunked(**args)
-
-
-@pytest.mark.parametrize("bias", [False, True], ids=["mm", "addmm"])
-def test_torch_matmul_writes_a_column_block_of_out_in_place_without_a_temporary(bias, gen):
-    # linear_int8_chunked hands cuBLAS / the CPU BLAS out[:, n0:n1] (row stride N) as the output:
-    # no clone of it, no copy back; addmm's one copy_ is the bias broadcast into the view (beta * C)
-    from torch.profiler import profile
-
-    x, w = torch.randn(70, 45, generator=gen).to(DEVICE), torch.randn(128, 45, generator=gen).to(DEVICE)
-    b = torch.randn(128, generator=gen).to(DEVICE)
-    out = torch.zeros(70, 300, device=DEVICE)
-    view = out[:, 128:256]
-    with profile() as prof:
-        torch.addmm(b, x, w.t(), out=view) if bias else torch.mm(x, w.t(), out=view)
-    ops = [e.name for e in prof.events()]
-    assert not {"aten::clone", "aten::contiguous", "aten::empty", "aten::empty_strided"} & set(ops), ops
-    assert ops.count("aten::copy_") <= int(bias), ops
-    torch.testing.assert_close(out[:, 128:256], torch.nn.functional.linear(x, w, b if bias else None))
-    assert (out[:, :128] == 0).all() and (out[:, 256:] == 0).all()
-
-
-@pytest.mark.skipif(not CUDA, reason="the 3B gate_up shape: GPU only")
-def test_chunked_int8_linear_at_the_3b_gate_up_shape_and_a_decode_batch_of_256(gen):
-    x, q, s, _ = _chunked_case(256, 22016, 2048, torch.bfloat16, gen, False)
-    want = torch.nn.functional.linear(x, dequantize_int8(q, s))
-    got = linear_int8_chunked(x, q, s)
-    _ok(checks.rel_err(got, want), torch.bfloat16)
-
-
 def test_quantize_int8_is_symmetric_per_row_and_within_half_a_step(gen):
     w = torch.randn(20, 64, generator=gen)
     w[3] = 0.0  # an all-zero row
@@ -264,44 +201,6 @@ def test_int8_decoder_logits_equal_the_float_decoder_on_the_dequantized_weights(
         logits[name] = torch.cat([prefill, *decode])
     err = ((logits["int8"] - logits["float"]).norm() / logits["float"].norm()).item()
     assert err < 1e-5, err
-
-
-def test_int8_large_m_is_validated_and_reaches_tritonops_through_triton_options():
-    from pageserve.engine.model_runner import select_ops
-
-    with pytest.raises(ValueError, match="int8_large_m"):
-        TritonOps(int8_large_m="bogus")
-    assert TritonOps().int8_large_m == "dequant"  # chunked measured slower on the H200 (NOTES.md)
-    assert select_ops(True, torch.device(DEVICE), {"int8_large_m": "chunked"}).int8_large_m == "chunked"
-    with pytest.raises(ValueError, match="triton_options"):
-        select_ops(True, torch.device(DEVICE), {"int8_large_m": "bogus"})
-
-
-def test_int8_large_m_chunked_and_dequant_give_the_same_logits_on_a_70_token_prefill(tiny_qwen2_config, monkeypatch):
-    # M = 70 > int8_gemm_max_m: every projection runs the large-M path; 1-byte chunks force
-    # 128-row slices, so gate_up (N = 256) runs as two
-    import pageserve.model.triton_ops as triton_ops
-    from pageserve.lab.naive import ContiguousKVCache, forward_tokens
-
-    calls = []
-
-    def chunked(*args, **kwargs):
-        calls.append(args[1].shape[0])
-        return linear_int8_chunked(*args, **kwargs, chunk_bytes=1)
-
-    monkeypatch.setattr(triton_ops, "linear_int8_chunked", chunked)
-    _, qmodel = _tiny_pair(tiny_qwen2_config)
-    ids = torch.randint(0, tiny_qwen2_config.vocab_size, (70,), generator=torch.Generator().manual_seed(1)).tolist()
-    logits = {}
-    for mode in ("chunked", "dequant"):
-        qmodel.set_ops(TritonOps(int8_large_m=mode))
-        cache = ContiguousKVCache.for_model(qmodel, 80)
-        logits[mode] = qmodel.compute_logits(forward_tokens(qmodel, cache, ids))
-        if mode == "chunked":  # the four projections of both layers, gate_up (N = 256) among them
-            assert calls == [128, 64, 256, 64] * 2, calls
-    assert len(calls) == 8  # "dequant" never called it
-    err = ((logits["chunked"] - logits["dequant"]).norm() / logits["dequant"].norm()).item()
-    assert err < 1e-6, err
 
 
 # ------------------------------------------------------------------------------------------ launches per decode step

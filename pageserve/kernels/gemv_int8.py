@@ -22,9 +22,8 @@ Three kernels, for three regimes:
 - ``dequantize_int8`` (prefill): writes q * scale to a float buffer once per call, after which
   cuBLAS runs the product. Costs one read of q and one write of the float weight per call,
   negligible against a long prefill chunk's FLOPs; ``TritonOps(int8_gemm=...)`` picks between
-  this and ``gemm_int8`` by M. ``linear_int8_chunked`` runs the same two steps slice by slice of
-  the weight's rows through one L2-sized scratch, so the float weight never goes to HBM
-  (``TritonOps(int8_large_m=...)``).
+  this and ``gemm_int8`` by M. (Running the two slice by slice through one L2-sized scratch was
+  slower at every M on the H200: NOTES.md, commit 929b1e8.)
 
 Tuned configs: a mapping ``int8_config_key(...) -> GemvConfig | Int8GemmConfig`` that the caller
 owns and passes (``configs=``), like the bf16 GEMVs; ``load_int8_device_configs`` reads the
@@ -354,33 +353,6 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
         num_warps=4, USE_PDL=False,
     )
     return out
-
-
-# the slices' row counts: a multiple of cuBLAS's largest tile edge, so every slice but the last
-# runs whole tiles and its column block of ``out`` starts 128 elements apart (aligned for the MMAs)
-CHUNK_ROW_ALIGN = 128
-
-
-def linear_int8_chunked(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                        chunk_bytes: int = 8 << 20, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K], qweight: [N, K] int8, scale / bias: [N] in x's dtype -> x @ (q * scale)^T + bias: [M, N],
-    as ``dequantize_int8`` + cuBLAS but one slice of weight rows at a time.
-
-    Each slice of about ``chunk_bytes`` of float weight (a multiple of ``CHUNK_ROW_ALIGN`` rows; the
-    last one what is left) is dequantized into one scratch buffer, reused by every slice, and cuBLAS
-    writes x @ slice^T straight into its column block ``out[:, n0:n1]``. Stream order runs each
-    dequantization after the previous product has read the scratch. Why: the one-shot dequantization
-    writes the whole float weight to HBM and cuBLAS reads it back (3B gate_up in bf16: 90 MB each way);
-    an 8 MiB scratch stays in the H200's 50 MB L2, so HBM sees only the int8 read (bf16: N*K bytes, not 5*N*K).
-    ``chunk_bytes >= N * K * x.element_size()``: one slice, the old one-shot dequantization + cuBLAS.
-    CUDA-graph safe: the slices come from shapes alone, and nothing syncs the host.
-    """
-    M, N, K = _check_linear_int8(x, qweight, scale, bias)
-    if not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be a positive int, got {chunk_bytes!r}")
-    out = _out(out, M, N, x)
-    if M == 0 or N == 0:
-        return out
     rows = chunk_bytes // max(1, K * x.element_size()) // CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN
     rows = min(N, max(CHUNK_ROW_ALIGN, rows))
     scratch = torch.empty((rows, K), dtype=x.dtype, device=x.device)  # [rows, K]: every slice's float weight

@@ -163,8 +163,8 @@ def paged_decode_attention(
     BLOCK_N = block_n or (32 if 4 * B * Hkv <= sm_count_for(q) else 64)
     BLOCK_D = max(16, next_pow2(D))
     direct = S == 1 if direct is None else (direct and S == 1)
-    if direct:  # unused by the kernel; any fp32 buffer will do for the pointer arguments
-        part_o = part_lse = torch.empty(1, dtype=torch.float32, device=q.device)
+    if direct:  # no partials: the kernel never touches these pointers, so no buffer is allocated for them
+        part_o = part_lse = out
     else:
         part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)

@@ -203,27 +203,16 @@ def decode_step_ms(llm, batch_size: int, context_len: int, steps: int = 32, voca
     step's forward: a clock stopped and synchronised around every call would undo that.
     Prefill is done before the clock starts."""
     engine = llm.engine
-    vocab = vocab_size or engine.model_config.vocab_size
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=repeats * steps + 8 + prefill_steps(engine, batch_size, context_len),
-                            ignore_eos=True)
-    ids = [f"decode-{batch_size}-{i}-{time.monotonic_ns()}" for i in range(batch_size)]
-    for rid in ids:
-        engine.add_request(rid, _random_ids(gen, context_len, vocab, 0), params)
-    # prefill (and the first sampled tokens) for every sequence, then one plain decode step
-    while any(s.num_output_tokens == 0 for r in ids if r in engine.requests for s in engine.requests[r].seqs):
-        engine.step()
-    engine.step()
-    device = llm.engine.runner.device
+    device = engine.runner.device
     runs = []
-    for _ in range(repeats):
-        synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        synchronize(device)
-        runs.append((time.perf_counter() - t0) / steps)
-    engine.abort_request(ids)
+    with decoding_batch(llm, batch_size, context_len, repeats * steps + 8, vocab_size, seed):
+        for _ in range(repeats):
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            synchronize(device)
+            runs.append((time.perf_counter() - t0) / steps)
     while engine.has_unfinished_requests():  # land a step still in flight
         engine.step()
     return 1e3 * statistics.median(runs)

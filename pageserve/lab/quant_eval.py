@@ -23,7 +23,7 @@ import torch
 
 from ..kernels.gemv import gemv
 from ..kernels.gemv_int8 import (GemvConfig, dequantize_int8, gemm_int8, gemm_int8_config, gemv_int8,
-                                 gemv_int8_config, int8_config_key, linear_int8_chunked, silu_mul_gemv_int8)
+                                 gemv_int8_config, int8_config_key, silu_mul_gemv_int8)
 from ..kernels.reference import quantize_int8
 from ..model.quant import quantize_model
 from .naive import ContiguousKVCache, forward_tokens
@@ -159,8 +159,7 @@ def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=t
     """One layer's four linears at each M (> 8: decode batches and prefill chunks), summed: the
     split-K int8 GEMV where M <= 64 (``gemv_layer_m<M>_us``, the engine's ``"auto"`` path there), the
     int8 GEMM with its small-M tiles and split-K (``gemm_layer_m<M>_us``), dequantize + cuBLAS
-    (``dequant_layer_m<M>_us``), the same slice by slice through an L2-sized scratch
-    (``linear_int8_chunked``: ``chunked_layer_m<M>_us``) and bf16 cuBLAS on a float weight
+    (``dequant_layer_m<M>_us``) and bf16 cuBLAS on a float weight
     (``bf16_layer_m<M>_us``), all under ``int8_prefill_``, with each int8 path's config per shape
     and the fastest int8 path (``best_m<M>``); CUDA-graph timed, weights rotated."""
     from .kernel_bench.timing import graph_ms
@@ -169,7 +168,7 @@ def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=t
     sms = _sms()
     r: dict = {}
     for M in Ms:
-        paths = ("gemv", "gemm", "dequant", "chunked", "bf16") if M <= 64 else ("gemm", "dequant", "chunked", "bf16")
+        paths = ("gemv", "gemm", "dequant", "bf16") if M <= 64 else ("gemm", "dequant", "bf16")
         tot = dict.fromkeys(paths, 0.0)
         for name, (N, K) in shapes.items():
             x = torch.randn(M, K, device="cuda", dtype=dtype, generator=g)
@@ -182,7 +181,6 @@ def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=t
             tot["gemm"] += graph_ms(lambda i: gemm_int8(x, *qs[i % len(qs)], out=out, configs=configs), calls, 10)
             tot["dequant"] += graph_ms(
                 lambda i: torch.nn.functional.linear(x, dequantize_int8(*qs[i % len(qs)])), calls, 10)
-            tot["chunked"] += graph_ms(lambda i: linear_int8_chunked(x, *qs[i % len(qs)]), calls, 10)
             del qs
             ws = _float_copies(N, K, dtype, g, min_bytes)
             tot["bf16"] += graph_ms(lambda i: torch.nn.functional.linear(x, ws[i % len(ws)]), max(4, len(ws)), 10)

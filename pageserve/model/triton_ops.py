@@ -14,14 +14,12 @@ import torch
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, paged_decode_attention,
                        paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
                        write_kv)
-from ..kernels.gemv_int8 import (dequantize_int8, gemm_int8, gemv_int8, linear_int8_chunked, load_int8_device_configs,
-                                 silu_mul_gemv_int8)
+from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
 
 INT8_GEMM_MODES = ("auto", "triton", "dequant")
-INT8_LARGE_M_MODES = ("chunked", "dequant")
 
 
 class TritonOps(TorchOps):
@@ -59,12 +57,6 @@ class TritonOps(TorchOps):
     cuBLAS above (prefill chunks: compute-bound). On the H200 at cceced8 the unsplit GEMM lost to
     dequantize + cuBLAS from M = 64 up (128 vs 118 us a layer; 280 vs 136 at 256), so by default
     ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
-    ``int8_large_m``: how dequantize + cuBLAS runs. ``"dequant"`` (default): the whole float weight
-    written once per call, then one cuBLAS product (at batch 256 on the H200 its dequant kernel took
-    2.16 of a 7.8 ms step). ``"chunked"``: ``linear_int8_chunked``, the weight dequantized ~8 MiB of
-    rows at a time into one reused scratch meant to stay in L2, cuBLAS on each slice — measured
-    slower on the H200 at every M (06b at c20c22f2, a layer: 270 vs 180 us at M = 512, 602 vs 463 at
-    2,048; int8 W1 0.69x bf16's vs 0.90x), kept as the A/B of that negative result (NOTES.md).
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
     """
@@ -76,13 +68,11 @@ class TritonOps(TorchOps):
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
-                 int8_gemv_max_m: int = 64, int8_large_m: str = "dequant") -> None:
+                 int8_gemv_max_m: int = 64) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
             raise ValueError(f"int8_gemm must be one of {INT8_GEMM_MODES}, got {int8_gemm!r}")
-        if int8_large_m not in INT8_LARGE_M_MODES:
-            raise ValueError(f"int8_large_m must be one of {INT8_LARGE_M_MODES}, got {int8_large_m!r}")
         if isinstance(int8_tuned_configs, Mapping):
             self.int8_configs = dict(int8_tuned_configs)
         elif int8_tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -91,7 +81,6 @@ class TritonOps(TorchOps):
             self.int8_configs = {}
         self.int8_gemm = int8_gemm
         self.int8_gemm_max_m = int8_gemm_max_m
-        self.int8_large_m = int8_large_m
         if not 0 <= int8_gemv_max_m <= 64:
             raise ValueError(f"int8_gemv_max_m must be in 0..64 (the GEMV's limit), got {int8_gemv_max_m}")
         self.int8_gemv_max_m = int8_gemv_max_m
@@ -129,8 +118,6 @@ class TritonOps(TorchOps):
             return gemv_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
         if self.int8_gemm == "triton" or (self.int8_gemm == "auto" and x.shape[0] <= self.int8_gemm_max_m):
             return gemm_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
-        if self.int8_large_m == "chunked":
-            return linear_int8_chunked(x, w.qweight, w.scale, bias)
         # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
         return torch.nn.functional.linear(x, dequantize_int8(w.qweight, w.scale), bias)
 
