@@ -34,6 +34,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # ranks the model is split over (heads, MLP width, vocabulary); > 1 starts worker processes
     tensor_parallel_size: int = 1
+    # True: every all-reduce through NCCL; False: small ones (decode) through the one-shot
+    # all-reduce over CUDA IPC buffers when the GPUs have peer access (pageserve.model.custom_allreduce)
+    disable_custom_all_reduce: bool = False
     # weight-only quantization of the decoder's linears at load time: None (the model dtype) or
     # "int8" (per-output-channel int8 weights, model-dtype scales; pageserve.model.quant)
     quantization: str | None = None

@@ -175,7 +175,7 @@ def start_tensor_parallel(model, config: EngineConfig, eos_token_ids=(), copy_mo
             model = copy.deepcopy(model)
         shard_decoder_(model, 0, size)
         _wait_ready(workers)
-        init_tensor_parallel(0, size, init_method, device)
+        init_tensor_parallel(0, size, init_method, device, custom_all_reduce=not config.disable_custom_all_reduce)
         runner = TPModelRunner(model, config, rank=0, workers=workers, eos_token_ids=eos_token_ids)
     except BaseException:
         workers.shutdown(timeout_s=2.0)
@@ -241,7 +241,7 @@ def _worker_main(rank, size, init_method, config: EngineConfig, spec, parent_pid
         return
     conn.send(("ready", None))
     try:
-        init_tensor_parallel(rank, size, init_method, device)
+        init_tensor_parallel(rank, size, init_method, device, custom_all_reduce=not config.disable_custom_all_reduce)
         runner = TPModelRunner(model, config, rank=rank)
         while True:
             try:

@@ -151,3 +151,12 @@ def matmul_invariant_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Ten
     if bias is not None:
         acc = acc + bias.to(acc_dtype)
     return acc.to(x.dtype)
+
+
+def all_reduce_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The one-shot all-reduce's result: every rank's tensor summed in rank order in fp32,
+    rounded once to the storage dtype (so every rank gets the same bits)."""
+    acc = torch.zeros_like(parts[0], dtype=torch.float32)
+    for p in parts:
+        acc += p.float()
+    return acc.to(parts[0].dtype)

@@ -82,38 +82,69 @@ def shard_table(cfg, size: int) -> list[dict]:
     return [dict(weight=w, full=str(f), per_rank=str(p), split=s, collective=c) for w, f, p, s, c in rows]
 
 
-def _allreduce_worker(rank, size, init_method, device_type, sizes, iters, queue) -> None:
+GRAPH_CALLS = 24  # all-reduces captured in one CUDA graph when timing them in a graph
+
+
+def _time_us(fn, x, iters: int, graph: bool) -> float:
+    """µs per call of ``fn(x)``: eager (a host loop) or replayed from one captured graph of
+    GRAPH_CALLS calls (how a decode step makes them). Every rank runs the same calls."""
     import time
 
-    from ..model.parallel import all_reduce, destroy_tensor_parallel, init_tensor_parallel
+    cuda = x.is_cuda
+    for _ in range(10):
+        fn(x)
+    if not graph:
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn(x)
+        if cuda:
+            torch.cuda.synchronize(x.device)
+        return (time.perf_counter() - t0) / iters * 1e6
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(x.device)
+    with torch.cuda.graph(g):
+        for _ in range(GRAPH_CALLS):
+            fn(x)
+    replays = max(2, iters // GRAPH_CALLS)
+    g.replay()
+    torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        g.replay()
+    torch.cuda.synchronize(x.device)
+    return (time.perf_counter() - t0) / (replays * GRAPH_CALLS) * 1e6
+
+
+def _allreduce_worker(rank, size, init_method, device_type, sizes, iters, queue) -> None:
+    from ..model import parallel
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_tensor_parallel(rank, size, init_method, device)
-    out = {}
+    parallel.init_tensor_parallel(rank, size, init_method, device)
+    custom = parallel._state.custom
+    impls = {"dist": parallel.nccl_all_reduce}
+    if custom is not None:
+        impls["custom"] = custom.all_reduce_
+    modes = ("eager", "graph") if device.type == "cuda" else ("eager",)
+    out: dict[str, dict[int, float]] = {}
     for n in sizes:
         x = torch.ones(n, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
-        for _ in range(10):
-            all_reduce(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            all_reduce(x)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out[n * x.element_size()] = (time.perf_counter() - t0) / iters * 1e6
+        for name, fn in impls.items():
+            if name == "custom" and not custom.fits(x):
+                continue
+            for mode in modes:
+                out.setdefault(f"{name}_{mode}", {})[n * x.element_size()] = _time_us(fn, x, iters, mode == "graph")
     if rank == 0:
         queue.put(out)
-    destroy_tensor_parallel()
+    parallel.destroy_tensor_parallel()
 
 
-def allreduce_latency_us(size: int = 2, device: str = "cpu", numels=(1024, 8192, 65536), iters: int = 200) -> dict[int, float]:
-    """Microseconds per eager all-reduce of small messages (bytes -> µs) between ``size``
-    fresh processes through ``pageserve.model.parallel.all_reduce`` (NCCL on CUDA, gloo on
-    the CPU; bf16 on CUDA, fp32 on the CPU); one decode step of a TP model makes
-    2 × num_layers of these at [batch, hidden]."""
+def _spawn(target, size: int, *args, timeout_s: float = 300.0):
+    """Run ``target(rank, size, init_method, *args, queue)`` in ``size`` fresh processes and
+    return what rank 0 puts on the queue."""
     from ..engine.tensor_parallel import _free_port
     from ..model.parallel import disable_nvlink_multicast
 
@@ -121,18 +152,99 @@ def allreduce_latency_us(size: int = 2, device: str = "cpu", numels=(1024, 8192,
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, size, init, torch.device(device).type, list(numels), iters, queue),
-                         daemon=True) for r in range(size)]
+    procs = [ctx.Process(target=target, args=(r, size, init, *args, queue), daemon=True) for r in range(size)]
     for p in procs:
         p.start()
     try:
-        result = queue.get(timeout=300)
+        return queue.get(timeout=timeout_s)
     finally:
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
-    return result
+
+
+def allreduce_latency_us(size: int = 2, device: str = "cpu", numels=(1024, 8192, 65536),
+                         iters: int = 200) -> dict[str, dict[int, float]]:
+    """Microseconds per all-reduce by message size, between ``size`` fresh processes:
+    ``{"dist_eager" | "dist_graph" | "custom_eager" | "custom_graph": {bytes: µs}}``.
+
+    ``dist``: ``torch.distributed`` (NCCL on CUDA, gloo on the CPU); ``custom``: the one-shot
+    all-reduce over IPC buffers (CUDA with peer access, messages it takes); ``graph``: replayed
+    from a captured graph, as in a decode step (CUDA only). bf16 on CUDA, fp32 on the CPU. A
+    decode step of a TP model makes 2 × num_layers of these at [batch, hidden]."""
+    return _spawn(_allreduce_worker, size, torch.device(device).type, list(numels), iters)
+
+
+def _custom_check_worker(rank, size, init_method, numels, dtypes, queue) -> None:
+    from ..kernels.reference import all_reduce_sum
+    from ..model import parallel
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    parallel.init_tensor_parallel(rank, size, init_method, device)
+    custom = parallel._state.custom
+    report = {"enabled": custom is not None, "failures": [], "checked": 0}
+    if custom is not None:
+        import torch.distributed as dist
+
+        def expect(x):
+            parts = [torch.empty_like(x) for _ in range(size)]
+            dist.all_gather(parts, x)
+            return all_reduce_sum(parts)
+
+        for dtype in dtypes:
+            for n in numels:
+                g = torch.Generator(device=device).manual_seed(1000 * rank + n)
+                # eager: three calls in a row (both slots, and a reuse of the first)
+                for call in range(3):
+                    x = torch.randn(n, generator=g, device=device).to(dtype)
+                    ref = expect(x)
+                    got = custom.all_reduce_(x.clone())
+                    report["checked"] += 1
+                    if not torch.equal(got, ref):
+                        report["failures"].append(f"eager {dtype} n={n} call {call}: max |diff| "
+                                                  f"{(got.float() - ref.float()).abs().max().item():.3g}")
+                # graphed: two all-reduces captured, replayed on fresh inputs
+                a = torch.zeros(n, dtype=dtype, device=device)
+                b = torch.zeros(n, dtype=dtype, device=device)
+                graph = torch.cuda.CUDAGraph()
+                torch.cuda.synchronize(device)
+                with torch.cuda.graph(graph):
+                    custom.all_reduce_(a)
+                    b.add_(a)
+                    custom.all_reduce_(b)
+                for rep in range(3):
+                    xa = torch.randn(n, generator=g, device=device).to(dtype)
+                    xb = torch.randn(n, generator=g, device=device).to(dtype)
+                    ra = expect(xa)
+                    rb = expect((xb + ra).contiguous())
+                    a.copy_(xa)
+                    b.copy_(xb)
+                    graph.replay()
+                    report["checked"] += 1
+                    if not (torch.equal(a, ra) and torch.equal(b, rb)):
+                        report["failures"].append(f"graph {dtype} n={n} replay {rep}")
+                # every rank holds the same bits
+                s = a.float().sum().reshape(1)
+                all_s = [torch.empty_like(s) for _ in range(size)]
+                dist.all_gather(all_s, s)
+                if any(not torch.equal(t, all_s[0]) for t in all_s):
+                    report["failures"].append(f"ranks disagree {dtype} n={n}")
+    if rank == 0:
+        queue.put(report)
+    parallel.destroy_tensor_parallel()
+
+
+def check_custom_all_reduce(size: int = 2, numels=(1, 2048, 2049, 65536, 1 << 20, 4 << 20),
+                            dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> dict:
+    """The one-shot all-reduce against ``all_reduce_sum`` of the gathered inputs, bitwise, on
+    ``size`` GPUs: eager calls in a row and calls replayed from a CUDA graph, for each size
+    and dtype; sizes over the buffer are skipped. ``{"enabled", "checked", "failures"}``."""
+    from ..model.custom_allreduce import DEFAULT_MAX_BYTES
+
+    numels = [n for n in numels if n * 4 <= DEFAULT_MAX_BYTES]
+    return _spawn(_custom_check_worker, size, list(numels), list(dtypes))
 
 
 def decode_ms_per_token(llm, prompt_len: int, output_len: int, vocab: int, seed: int = 0) -> float:

@@ -19,8 +19,10 @@ model into rank r's shard in place (slicing the same full tensors on every rank,
 random weights of one seed give TP=N equal to TP=1) and switches its attention, MLP,
 embedding and head to the subclasses below, which add the collectives.
 
-Every collective goes through ``all_reduce`` / ``all_gather_last_dim`` here, so a faster
-transport (e.g. a one-shot all-reduce over CUDA IPC buffers for decode) is one swap.
+Every collective goes through ``all_reduce`` / ``all_gather_last_dim`` here. On GPUs with
+peer access, ``all_reduce`` sends messages up to ``custom_allreduce.DEFAULT_MAX_BYTES`` (every
+decode step's) through a one-shot all-reduce over CUDA IPC buffers (``custom_allreduce.py``,
+kernel in ``pageserve/kernels/allreduce.py``) and larger ones (prefill) through NCCL.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ def disable_nvlink_multicast() -> None:
 class _TPState:
     rank: int = 0
     size: int = 1
+    custom: object | None = None  # CustomAllReduce when the GPUs can address each other
 
 
 _state = _TPState()
@@ -66,9 +69,10 @@ def tp_size() -> int:
 
 
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
-                         timeout_s: float = 600.0) -> None:
+                         timeout_s: float = 600.0, custom_all_reduce: bool = True) -> None:
     """Join the ``size``-rank group (NCCL on CUDA, gloo on the CPU) and run one collective,
-    so the communicator exists before any CUDA graph is captured."""
+    so the communicator exists before any CUDA graph is captured; on CUDA with
+    ``custom_all_reduce``, also open the one-shot all-reduce's IPC buffers (collective)."""
     disable_nvlink_multicast()
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process; "
@@ -83,12 +87,22 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     dist.all_reduce(warm)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if custom_all_reduce:
+            from .custom_allreduce import CustomAllReduce
+
+            _state.custom = CustomAllReduce.create(rank, size, device)
 
 
 def destroy_tensor_parallel(abandon: bool = False) -> None:
     """Tear the process group down: every rank calls this at about the same time (under
     NCCL the teardown waits for all of them). ``abandon``: a peer is gone, so the group is
     dropped without the collective teardown (its resources go with the process)."""
+    custom, _state.custom = _state.custom, None
+    if custom is not None and not abandon:
+        try:
+            custom.close()
+        except Exception:  # freeing is best effort: the process's exit frees it too
+            pass
     if dist.is_initialized():
         try:
             if abandon and hasattr(dist.distributed_c10d, "_abort_process_group"):
@@ -102,10 +116,26 @@ def destroy_tensor_parallel(abandon: bool = False) -> None:
 
 # ----------------------------------------------------------------------------- collectives
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place (graph-capturable under NCCL); identity at TP=1."""
+    """Sum ``x`` over the ranks, in place (graph-capturable); identity at TP=1. Small
+    messages take the one-shot IPC all-reduce when it is open, the rest NCCL (or gloo)."""
+    if _state.size > 1:
+        custom = _state.custom
+        if custom is not None and custom.fits(x):
+            custom.all_reduce_(x)
+        else:
+            dist.all_reduce(x)
+    return x
+
+
+def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """``all_reduce`` through the process group whatever the size (for comparisons)."""
     if _state.size > 1:
         dist.all_reduce(x)
     return x
+
+
+def custom_all_reduce_enabled() -> bool:
+    return _state.custom is not None
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
