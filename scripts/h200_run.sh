@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests tp2tests (2 GPUs) dettests detbench profile_steps prefill_sweep timeline w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests tp2tests tpsmoke (2 GPUs) dettests detbench profile_steps prefill_sweep timeline w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30. E.g.
@@ -132,6 +132,9 @@ for st in $stages; do
                 > "$RES2/gpu_tp2_tests.log" 2>&1
               echo "tp2tests rc=$?"; tail -n 15 "$RES2/gpu_tp2_tests.log"
               tar -C /tmp/pageserve_res -czf "$OUT/h200x2_results.tgz" h200x2 ;;
+    tpsmoke) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: TP=1 vs 2 through the engine, small shape
+             timeout "$t" python3 scripts/tp_gpu_smoke.py > "$RES2/tp_gpu_smoke.log" 2>&1; echo "tpsmoke rc=$?"; tail -n 12 "$RES2/tp_gpu_smoke.log"
+             tar -C /tmp/pageserve_res -czf "$OUT/h200x2_results.tgz" h200x2 ;;
     06c) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: results/h200x2/, not results/h200/
          RES=$RES2 PAGESERVE_RESULTS_DIR=$RES2 run_nb "$t" 06c_tensor_parallel -p MODEL qwen2.5-3b -y "NUM_LAYERS: null" \
            -p DEVICE cuda -p TP 2 -p NUM_PROMPTS 16 -p PROMPT_LEN 128 -p GREEDY_TOKENS 64 -p LOGIT_PROMPTS 4 \
