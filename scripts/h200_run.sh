@@ -128,12 +128,12 @@ for st in $stages; do
            echo "dettests rc=$?"; tail -n 25 "$RES/gpu_det_tests.log" ;;
     05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
     tp2tests) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: the one-shot all-reduce against the rank-ordered sum
-              timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES2/gpu_tp2_tests.xml" tests/test_custom_allreduce.py \
+              timeout -s ABRT "$t" python3 -X faulthandler -m pytest -q -rA -p no:cacheprovider --junitxml "$RES2/gpu_tp2_tests.xml" tests/test_custom_allreduce.py \
                 > "$RES2/gpu_tp2_tests.log" 2>&1
               echo "tp2tests rc=$?"; tail -n 15 "$RES2/gpu_tp2_tests.log"
               tar -C /tmp/pageserve_res -czf "$OUT/h200x2_results.tgz" h200x2 ;;
     tpsmoke) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: TP=1 vs 2 through the engine, small shape
-             timeout "$t" python3 scripts/tp_gpu_smoke.py > "$RES2/tp_gpu_smoke.log" 2>&1; echo "tpsmoke rc=$?"; tail -n 12 "$RES2/tp_gpu_smoke.log"
+             timeout -s ABRT "$t" python3 -X faulthandler scripts/tp_gpu_smoke.py > "$RES2/tp_gpu_smoke.log" 2>&1; echo "tpsmoke rc=$?"; tail -n 12 "$RES2/tp_gpu_smoke.log"
              tar -C /tmp/pageserve_res -czf "$OUT/h200x2_results.tgz" h200x2 ;;
     06c) RES2=/tmp/pageserve_res/h200x2; mkdir -p "$RES2"  # 2 GPUs: results/h200x2/, not results/h200/
          RES=$RES2 PAGESERVE_RESULTS_DIR=$RES2 run_nb "$t" 06c_tensor_parallel -p MODEL qwen2.5-3b -y "NUM_LAYERS: null" \
