@@ -92,6 +92,16 @@ class CUDAGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
 
+    def release(self) -> None:
+        """Free every captured graph and its pool. Under tensor parallelism this must come
+        before the process group's teardown: NCCL's communicator destroy waits forever while
+        a graph holding its collectives is alive (pytorch/pytorch#115388; seen on two H200s)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs, self.logits, self.pool = {}, {}, None
+
     def _reset_padding(self, upto: int) -> None:
         self.slot_mapping[:upto].fill_(-1)
         self.seq_lens[:upto].fill_(0)

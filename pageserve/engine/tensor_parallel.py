@@ -82,9 +82,17 @@ class TPModelRunner(ModelRunner):
             broadcast_(d.input_ids)
         return d.input_ids
 
+    def release_graphs(self) -> None:
+        """Drop the captured graphs (each rank before the group's teardown; see
+        ``CUDAGraphRunner.release``). Later steps run eagerly."""
+        if self.graphs is not None:
+            graphs, self.graphs = self.graphs, None
+            graphs.release()
+
     def shutdown(self) -> None:
         if self.workers is not None:
             workers, self.workers = self.workers, None
+            self.release_graphs()
             workers.shutdown()
 
 
@@ -251,6 +259,7 @@ def _worker_main(rank, size, init_method, config: EngineConfig, spec, parent_pid
             if x is None:
                 break
             runner.run_step(x)
+        runner.release_graphs()
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

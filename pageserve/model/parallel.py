@@ -108,10 +108,28 @@ def destroy_tensor_parallel(abandon: bool = False) -> None:
             if abandon and hasattr(dist.distributed_c10d, "_abort_process_group"):
                 dist.distributed_c10d._abort_process_group()
             elif not abandon:
-                dist.destroy_process_group()
+                _destroy_with_timeout(DESTROY_TIMEOUT_S)
         except Exception:  # a peer already gone must not stop the shutdown
             pass
     _state.rank, _state.size = 0, 1
+
+
+DESTROY_TIMEOUT_S = 60.0
+
+
+def _destroy_with_timeout(timeout_s: float) -> None:
+    """``destroy_process_group`` on a helper thread: should NCCL's teardown never return (a
+    graph still holding its collectives, a peer stuck), the caller goes on after ``timeout_s``
+    with a warning rather than hanging its process."""
+    import logging
+    import threading
+
+    t = threading.Thread(target=dist.destroy_process_group, name="pageserve-tp-destroy", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        logging.getLogger(__name__).warning(
+            "torch.distributed teardown did not finish in %.0f s; leaving it (its resources go with the process)", timeout_s)
 
 
 # ----------------------------------------------------------------------------- collectives
