@@ -82,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                      help="split the model over this many GPUs (or CPU processes); default 1")
+    gen.add_argument("--disable-custom-all-reduce", action="store_true",
+                     help="tensor parallel: every all-reduce through NCCL (default: small ones through CUDA IPC buffers)")
     gen.add_argument("--system", default=None, help="an optional system message (chat only)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the model's chat template (default; --no-chat: plain text)")
@@ -121,6 +123,7 @@ def _build_engine(args: argparse.Namespace):
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               max_model_len=args.max_model_len, max_num_seqs=1,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                              disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
                               quantization=args.quantization, deterministic=args.deterministic)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …

@@ -178,3 +178,30 @@ def test_generate_and_serve_take_a_tensor_parallel_size_flag():
     assert args.tensor_parallel_size == 2
     args = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])
     assert args.tensor_parallel_size == 2
+    for cmd in (["generate", "hi"], ["serve"]):
+        assert build_parser().parse_args([*cmd, "--disable-custom-all-reduce"]).disable_custom_all_reduce is True
+        assert build_parser().parse_args(cmd).disable_custom_all_reduce is False
+
+
+def test_tp_shutdown_frees_the_graphs_before_the_group_teardown():
+    """NCCL's communicator destroy never returns while a graph holding its collectives lives
+    (hung on two H200s): rank 0 must drop its graphs before tearing the group down."""
+    from pageserve.engine import tensor_parallel as tp
+
+    order = []
+
+    class Graphs:
+        def release(self):
+            order.append("graphs released")
+
+    class Workers:
+        def shutdown(self):
+            order.append("group torn down")
+
+    runner = object.__new__(tp.TPModelRunner)
+    runner.graphs, runner.workers = Graphs(), Workers()
+    runner.shutdown()
+    assert order == ["graphs released", "group torn down"]
+    assert runner.graphs is None and runner.workers is None
+    runner.shutdown()  # idempotent
+    assert len(order) == 2
