@@ -51,7 +51,7 @@ def test_one_shot_all_reduce_sums_in_rank_order_and_alternates_slots(world, dtyp
             _data(bufs[0], world, dtype)[call % 2, src, :n] = xs[src]
             _flags(bufs[0], world)[:blocks, src] = call
         out = torch.empty_like(xs[0])
-        ar.one_shot_all_reduce(xs[0], out, bases, counters, 0, world, CAP)
+        ar.one_shot_all_reduce(xs[0], out, bufs[0], bases, counters, 0, world, CAP)
         assert _close(out, all_reduce_sum(xs))
         for dst in range(1, world):  # what rank 0 pushed to every peer: its row, and its flag
             assert torch.equal(_data(bufs[dst], world, dtype)[call % 2, 0, :n], xs[0])
@@ -69,12 +69,12 @@ def test_one_shot_all_reduce_writes_in_place_and_refuses_what_does_not_fit():
     _data(bufs[0], world, torch.float32)[1, 1, :n] = x1
     _flags(bufs[0], world)[:1, 1] = 1
     ref = all_reduce_sum([x0, x1])
-    assert ar.one_shot_all_reduce(x0, x0, bases, counters, 0, world, CAP) is x0
+    assert ar.one_shot_all_reduce(x0, x0, bufs[0], bases, counters, 0, world, CAP) is x0
     assert torch.equal(x0, ref)
     with pytest.raises(ValueError, match="exceeds"):
-        ar.one_shot_all_reduce(torch.zeros(CAP), torch.zeros(CAP), bases, counters, 0, world, CAP)
+        ar.one_shot_all_reduce(torch.zeros(CAP), torch.zeros(CAP), bufs[0], bases, counters, 0, world, CAP)
     with pytest.raises(ValueError, match="contiguous"):
-        ar.one_shot_all_reduce(torch.zeros(8, 2).t(), torch.zeros(2, 8), bases, counters, 0, world, CAP)
+        ar.one_shot_all_reduce(torch.zeros(8, 2).t(), torch.zeros(2, 8), bufs[0], bases, counters, 0, world, CAP)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

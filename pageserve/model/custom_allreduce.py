@@ -1,14 +1,15 @@
 """The one-shot all-reduce's buffers: one per rank, opened in every other rank over CUDA IPC.
 
 ``CustomAllReduce.create`` runs on every rank right after the process group exists (before
-the KV pool is sized and before any CUDA graph is captured). Each rank allocates one device
-buffer with the CUDA driver (``cuMemAlloc``, so the IPC handle covers exactly it), zeroes it,
-exports its IPC handle, and the handles travel through the process group
-(``all_gather_object``). Each rank then opens every peer's handle in its own device's context
-with lazy peer access (``cuIpcOpenMemHandle``), which maps the peer's memory over NVLink into
-this process: the kernel (``pageserve.kernels.allreduce``) then reads and writes it with
-plain loads and stores. No multicast object is involved (the machines this runs on forbid
-them). The driver is reached through ``ctypes`` (``libcuda.so.1``); nothing is compiled.
+the KV pool is sized and before any CUDA graph is captured). Each rank allocates one zeroed
+buffer (a PyTorch tensor, kept for the rank's life), exports the IPC handle of the
+allocation that holds it (``cuMemGetAddressRange`` + ``cuIpcGetMemHandle``) with the buffer's
+offset in it, and the handles travel through the process group (``all_gather_object``). Each
+rank then opens every peer's handle in its own device's context with lazy peer access
+(``cuIpcOpenMemHandle``), which maps the peer's memory over NVLink into this process: the
+kernel (``pageserve.kernels.allreduce``) then reads and writes it with plain loads and
+stores. No multicast object is involved (the machines this runs on forbid them). The driver
+is reached through ``ctypes`` (``libcuda.so.1``); nothing is compiled.
 
 Used only when every pair of GPUs can access each other (``torch.cuda.can_device_access_peer``);
 otherwise, or for messages over ``max_bytes``, ``parallel.all_reduce`` calls NCCL.
@@ -51,13 +52,10 @@ class _Driver:
 
         self.get_error = fn(["cuGetErrorString"], ctypes.c_int, p(ctypes.c_char_p))
         self.ctx_get_device = fn(["cuCtxGetDevice"], p(ctypes.c_int))
-        self.mem_alloc = fn(["cuMemAlloc_v2", "cuMemAlloc"], p(u64), size_t)
-        self.memset = fn(["cuMemsetD8_v2", "cuMemsetD8"], u64, ctypes.c_ubyte, size_t)
-        self.mem_free = fn(["cuMemFree_v2", "cuMemFree"], u64)
+        self.address_range = fn(["cuMemGetAddressRange_v2", "cuMemGetAddressRange"], p(u64), p(size_t), u64)
         self.ipc_get = fn(["cuIpcGetMemHandle"], p(_IpcHandle), u64)
         self.ipc_open = fn(["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"], p(u64), _IpcHandle, ctypes.c_uint)
         self.ipc_close = fn(["cuIpcCloseMemHandle"], u64)
-        self.sync = fn(["cuCtxSynchronize"])
 
     def check(self, rc: int, what: str) -> None:
         if rc != 0:
@@ -70,17 +68,13 @@ class _Driver:
         self.check(self.ctx_get_device(ctypes.byref(dev)), "cuCtxGetDevice (no current CUDA context?)")
         return dev.value
 
-    def alloc_zeroed(self, nbytes: int) -> int:
-        ptr = ctypes.c_uint64()
-        self.check(self.mem_alloc(ctypes.byref(ptr), nbytes), "cuMemAlloc")
-        self.check(self.memset(ptr.value, 0, nbytes), "cuMemsetD8")
-        self.check(self.sync(), "cuCtxSynchronize")
-        return ptr.value
-
-    def export(self, ptr: int) -> bytes:
+    def export(self, ptr: int) -> tuple[bytes, int]:
+        """The IPC handle of the allocation holding ``ptr``, and ``ptr``'s offset in it."""
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self.check(self.address_range(ctypes.byref(base), ctypes.byref(size), ptr), "cuMemGetAddressRange")
         h = _IpcHandle()
-        self.check(self.ipc_get(ctypes.byref(h), ptr), "cuIpcGetMemHandle")
-        return ctypes.string_at(ctypes.addressof(h), 64)
+        self.check(self.ipc_get(ctypes.byref(h), base.value), "cuIpcGetMemHandle")
+        return ctypes.string_at(ctypes.addressof(h), 64), ptr - base.value
 
     def open(self, handle: bytes) -> int:
         h = _IpcHandle.from_buffer_copy(handle)
@@ -99,9 +93,9 @@ def _all_ok(ok: bool, device: torch.device) -> bool:
 class CustomAllReduce:
     """This rank's view of the world's buffers, and the call that sums through them."""
 
-    def __init__(self, driver: _Driver, own: int, peers: list[int], bases: torch.Tensor, rank: int, world: int,
-                 max_bytes: int) -> None:
-        self.driver, self.own, self.peers = driver, own, peers
+    def __init__(self, driver: _Driver, buffer: torch.Tensor, peers: list[int], bases: torch.Tensor, rank: int,
+                 world: int, max_bytes: int) -> None:
+        self.driver, self.buffer, self.peers = driver, buffer, peers  # peers: the opened allocations' bases
         self.bases, self.rank, self.world, self.max_bytes = bases, rank, world, max_bytes
         self.counters = torch.zeros(MAX_BLOCKS, dtype=torch.int64, device=bases.device)
 
@@ -118,49 +112,50 @@ class CustomAllReduce:
             logger.info("custom all-reduce off: GPUs without peer access; NCCL for every message")
             return None
         max_bytes = max_bytes // 16 * 16
-        driver, own, handle, error = None, 0, b"", None
+        driver, buffer, shared, error = None, None, None, None
         try:
-            torch.cuda.synchronize(device)  # makes the device's primary context current here
+            buffer = torch.zeros(flag_bytes(world) + 2 * world * max_bytes, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)  # zeroed before any peer can see it; the primary context is current
             driver = _Driver()
             want = device.index if device.index is not None else torch.cuda.current_device()
             if driver.current_device() != want:
                 raise RuntimeError(f"current CUDA context is device {driver.current_device()}, not cuda:{want}")
-            own = driver.alloc_zeroed(flag_bytes(world) + 2 * world * max_bytes)
-            handle = driver.export(own)
+            shared = driver.export(buffer.data_ptr())
         except Exception as e:  # noqa: BLE001 - reported, then everyone falls back together
             error = e
-        handles: list[bytes | None] = [None] * world
-        dist.all_gather_object(handles, handle if error is None else None)
-        peers: dict[int, int] = {}
+        handles: list[tuple[bytes, int] | None] = [None] * world
+        dist.all_gather_object(handles, shared if error is None else None)
+        opened: dict[int, int] = {}  # rank -> the peer allocation's base in this process
+        addresses: dict[int, int] = {}
         if all(h is not None for h in handles):
             try:
-                for r, h in enumerate(handles):
+                for r, (handle, offset) in enumerate(handles):
                     if r != rank:
-                        peers[r] = driver.open(h)
+                        opened[r] = driver.open(handle)
+                        addresses[r] = opened[r] + offset
+                addresses[rank] = buffer.data_ptr()
+                if any(a % 16 for a in addresses.values()):
+                    raise RuntimeError("a buffer is not 16-byte aligned")
             except Exception as e:  # noqa: BLE001
                 error = e
         if not _all_ok(error is None and all(h is not None for h in handles), device):
             if error is not None:
                 logger.warning("custom all-reduce off (rank %d: %s); NCCL for every message", rank, error)
-            if driver is not None:
-                for ptr in peers.values():
-                    driver.ipc_close(ptr)
-                if own:
-                    driver.mem_free(own)
+            for base in opened.values():
+                driver.ipc_close(base)
             return None
-        bases = torch.tensor([own if r == rank else peers[r] for r in range(world)], dtype=torch.int64, device=device)
-        return cls(driver, own, list(peers.values()), bases, rank, world, max_bytes)
+        bases = torch.tensor([addresses[r] for r in range(world)], dtype=torch.int64, device=device)
+        return cls(driver, buffer, list(opened.values()), bases, rank, world, max_bytes)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.is_cuda and x.is_contiguous() and x.numel() * x.element_size() <= self.max_bytes
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        return one_shot_all_reduce(x, x, self.bases, self.counters, self.rank, self.world, self.max_bytes)
+        return one_shot_all_reduce(x, x, self.buffer, self.bases, self.counters, self.rank, self.world, self.max_bytes)
 
     def close(self) -> None:
-        """Unmap the peers' buffers and free this rank's (after the device is idle)."""
+        """Unmap the peers' buffers (after the device is idle); this rank's goes with its tensor."""
         torch.cuda.synchronize(self.bases.device)
         for p in self.peers:
             self.driver.ipc_close(p)
-        self.driver.mem_free(self.own)
-        self.peers, self.own = [], 0
+        self.peers, self.buffer = [], None

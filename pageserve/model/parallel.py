@@ -72,7 +72,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
                          timeout_s: float = 600.0, custom_all_reduce: bool = True) -> None:
     """Join the ``size``-rank group (NCCL on CUDA, gloo on the CPU) and run one collective,
     so the communicator exists before any CUDA graph is captured; on CUDA with
-    ``custom_all_reduce``, also open the one-shot all-reduce's IPC buffers (collective)."""
+    ``custom_all_reduce`` (and ``$PAGESERVE_CUSTOM_ALL_REDUCE`` not ``0``: a process-wide off
+    switch for debugging), also open the one-shot all-reduce's IPC buffers (collective)."""
     disable_nvlink_multicast()
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group already exists in this process; "
@@ -87,7 +88,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     dist.all_reduce(warm)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        if custom_all_reduce:
+        if custom_all_reduce and os.environ.get("PAGESERVE_CUSTOM_ALL_REDUCE", "1") != "0":
             from .custom_allreduce import CustomAllReduce
 
             _state.custom = CustomAllReduce.create(rank, size, device)
