@@ -169,16 +169,31 @@ def pdl_enter(USE_PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def dot_upcast(dtype: torch.dtype) -> bool:
+ORDERED_DOT = 2  # a dot_upcast value: see below
+
+
+def dot_upcast(dtype: torch.dtype, ordered: bool = False) -> int:
     """The CPU interpreter stores bf16 as uint16 and its tl.dot multiplies the raw integers:
     there, bf16 dot operands are upcast to fp32 first (rounding is unchanged: the products
-    of bf16 values are exact in fp32)."""
-    return interpreting() and dtype == torch.bfloat16
+    of bf16 values are exact in fp32): 1.
+
+    ``ordered`` (the batch-invariant kernels): in the interpreter tl.dot is a BLAS matmul of the
+    tile, whose per-element summation order may depend on the element's row (OpenBLAS's
+    microkernels differ by CPU: seen on an AMD EPYC, where a token's fp32 scores changed with
+    its row in the tile). ``ORDERED_DOT`` makes ``mma`` sum the products in K order instead,
+    the same for every element. On the GPU: 0 whatever is asked."""
+    if not interpreting():
+        return 0
+    if ordered:
+        return ORDERED_DOT
+    return int(dtype == torch.bfloat16)
 
 
 @triton.jit
 def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """tl.dot(a, b) accumulating in fp32; see ``dot_upcast`` for UPCAST."""
+    if UPCAST == 2:  # ORDERED_DOT (interpreter): [M, K] x [K, N] summed over K in order
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)

@@ -353,19 +353,3 @@ def dequantize_int8(qweight: torch.Tensor, scale: torch.Tensor, out: torch.Tenso
         num_warps=4, USE_PDL=False,
     )
     return out
-    rows = chunk_bytes // max(1, K * x.element_size()) // CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN
-    rows = min(N, max(CHUNK_ROW_ALIGN, rows))
-    scratch = torch.empty((rows, K), dtype=x.dtype, device=x.device)  # [rows, K]: every slice's float weight
-    for n0 in range(0, N, rows):
-        n1 = min(n0 + rows, N)
-        w = dequantize_int8(qweight[n0:n1], scale[n0:n1], out=scratch[:n1 - n0])  # [n1 - n0, K]
-        # out=: the view out[:, n0:n1] (row stride N), written in place with no temporary and no copy
-        # back: aten's prepare_matrix_for_cublas passes a row-major view whose stride(0) >= its width
-        # to cuBLAS as is (ldc = N), and the CPU BLAS path does the same. addmm's one copy_ is the
-        # bias broadcast into the view (its beta * C term). A profiler test in tests/test_int8.py pins
-        # this on the device the tests run on.
-        if bias is None:
-            torch.mm(x, w.t(), out=out[:, n0:n1])
-        else:
-            torch.addmm(bias[n0:n1], x, w.t(), out=out[:, n0:n1])
-    return out

@@ -59,7 +59,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, interpreting,
+from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, interpreting, mma,
                     pdl_args, pdl_enter, sm_count_for)
 
 matmul_invariant_reference = reference.matmul_invariant_reference
@@ -135,10 +135,13 @@ def _matmul_invariant_kernel(
         kmask = k < K
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        if UPCAST == 2:  # the interpreter: products summed in K order (see _util.dot_upcast)
+            acc += mma(a, tl.trans(b), PREC, UPCAST)
+        else:
+            if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
     if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -175,6 +178,6 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
     return _matmul_invariant_kernel[grid](
         x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
+        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
     )

@@ -242,7 +242,7 @@ def paged_attention_invariant(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), float(scale) * LOG2E, S,
-        PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
         num_warps=4, num_stages=2, **common,
     )
     if S > 1:
