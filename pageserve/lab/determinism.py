@@ -157,7 +157,9 @@ def vllm_batch_invariant_cost(run_peer: Callable[..., dict], model: str, workloa
                            engine_args={**(engine_args or {}), "enable_prefix_caching": False},
                            env={"VLLM_BATCH_INVARIANT": flag}, **run_kw)
         except Exception as e:  # noqa: BLE001 - vLLM missing, or its invariant mode refusing this GPU
-            log(f"vLLM with VLLM_BATCH_INVARIANT={flag}: {str(e)[-1500:]}")
+            text = str(e)
+            causes = [line for line in text.splitlines() if "Error" in line and "Traceback" not in line]
+            log(f"vLLM with VLLM_BATCH_INVARIANT={flag}: {text[-1500:]}\nerror lines: {causes[-8:]}")
             continue
         for b, d in rec.get("decode", {}).items():
             figures[f"vllm_{mode}_batch{b}_ms_per_step"] = d["decode_ms"]
