@@ -124,7 +124,7 @@ def _allreduce_worker(rank, size, init_method, device_type, sizes, iters, queue)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     parallel.init_tensor_parallel(rank, size, init_method, device)
-    custom = parallel._state.custom
+    custom = parallel.custom_all_reduce()
     impls = {"dist": parallel.nccl_all_reduce}
     if custom is not None:
         impls["custom"] = custom.all_reduce_
@@ -183,7 +183,7 @@ def _custom_check_worker(rank, size, init_method, numels, dtypes, queue) -> None
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     parallel.init_tensor_parallel(rank, size, init_method, device)
-    custom = parallel._state.custom
+    custom = parallel.custom_all_reduce()
     report = {"enabled": custom is not None, "failures": [], "checked": 0}
     if custom is not None:
         import torch.distributed as dist

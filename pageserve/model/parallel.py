@@ -27,7 +27,9 @@ kernel in ``pageserve/kernels/allreduce.py``) and larger ones (prefill) through 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from datetime import timedelta
 
 import torch
@@ -37,6 +39,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .decoder import MLP, Attention, Decoder
+
+logger = logging.getLogger(__name__)
 
 # NVLink SHARP / multicast stays off: the machines this runs on forbid multicast objects.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -122,14 +126,11 @@ def _destroy_with_timeout(timeout_s: float) -> None:
     """``destroy_process_group`` on a helper thread: should NCCL's teardown never return (a
     graph still holding its collectives, a peer stuck), the caller goes on after ``timeout_s``
     with a warning rather than hanging its process."""
-    import logging
-    import threading
-
     t = threading.Thread(target=dist.destroy_process_group, name="pageserve-tp-destroy", daemon=True)
     t.start()
     t.join(timeout_s)
     if t.is_alive():
-        logging.getLogger(__name__).warning(
+        logger.warning(
             "torch.distributed teardown did not finish in %.0f s; leaving it (its resources go with the process)", timeout_s)
 
 
@@ -153,8 +154,9 @@ def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def custom_all_reduce_enabled() -> bool:
-    return _state.custom is not None
+def custom_all_reduce():
+    """This rank's ``CustomAllReduce`` when it is open, else None."""
+    return _state.custom
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
