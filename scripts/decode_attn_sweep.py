@@ -60,8 +60,8 @@ def main() -> None:
     warps = tuple(int(w) for w in args.warps.split(","))
     for batch, ctx in cases:
         auto = decode_num_splits(batch, HKV, args.max_blocks, 16, sms)
-        # at W1's batches (hundreds of rows) the grid is full with 1-2 splits: sweep those too
-        splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 128 else set()))
+        # from batch 32 up the grid holds 64+ (sequence, KV head) pairs: 1-2 splits are candidates too
+        splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 32 else set()))
         configs = [{"num_splits": s, "block_n": bn, "num_warps": nw}
                    for s, bn, nw in itertools.product(splits, (32, 64), warps)]
         if 1 in splits:  # the A/B of the one-split direct write: the same config through the merge kernel

@@ -6,6 +6,7 @@ change shows (the interpreter adds each K tile's product to the accumulator, as 
 CUDA: the Qwen2.5-3B shapes in bf16 and fp16, and CUDA-graph capture. Timings live in
 ``pageserve.lab.determinism_checks.invariance_report``, not here.
 """
+import dataclasses
 import os
 import zlib
 
@@ -136,6 +137,40 @@ def test_a_block_k_that_follows_the_batch_size_changes_rows(gen):
         print(f"fp32 BLOCK_K 32 alone vs 64 in a batch, rows that differ: {mism}")
     else:
         assert any(mism.values()), mism
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 17, 70])
+def test_tma_loads_give_the_pointer_loads_bits(dtype, M, gen):
+    # the same MMAs over the same K slices, the tiles fetched by TMA descriptors (zeros past M and K
+    # from the descriptor's bounds, as the masked loads give): bitwise the pointer kernel's rows
+    from pageserve.kernels.matmul_invariant import _tma_ok
+    K = 2056 if CUDA else 264  # K * 2 bytes a multiple of 16, not of BLOCK_K: the last tile is partial
+    x, w = _rand(gen, M, K, dtype=dtype), _rand(gen, N_ODD, K, dtype=dtype, scale=K**-0.5)
+    bias = _rand(gen, N_ODD, dtype=dtype)
+    if not _tma_ok(x, w):
+        pytest.skip("no TMA descriptors here (Triton < 3.4 or a GPU before Hopper)")
+    cfg = invariant_config(M, N_ODD, dtype, sms=132)
+    ptr = matmul_invariant(x, w, bias, config=cfg)
+    tma = matmul_invariant(x, w, bias, config=dataclasses.replace(cfg, tma=True))
+    assert torch.equal(tma, ptr)
+    if CUDA:  # and it replays in a CUDA graph (the descriptors are launch parameters)
+        out = torch.empty_like(ptr)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            matmul_invariant(x, w, bias, out=out, config=dataclasses.replace(cfg, tma=True))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ptr)
+
+
+def test_tma_is_refused_where_descriptors_cannot_address_the_operands(gen):
+    from pageserve.kernels.matmul_invariant import TensorDescriptor, _tma_ok
+    x, w = _rand(gen, 4, 72), _rand(gen, 8, 72)
+    assert _tma_ok(x, w) == (TensorDescriptor is not None and (not CUDA or torch.cuda.get_device_capability()[0] >= 9))
+    assert not _tma_ok(x[:, 1:], w[:, 1:])  # bases 4 bytes past a 16-byte boundary
+    assert not _tma_ok(_rand(gen, 4, 70), _rand(gen, 8, 70))  # rows of 280 bytes: not a multiple of 16
+    assert not _tma_ok(x.t(), w)  # the inner stride is not 1
 
 
 @pytest.mark.skipif(CUDA, reason="the CPU smoke run of the notebook helper (on the GPU: the notebook)")

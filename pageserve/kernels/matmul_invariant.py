@@ -62,6 +62,11 @@ from . import reference
 from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, interpreting, mma,
                     pdl_args, pdl_enter, sm_count_for)
 
+try:  # host-side TMA descriptors (Triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
+    TensorDescriptor = None
+
 matmul_invariant_reference = reference.matmul_invariant_reference
 
 # one BLOCK_K per dtype: changing it changes the bits (module docstring). BLOCK_M: the tile on
@@ -86,6 +91,7 @@ class InvariantMatmulConfig:
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8  # launch order only (L2 reuse of weight tiles across row tiles): no effect on the bits
+    tma: bool = False  # tiles loaded by the Hopper tensor-memory accelerator (``_tma_ok``); same MMAs, same K order
 
 
 def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
@@ -148,6 +154,47 @@ def _matmul_invariant_kernel(
              mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _matmul_invariant_tma_kernel(
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # the pointer kernel's loop with the tiles fetched by TMA descriptors: rows past M and
+    # columns past K come back as zeros (the descriptor's bounds), as the masked loads give
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pdl_enter(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
+        b = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K]
+        if UPCAST == 2:
+            acc += mma(a, tl.trans(b), PREC, UPCAST)
+        else:
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(m < M)[:, None] & nmask[None, :])
+
+
+def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether TMA descriptors can address x and w: Triton's host descriptors, a Hopper-class
+    GPU (or the interpreter), unit inner stride, 16-byte aligned bases and row strides."""
+    if TensorDescriptor is None:
+        return False
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    es = x.element_size()
+    return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 for t in (x, w))
+
+
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
                      config: InvariantMatmulConfig | None = None) -> torch.Tensor:
@@ -175,6 +222,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
     PTX to see which MMA instruction a config got)."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
+    if cfg.tma and _tma_ok(x, w):
+        return _matmul_invariant_tma_kernel[grid](
+            TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
+            TensorDescriptor(w, [N, K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]),
+            bias if bias is not None else w, out, M, N, K, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
+        )
     return _matmul_invariant_kernel[grid](
         x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
