@@ -4,7 +4,7 @@ each row count M and each Qwen2.5-3B linear shape, GPU time per call of a list o
 the default config's bits (``same_bits``) and gives row 0 the bits it gets alone
 (``row0_alone``). A config may enter the engine's policy only if both hold at every M.
 
-    python scripts/invariant_sweep.py --out DIR [--ms 1,16,64,256,512,4096]
+    python scripts/invariant_sweep.py --out DIR [--ms 1,16,64,128,256,512,1024,4096,8192]
 
 Writes DIR/invariant_sweep.json (``results.provenance`` commit) after every M, so a time limit
 keeps what ran. On the H200: stage ``invsweep`` of scripts/h200_run.sh.
@@ -27,19 +27,25 @@ from pageserve.lab.results import provenance
 # (block_m, block_n, block_k, num_warps, num_stages) by row count; each also with TMA loads
 CANDIDATES = {
     "decode": [(16, 16, 128, 4, 8), (16, 32, 128, 4, 6), (16, 32, 64, 4, 8), (16, 64, 64, 4, 6),
-               (16, 16, 64, 4, 8), (16, 64, 128, 4, 4)],
+               (16, 16, 64, 4, 8), (16, 64, 128, 4, 4), (16, 128, 64, 4, 4), (16, 32, 256, 4, 4),
+               (16, 16, 256, 4, 6), (16, 64, 128, 4, 3)],
     "mid": [(64, 16, 128, 4, 6), (64, 32, 128, 4, 4), (64, 64, 64, 4, 4), (64, 64, 128, 4, 3),
             (64, 128, 64, 4, 4), (32, 32, 128, 4, 6), (16, 32, 128, 4, 6)],
     "large": [(64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
-              (128, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 64, 64, 4, 4)],
+              (128, 256, 64, 8, 3), (64, 128, 128, 4, 3), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4),
+              (64, 32, 128, 4, 6), (32, 64, 128, 4, 6), (32, 128, 128, 4, 4), (128, 64, 128, 4, 3),
+              (64, 64, 64, 4, 6), (128, 128, 64, 8, 5)],
     "prefill": [(128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3),
-                (128, 128, 128, 8, 3), (128, 256, 128, 8, 2), (64, 256, 64, 8, 4)],
+                (128, 128, 128, 8, 3), (64, 256, 64, 8, 4), (256, 128, 64, 8, 4), (256, 64, 64, 8, 4),
+                (256, 128, 128, 8, 2), (128, 128, 64, 4, 4)],
 }
 
 
 def candidates(M: int) -> list[InvariantMatmulConfig]:
     kind = "decode" if M <= 16 else "mid" if M <= 64 else "large" if M <= 1024 else "prefill"
     cfgs = [InvariantMatmulConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in CANDIDATES[kind]]
+    if kind in ("large", "prefill"):  # the pointer loads lost every large-M case at 8df43651
+        return [dataclasses.replace(c, tma=True) for c in cfgs]
     return cfgs + [dataclasses.replace(c, tma=True) for c in cfgs]
 
 
@@ -54,7 +60,7 @@ def sweep_shape(name: str, N: int, K: int, M: int, sms: int, gen: torch.Generato
     bias = torch.randn(N, device=dev, dtype=dtype, generator=gen) if name == "qkv" else None
     x = torch.randn(M, K, device=dev, dtype=dtype, generator=gen)
     y = torch.empty(M, N, device=dev, dtype=dtype)
-    default = invariant_config(M, N, dtype, sms)
+    default = invariant_config(M, N, dtype, sms, K=K)
     ref = matmul_invariant(x, ws[0], bias, config=default)
     alone = matmul_invariant(x[:1], ws[0], bias)  # row 0 through the default policy at M = 1
     rec = {"default": dataclasses.asdict(default),
@@ -82,7 +88,7 @@ def sweep_shape(name: str, N: int, K: int, M: int, sms: int, gen: torch.Generato
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="1,16,64,256,512,4096")
+    ap.add_argument("--ms", default="1,16,64,128,256,512,1024,4096,8192")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("invariant_sweep times CUDA graphs: it needs a GPU")

@@ -9,10 +9,11 @@ Why it is invariant. Program (m, n) owns a BLOCK_M x BLOCK_N output tile and wal
 to K in steps of BLOCK_K, ``acc = tl.dot(x_tile, w_tile^T, acc)``, then adds the bias in
 fp32 and rounds once to the output dtype. Each output element is therefore the same chain
 of MMAs over the same K slices in the same order whatever tile it sits in, provided that
-- BLOCK_K is one constant per dtype, never chosen by shape: where Triton adds each tile's
-  product to the accumulator as a separate sum (the CPU interpreter does), it sets where the
-  chain is cut; on the GPU the accumulator feeds the MMA and it may not matter, but nothing
-  here relies on that;
+- on the CPU interpreter BLOCK_K is one constant per dtype: there each tile's product is a
+  separate sum added to the accumulator, so BLOCK_K sets where the chain is cut. On the GPU
+  the accumulator feeds the MMA, and the H200 sweep at 8df43651 measured BLOCK_K 64 and 128
+  (and TMA-loaded tiles) giving the same bits on every 3B shape: there BLOCK_K follows the tile
+  (``measured_config``);
 - there is no split-K, ever (that would re-associate the sum into partials);
 - the MMA's k16 step rounds alike whatever the tile: on Hopper Triton issues wgmma
   (m64nNk16) when BLOCK_M >= 64 and mma.sync (m16n8k16) below. That the two agree bit for bit
@@ -52,6 +53,7 @@ Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -69,8 +71,8 @@ except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
 
 matmul_invariant_reference = reference.matmul_invariant_reference
 
-# one BLOCK_K per dtype: changing it changes the bits (module docstring). BLOCK_M: the tile on
-# the CPU interpreter and for fp32; on the GPU bf16/fp16 follow default_block_m (measured invariant)
+# BLOCK_K and BLOCK_M on the CPU interpreter and for fp32 (module docstring); on the GPU bf16/fp16
+# follow measured_config (tiles measured invariant on the H200)
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
 BLOCK_M = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
 
@@ -95,11 +97,18 @@ class InvariantMatmulConfig:
 
 
 def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
-                     block_n: int | None = None) -> InvariantMatmulConfig:
-    """The launch config for an [M, K] x [N, K]^T product (K plays no part: BLOCK_K is fixed).
-    BLOCK_M and BLOCK_K come from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N is the
-    widest choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it:
-    the lab's sweeps). Warps and stages follow the tile."""
+                     block_n: int | None = None, K: int | None = None,
+                     smem_bytes: int = 200 << 10) -> InvariantMatmulConfig:
+    """The launch config for an [M, K] x [N, K]^T product.
+
+    bf16/fp16 on the GPU (no override): ``measured_config``, the tiles the H200 sweep picked
+    (every config there gave the same bits). Otherwise, and for fp32 and the interpreter:
+    BLOCK_M and BLOCK_K from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N the widest
+    choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it: the lab's
+    sweeps); warps and stages follow the tile. ``smem_bytes``: the shared memory a program may
+    use (stages, then tiles, shrink to fit: no effect on the bits on the GPU)."""
+    if block_m is None and block_n is None and not interpreting() and dtype != torch.float32:
+        return fit_shared_memory(measured_config(M, N, K if K is not None else 4096, sms), dtype, smem_bytes)
     bm = default_block_m(M, dtype) if block_m is None else block_m
     if bm < 16 or bm > 256 or bm & (bm - 1):
         raise ValueError(f"block_m must be a power of two in [16, 256], got {block_m}")
@@ -114,11 +123,65 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
         if cand <= widest and row_tiles * cdiv(N, cand) >= 2 * sms:
             bn = cand
     bn = bn if block_n is None else block_n
-    # as many stages as fit in ~200 KB of the H200's 228 KB of shared memory, 2 to 4
     stage_bytes = (bm + bn) * BLOCK_K[dtype] * dtype.itemsize
-    stages = max(2, min(8 if bm <= 32 else 4, (200 << 10) // stage_bytes))
+    stages = max(2, min(8 if bm <= 32 else 4, smem_bytes // stage_bytes))
     warps = 8 if bm * bn >= 64 * 256 else 4
     return InvariantMatmulConfig(block_m=bm, block_n=bn, block_k=BLOCK_K[dtype], num_warps=warps, num_stages=stages)
+
+
+def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
+    """bf16/fp16 tiles by row count, from the H200 sweep at 8df43651
+    (results/h200/diagnostics/invariant_sweep_8df43651.json: every config there, BLOCK_K 64 or
+    128, pointer or TMA loads, 16- to 256-row tiles, gave the default config's bits and row 0
+    its bits alone, on every Qwen2.5-3B shape at M = 1..4096):
+    - up to 16 rows: 16-row tiles streaming the weights, no TMA (the pointer loads won there);
+    - up to 64: 32/64-row tiles, TMA, narrow columns where N or the grid is small;
+    - up to 1024 (large decode batches): 64 x 128 tiles (128 x 128 for wide N), TMA;
+    - beyond (prefill chunks): 256 x 128 x 64, 8 warps, 3 stages, TMA (1.08x cuBLAS at M = 4096)."""
+    if M <= 16:
+        if N >= 8192:
+            return InvariantMatmulConfig(16, 64, 128, 4, 4)
+        return InvariantMatmulConfig(16, 16, 128, 4, 8) if K > 4096 else InvariantMatmulConfig(16, 32, 128, 4, 6)
+    if M <= 64:
+        bm = 32 if M <= 32 else 64
+        if N >= 8192:
+            return InvariantMatmulConfig(bm, 64, 64, 4, 4, tma=True)
+        if K > 4096 or N <= 2048:
+            return InvariantMatmulConfig(bm, 16, 128, 4, 6, tma=True)
+        return InvariantMatmulConfig(bm, 32, 128, 4, 4, tma=True)
+    if M <= 1024:
+        if N >= 8192:
+            return InvariantMatmulConfig(128, 128, 64, 8, 4, tma=True)
+        return InvariantMatmulConfig(64, 128, 128, 4, 3, tma=True)
+    return InvariantMatmulConfig(256, 128, 64, 8, 3, tma=True)
+
+
+def fit_shared_memory(cfg: InvariantMatmulConfig, dtype: torch.dtype, smem_bytes: int) -> InvariantMatmulConfig:
+    """Fewer stages (down to 2), then narrower and shorter tiles, until the pipeline's buffers
+    fit in ``smem_bytes`` (a T4 has 64 KB a block, an H200 227 KB). On the GPU the tiles do not
+    change the bits (``measured_config``); BLOCK_K stays."""
+    bm, bn, stages = cfg.block_m, cfg.block_n, cfg.num_stages
+    while (bm + bn) * cfg.block_k * dtype.itemsize * stages > smem_bytes:
+        if stages > 2:
+            stages -= 1
+        elif bn > 16 and bn >= bm:
+            bn //= 2
+        elif bm > 16:
+            bm //= 2
+        else:
+            break
+    warps = cfg.num_warps if (bm, bn) == (cfg.block_m, cfg.block_n) else 8 if bm * bn >= 128 * 128 else 4
+    return dataclasses.replace(cfg, block_m=bm, block_n=bn, num_stages=stages, num_warps=warps)
+
+
+def smem_budget(t: torch.Tensor) -> int:
+    """Shared memory a program of this kernel may plan for on ``t``'s device (7/8 of the opt-in
+    limit: Triton keeps some for itself). The interpreter: the H200's."""
+    if not t.is_cuda:
+        return 200 << 10
+    props = torch.cuda.get_device_properties(t.device)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or {9: 227, 8: 163, 7: 64}.get(props.major, 48) << 10
+    return limit * 7 // 8
 
 
 @triton.jit
@@ -212,7 +275,8 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m), pdl)
+    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m, K=K,
+                                                         smem_bytes=smem_budget(x)), pdl)
     return out
 
 
