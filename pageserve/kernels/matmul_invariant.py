@@ -130,18 +130,21 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
 
 
 def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
-    """bf16/fp16 tiles by row count, from the H200 sweep at 8df43651
-    (results/h200/diagnostics/invariant_sweep_8df43651.json: every config there, BLOCK_K 64 or
-    128, pointer or TMA loads, 16- to 256-row tiles, gave the default config's bits and row 0
-    its bits alone, on every Qwen2.5-3B shape at M = 1..4096):
-    - up to 16 rows: 16-row tiles streaming the weights, no TMA (the pointer loads won there);
-    - up to 64: 32/64-row tiles, TMA, narrow columns where N or the grid is small;
-    - up to 1024 (large decode batches): 64 x 128 tiles (128 x 128 for wide N), TMA;
-    - beyond (prefill chunks): 256 x 128 x 64, 8 warps, 3 stages, TMA (1.08x cuBLAS at M = 4096)."""
+    """bf16/fp16 tiles by row count, from the H200 sweeps at 8df43651 and 68fe4215
+    (results/h200/diagnostics/invariant_sweep_*.json: every config there, BLOCK_K 64 to 256,
+    pointer or TMA loads, 16- to 256-row tiles, gave the default config's bits and row 0 its
+    bits alone, on every Qwen2.5-3B shape at M = 1..8192):
+    - up to 16 rows: 16-row tiles streaming the weights through pointer loads, 256-wide K slices
+      for the narrow matrices (down at M = 1: 17.2 us against 24.1 with 128);
+    - up to 64: 32/64-row tiles, TMA, narrow columns where N is small;
+    - up to 1024 (large decode batches): TMA, 128 x 128 for wide N and from 513 rows, else 64-row
+      tiles 32 to 128 columns wide as the sweep ranked them;
+    - beyond (prefill chunks): 256 x 128 x 64, 8 warps, 4 stages, TMA (0.98x cuBLAS's time over
+      the four linears at M = 8192)."""
     if M <= 16:
         if N >= 8192:
             return InvariantMatmulConfig(16, 64, 128, 4, 4)
-        return InvariantMatmulConfig(16, 16, 128, 4, 8) if K > 4096 else InvariantMatmulConfig(16, 32, 128, 4, 6)
+        return InvariantMatmulConfig(16, 16, 256, 4, 6) if N <= 2048 else InvariantMatmulConfig(16, 32, 256, 4, 4)
     if M <= 64:
         bm = 32 if M <= 32 else 64
         if N >= 8192:
@@ -150,10 +153,17 @@ def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
             return InvariantMatmulConfig(bm, 16, 128, 4, 6, tma=True)
         return InvariantMatmulConfig(bm, 32, 128, 4, 4, tma=True)
     if M <= 1024:
-        if N >= 8192:
-            return InvariantMatmulConfig(128, 128, 64, 8, 4, tma=True)
-        return InvariantMatmulConfig(64, 128, 128, 4, 3, tma=True)
-    return InvariantMatmulConfig(256, 128, 64, 8, 3, tma=True)
+        if N >= 8192 or M > 512:
+            return InvariantMatmulConfig(128, 128, 64, 8, 5, tma=True)
+        if M <= 128:  # narrow N: enough column tiles for ~one program per SM
+            return InvariantMatmulConfig(64, 64, 128, 4, 4, tma=True) if N > 2048 else \
+                InvariantMatmulConfig(64, 32, 128, 4, 6, tma=True)
+        if M <= 256:
+            return InvariantMatmulConfig(64, 64, 128, 4, 4, tma=True) if K > 4096 else \
+                InvariantMatmulConfig(64, 64, 64, 4, 6, tma=True)
+        return InvariantMatmulConfig(64, 128, 64, 4, 4, tma=True) if N > 2048 else \
+            InvariantMatmulConfig(64, 64, 64, 4, 6, tma=True)
+    return InvariantMatmulConfig(256, 128, 64, 8, 4, tma=True)
 
 
 def fit_shared_memory(cfg: InvariantMatmulConfig, dtype: torch.dtype, smem_bytes: int) -> InvariantMatmulConfig:
