@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,8 +28,10 @@ def main() -> None:
     w1 = {"w1": {"num_requests": 500, "prompt_len": 512, "output_len": 256}}  # 09's W1 on the GPU
     decode = {"batches": [1, 64], "context_len": 512, "steps": 32}  # 09's decode timings on the GPU
     args = {"gpu_memory_utilization": a.gpu_memory_utilization, "max_model_len": 4096}
+    runs = Path(a.out) / "vllm_cost_runs"  # each process's own record, kept if the stage's time runs out
+    runs.mkdir(parents=True, exist_ok=True)
     figures = determinism.vllm_batch_invariant_cost(
-        run_peer, a.model, w1, decode, tempfile.mkdtemp(prefix="pageserve-vllm-cost-"), args,
+        run_peer, a.model, w1, decode, str(runs), args,
         log=lambda s: print(s, flush=True), device="cuda", dtype="bfloat16", seed=0, timeout_s=900)
     record = {**provenance(), "script": "scripts/vllm_cost.py", "model": a.model, "workloads": w1, "decode": decode,
               "engine_args": args, "figures": figures}
