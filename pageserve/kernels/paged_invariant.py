@@ -11,14 +11,15 @@ different orders. One set of launch constants (``block_m``, ``block_n``, ``kv_sp
 head_dim, group, page) must be used for every step of a run; the bits are a function of those.
 
 Work layout. The batch is flattened as in ``paged_prefill``: sequence b owns query rows
-``query_start_loc[b]:query_start_loc[b+1]``, its last q_len positions. Program (mb, b, s*Hkv+h)
-takes ``Q_TOK = BLOCK_M // group`` query tokens of sequence b times the group of query heads
-sharing KV head h (row = token * group + head), and the keys of split s: absolute positions
-``[s * kv_split, (s + 1) * kv_split)``. A decode is a chunk of one token; its tile is the same
-[BLOCK_M, BLOCK_N] shape with the rows past its group masked. The grid comes from shapes and two
-host ints (``max_query_len``, and the split count: ``max_seq_len`` eagerly, the block-table width
-for decodes), so a decode batch (max_query_len 1) is CUDA-graph safe; programs past a
-sequence's chunk or context exit at once. Rows of seq_len 0 (graph padding) come out zero.
+``query_start_loc[b]:query_start_loc[b+1]``, its last q_len positions. Its chunk is cut into
+tiles of ``Q_TOK = BLOCK_M // group`` query tokens; the step's tiles are listed in a tile map
+(``_tile_map``: (b, mb) per tile) and program (t, s*Hkv+h) takes tile t times the group of
+query heads sharing KV head h (row = token * group + head), and the keys of split s: absolute
+positions ``[s * kv_split, (s + 1) * kv_split)``. A decode is a chunk of one token; its tile is
+the same [BLOCK_M, BLOCK_N] shape with the rows past its group masked. A decode batch
+(max_query_len 1) has one tile per sequence and a constant map, and its split count comes from
+the block-table width, so its launch is fixed by shapes: CUDA-graph safe. Splits past a tile's
+last position exit at once. Rows of seq_len 0 (graph padding) come out zero.
 
 Why each row's bits are invariant:
 
@@ -92,21 +93,22 @@ def _num_splits(q_pos, rmask, KV_SPLIT: tl.constexpr):
     return tl.where(rmask & (q_pos >= 0), tl.maximum(q_pos, 0) // KV_SPLIT + 1, 0)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles"])
 def _split_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, qk_scale, num_splits,
+    stride_bt, qk_scale, num_splits, n_tiles,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    mb = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(2) // NUM_KV_HEADS
-    h = tl.program_id(2) % NUM_KV_HEADS
+    t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
+    b = tl.load(tiles_ptr + t).to(tl.int64)
+    mb = tl.load(tiles_ptr + n_tiles + t)
+    s = tl.program_id(1) // NUM_KV_HEADS
+    h = tl.program_id(1) % NUM_KV_HEADS
     q_len = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
     if mb * Q_TOK >= q_len:
         return
@@ -148,16 +150,17 @@ def _split_kernel(
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "n_tiles"])
 def _merge_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, qsl_ptr, stride_ot, stride_oh, num_splits,
+    part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, stride_ot, stride_oh, num_splits, n_tiles,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOK: tl.constexpr,
     KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
-    mb = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
+    t = tl.program_id(0)
+    b = tl.load(tiles_ptr + t).to(tl.int64)
+    mb = tl.load(tiles_ptr + n_tiles + t)
+    h = tl.program_id(1)
     q_len = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
     if mb * Q_TOK >= q_len:
         return
@@ -190,6 +193,41 @@ def _merge_kernel(
     out = acc / l[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=amask)
+
+
+_DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
+    """[2, n_tiles] int32: the step's query tiles, (sequence b, tile mb of its chunk), one program
+    each. A decode batch (max_query_len 1) has one tile per sequence: a constant map per batch
+    size, so a graph's launch is fixed by shapes. A chunked step's map comes from the host copy
+    of ``query_start_loc`` (read once, a sync where the meta has none: tests and the lab), is
+    exact — no programs for the tiles a short sequence does not have, which a (max tiles x B)
+    grid launched and exited (results/h200/diagnostics/profile_steps at 33a95d3b: a mixed step's
+    attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
+    the step's other layers. Which program computes a tile does not change a row's bits."""
+    if meta.max_query_len <= 1:
+        key = (B, device)
+        if key not in _DECODE_TILES:
+            _DECODE_TILES[key] = torch.stack([torch.arange(B, dtype=torch.int32, device=device),
+                                              torch.zeros(B, dtype=torch.int32, device=device)])
+        return _DECODE_TILES[key]
+    scratch = getattr(meta, "scratch", None)
+    key = ("paged_invariant_tiles", q_tok)
+    if scratch is not None and key in scratch:
+        return scratch[key]
+    qsl = meta.query_start_loc_cpu
+    qsl = list(qsl) if qsl is not None else meta.query_start_loc.tolist()
+    seq, tile = [], []
+    for b in range(B):
+        n = cdiv(qsl[b + 1] - qsl[b], q_tok)
+        seq += [b] * n
+        tile += range(n)
+    tiles = torch.tensor([seq, tile], dtype=torch.int32).to(device, non_blocking=True)
+    if scratch is not None:
+        scratch[key] = tiles
+    return tiles
 
 
 def paged_attention_invariant(
@@ -232,22 +270,24 @@ def paged_attention_invariant(
     # fp32 even when unused (S == 1), so every call runs the one compiled kernel
     part_acc = torch.empty((T, Hq, S, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((T, Hq, S, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
-    n_mb = cdiv(meta.max_query_len, q_tok)
+    tiles = _tile_map(meta, q_tok, B, q.device)
+    n_tiles = tiles.shape[1]
     launch = pdl_args(q, T, pdl)
     common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, Q_TOK=q_tok, KV_SPLIT=kv_split, BLOCK_M=BLOCK_M,
                   BLOCK_D=BLOCK_D, **launch)
-    _split_kernel[(n_mb, B, S * Hkv)](
-        q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+    _split_kernel[(n_tiles, S * Hkv)](
+        q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0), float(scale) * LOG2E, S,
+        meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles,
         PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
         num_warps=4, num_stages=2, **common,
     )
     if S > 1:
-        _merge_kernel[(n_mb, B, Hkv)](
-            part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, out.stride(0), out.stride(1), S,
+        _merge_kernel[(n_tiles, Hkv)](
+            part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, tiles, out.stride(0), out.stride(1), S,
+            n_tiles,
             num_warps=4, **common,
         )
     return out

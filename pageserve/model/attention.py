@@ -12,7 +12,7 @@ reference of the attention and the KV write is in ``pageserve.kernels.reference`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class AttentionMetadata:
     # host copies, so the reference path never syncs on device tensors
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # launch data a kernel derives from this step's metadata, shared by the step's layers
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
