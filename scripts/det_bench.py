@@ -27,13 +27,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,64,4096", help="row counts M to time the linears at")
     ap.add_argument("--contexts", default="512,2048", help="decode contexts for the attention timings")
+    ap.add_argument("--skip-matmul", action="store_true", help="the attention timings only")
+    ap.add_argument("--prefill-block-m", type=int, default=128,
+                    help="also time the attention with this prefill_block_m (0: not)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("det_bench times CUDA graphs: it needs a GPU")
     out = Path(args.out) / "det_bench.json"
     rec = {**provenance(), "matmul_ms": {}, "attention_us": {}}
     ms = [int(m) for m in args.ms.split(",")]
-    for name, (N, K) in GEMV_SHAPES.items():
+    for name, (N, K) in ({} if args.skip_matmul else GEMV_SHAPES).items():
         rec["matmul_ms"].update(matmul_timings(name, N, K, torch.bfloat16, ms, seed=0))
         out.write_text(json.dumps(rec, indent=1))
         for key in sorted(k for k in rec["matmul_ms"] if f"/{name}/" in k and k.rsplit("/", 1)[1]
@@ -41,6 +44,9 @@ def main() -> None:
             print(f"{key}: {rec['matmul_ms'][key] * 1e3:.1f} us", flush=True)
     for ctx in (int(c) for c in args.contexts.split(",")):
         times = attention_timings(context=ctx, batches=(1, 64), prefill_len=512)
+        if args.prefill_block_m:  # taller prefill tiles with MMA row sums: the decode rows keep 16-row tiles
+            tall = attention_timings(context=ctx, batches=(1, 64), prefill_len=512, prefill_block_m=args.prefill_block_m)
+            times.update({f"{k}_prefill_block_m{args.prefill_block_m}": v for k, v in tall.items() if "invariant" in k})
         rec["attention_us"].update({f"ctx{ctx}/{k}": v for k, v in times.items()})
         out.write_text(json.dumps(rec, indent=1))
         print({k: round(v, 1) for k, v in times.items()}, flush=True)

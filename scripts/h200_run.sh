@@ -104,7 +104,7 @@ for st in $stages; do
               echo "vllmcost rc=$?"; grep -E "Error|error|vllm_" "$RES/vllm_cost.log" | tail -n 20 ;;
     invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" \
                 > "$RES/invariant_sweep.log" 2>&1; echo "invsweep rc=$?"; tail -n 45 "$RES/invariant_sweep.log" ;;
-    detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" --ms "${DET_BENCH_MS:-1,64,4096}" > "$RES/det_bench.log" 2>&1
+    detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" --ms "${DET_BENCH_MS:-1,64,4096}" ${DET_BENCH_ARGS:-} > "$RES/det_bench.log" 2>&1
               echo "detbench rc=$?"; tail -n 30 "$RES/det_bench.log" ;;
     profile_steps) timeout "$t" python3 scripts/profile_steps.py --out "$RES/diagnostics" ${PROFILE_STEPS_ARGS:-} \
                      > "$RES/profile_steps.log" 2>&1; echo "profile_steps rc=$?"; tail -n 60 "$RES/profile_steps.log" ;;

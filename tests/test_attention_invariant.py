@@ -78,6 +78,29 @@ def test_a_rows_bits_depend_only_on_its_sequence_and_position(case, hq, hkv, dty
     assert _checks(hq, hkv, dtype, [case]) == {case: True}
 
 
+TALL = 128 if CUDA else 64  # prefill_block_m: 16 (CUDA) / 8 (CPU) query tokens of a group of 8 per tile
+
+
+@pytest.mark.parametrize("case", inv.CASES)
+def test_taller_prefill_tiles_with_mma_row_sums_keep_every_rows_bits(case):
+    # prefill_block_m: chunks in TALL-row tiles, decodes in 16-row ones; the MMA row sums are what
+    # should make the tile's height invisible in a row's bits (on the GPU: the H200 decides)
+    hq, hkv, dtype = (16, 2, torch.bfloat16) if CUDA else (8, 1, torch.bfloat16)
+    assert _checks(hq, hkv, dtype, [case], prefill_block_m=TALL) == {case: True}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_taller_prefill_tiles_match_the_reference(dtype):
+    gen = torch.Generator().manual_seed(7)
+    Hq, Hkv, D, bs = _shape(8, 1)
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1, 20, 37, 1], [KS + 1, 20, 2 * KS + 26, 45], Hq, Hkv, D,
+                                                      bs, dtype, DEVICE, gen, pad_tokens=2)
+    out = torch.full_like(q, float("nan"))
+    paged_attention_invariant(q, kc, vc, meta, D**-0.5, out=out, prefill_block_m=TALL, **LAUNCH)
+    err = checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, D**-0.5))
+    assert err <= checks.TOLERANCE[dtype], f"relative error {err:.3g} ({dtype})"
+
+
 def test_the_invariance_checks_see_a_change_of_kv_split():
     # the same kernel with other split sizes on the two sides: rows past the first split must differ
     other = inv.invariant_attention(**{**LAUNCH, "kv_split": 2 * KS})

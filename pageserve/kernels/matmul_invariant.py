@@ -54,6 +54,7 @@ Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -185,13 +186,18 @@ def fit_shared_memory(cfg: InvariantMatmulConfig, dtype: torch.dtype, smem_bytes
 
 
 def smem_budget(t: torch.Tensor) -> int:
-    """Shared memory a program of this kernel may plan for on ``t``'s device (7/8 of the opt-in
-    limit: Triton keeps some for itself). The interpreter: the H200's."""
-    if not t.is_cuda:
-        return 200 << 10
-    props = torch.cuda.get_device_properties(t.device)
-    limit = getattr(props, "shared_memory_per_block_optin", 0) or {9: 227, 8: 163, 7: 64}.get(props.major, 48) << 10
-    return limit * 7 // 8
+    """Shared memory a program of this kernel may plan for on ``t``'s device (7/8 of the
+    opt-in limit: Triton keeps some for itself). The interpreter: the H200's."""
+    return _smem_limit(t.device.index or 0) * 7 // 8 if t.is_cuda else 200 << 10
+
+
+@functools.cache
+def _smem_limit(device_index: int) -> int:
+    try:  # what Triton itself checks a kernel's shared memory against
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - an older Triton: torch's figure, else the smallest of the GPU's generation
+        props = torch.cuda.get_device_properties(device_index)
+        return getattr(props, "shared_memory_per_block_optin", 0) or (99 << 10 if props.major >= 8 else 64 << 10)
 
 
 @triton.jit

@@ -93,6 +93,26 @@ def _num_splits(q_pos, rmask, KV_SPLIT: tl.constexpr):
     return tl.where(rmask & (q_pos >= 0), tl.maximum(q_pos, 0) // KV_SPLIT + 1, 0)
 
 
+@triton.jit
+def _softmax_step(scores, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr):
+    """``online_softmax_step``; with ROWSUM_DOT the row sums of p come from an MMA against a
+    ones matrix (of the p that also meets V, in V's dtype) instead of ``tl.sum``: an MMA output
+    element is the same chain of k16-steps whatever the tile's height (measured for the
+    invariant matmul), while ``tl.sum``'s tree follows the tile's layout, which changes with
+    BLOCK_M. So with it a row's bits do not depend on BLOCK_M (``prefill_block_m``)."""
+    if ROWSUM_DOT:
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None]).to(v.dtype)
+        ones = tl.full([v.shape[0], 16], 1.0, v.dtype)
+        # every column of the product is the row sum; max picks one exactly, in any order
+        l_i = l_i * alpha + tl.max(mma(p, ones, PREC, UPCAST), axis=1)
+        acc = acc * alpha[:, None] + mma(p, v, PREC, UPCAST)
+        return m_new, l_i, acc
+    else:
+        return online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+
+
 @triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles"])
 def _split_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
@@ -101,7 +121,7 @@ def _split_kernel(
     stride_bt, qk_scale, num_splits, n_tiles,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
@@ -134,7 +154,7 @@ def _split_kernel(
                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
         scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+        m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
 
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
     # one split (or none): the final answer, here; l_i == 0 only for seq_len-0 rows -> zeros
@@ -233,7 +253,7 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
 def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
-    out: torch.Tensor | None = None, pdl: bool | None = None,
+    prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -244,11 +264,17 @@ def paged_attention_invariant(
     A decode batch (``max_query_len == 1``) launches from shapes only (split count from the
     block-table width) and can be captured in a CUDA graph. ``kv_split`` (keys per split, a
     multiple of ``block_n``), ``block_m`` (default ``invariant_block_m(group)``) and ``block_n``
-    decide the bits: keep them fixed for a run. ``pdl``: see ``_util.use_pdl``."""
+    decide the bits: keep them fixed for a run. ``prefill_block_m``: rows per tile in steps with
+    chunks (max_query_len > 1), e.g. 128 = 16 query tokens of a group of 8 instead of 2, so each
+    K/V tile serves 8x the queries; it turns on the MMA row sums (``_softmax_step``) for every
+    step, which is what makes the tile height free — and gives other bits than None does, so it
+    too is fixed for a run. ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
     BLOCK_M = block_m or invariant_block_m(group)
+    if prefill_block_m is not None and meta.max_query_len > 1:
+        BLOCK_M = prefill_block_m
     if BLOCK_M < group or BLOCK_M < 16 or BLOCK_M & (BLOCK_M - 1):
         raise ValueError(f"block_m {BLOCK_M} must be a power of two >= 16 and >= the GQA group {group}")
     if block_n < 16 or block_n & (block_n - 1) or kv_split % block_n:
@@ -282,7 +308,7 @@ def paged_attention_invariant(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles,
         PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
-        num_warps=4, num_stages=2, **common,
+        ROWSUM_DOT=prefill_block_m is not None, num_warps=4 if BLOCK_M <= 64 else 8, num_stages=2, **common,
     )
     if S > 1:
         _merge_kernel[(n_tiles, Hkv)](

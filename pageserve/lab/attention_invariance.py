@@ -36,7 +36,8 @@ CASES = ("prefill_in_batches", "chunks_of_16", "chunks_of_33_in_batches", "prefi
 
 
 def invariant_attention(**launch) -> Attention:
-    """``paged_attention_invariant`` with fixed launch constants (kv_split, block_m, block_n)."""
+    """``paged_attention_invariant`` with fixed launch constants (kv_split, block_m, block_n,
+    prefill_block_m)."""
     return functools.partial(paged_attention_invariant, **launch)
 
 
@@ -153,15 +154,16 @@ def _case_rows(pool: PagedPool, attn: Attention, case: str, kv_split: int, q_tok
 def invariance_checks(
     num_heads: int = 16, num_kv_heads: int = 2, head_dim: int = 128, block_size: int = 16,
     dtype: torch.dtype = torch.bfloat16, device="cuda", *, main_len: int = 1100, kv_split: int | None = None,
-    block_m: int | None = None, block_n: int | None = None, cases=CASES, attn: Attention | None = None,
-    baseline: Attention | None = None, seed: int = 0,
+    block_m: int | None = None, block_n: int | None = None, prefill_block_m: int | None = None, cases=CASES,
+    attn: Attention | None = None, baseline: Attention | None = None, seed: int = 0,
 ) -> dict[str, bool]:
     """{case: every row of the main sequence bit-identical to its one-chunk prefill}.
 
     ``attn`` defaults to ``paged_attention_invariant`` with the given launch constants (None:
     the module defaults); ``baseline`` (default ``attn``) computes the one-chunk rows. The
     company sequences are about 0.6x, 1.4x and 0.1x ``main_len`` long."""
-    launch = {k: v for k, v in (("kv_split", kv_split), ("block_m", block_m), ("block_n", block_n)) if v}
+    launch = {k: v for k, v in (("kv_split", kv_split), ("block_m", block_m), ("block_n", block_n),
+                                ("prefill_block_m", prefill_block_m)) if v}
     attn = attn or invariant_attention(**launch)
     baseline = baseline or attn
     ks = kv_split or KV_SPLIT

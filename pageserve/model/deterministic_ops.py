@@ -38,16 +38,21 @@ class DeterministicOps(TritonOps):
 
     ``kv_split``: tokens per KV split of the attention (a fixed size, so the number of
     splits a row sees depends only on its position). ``matmul_block_m``: force the matmul's
-    row tile (None: its fixed default; see ``kernels.matmul_invariant``)."""
+    row tile (None: its measured policy; see ``kernels.matmul_invariant``).
+    ``attention_prefill_block_m``: taller attention tiles for steps with chunks, with MMA row
+    sums (``kernels.paged_invariant``; other bits than None, so one setting per run; off until
+    the H200 has checked its bits and timed it)."""
 
     name = "deterministic"
 
-    def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None, **triton_options) -> None:
+    def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
+                 attention_prefill_block_m: int | None = None, **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         super().__init__(**triton_options)
         self.kv_split = kv_split
         self.matmul_block_m = matmul_block_m
+        self.attention_prefill_block_m = attention_prefill_block_m
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
@@ -63,6 +68,8 @@ class DeterministicOps(TritonOps):
         from ..kernels import paged_attention_invariant
 
         kw = {} if self.kv_split is None else {"kv_split": self.kv_split}
+        if self.attention_prefill_block_m is not None:
+            kw["prefill_block_m"] = self.attention_prefill_block_m
         return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl, **kw)
 
 
