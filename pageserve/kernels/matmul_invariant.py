@@ -19,13 +19,13 @@ of MMAs over the same K slices in the same order whatever tile it sits in, provi
   (m64nNk16) when BLOCK_M >= 64 and mma.sync (m16n8k16) below. That the two agree bit for bit
   was not assumed but measured: on the H200 at 65f7a342 (results/h200/gpu_det_tests.log) rows
   computed with 16-, 32- and 128-row tiles equalled the 64-row tiles' on every 3B shape and
-  the LM head, bf16 and fp16, at M = 1..1024. So on the GPU BLOCK_M follows M
-  (``default_block_m``: 16 up to 16 rows, 32 up to 32, 64 below 256, 128 from 256), and the
-  GPU tests keep asserting rows alone = rows in batches of 2..1024 under that policy. The
-  instruction's N (BLOCK_N, num_warps) changes only how many columns one MMA covers, so
-  BLOCK_N, num_warps and num_stages follow M and N for occupancy. On Triton's CPU interpreter
-  (tl.dot = a numpy matmul of the tile, whose rounding can follow the tile's shape) BLOCK_M
-  and BLOCK_N stay fixed;
+  the LM head, bf16 and fp16, at M = 1..1024; two sweeps at 8df43651 and 68fe4215
+  (results/h200/diagnostics/invariant_sweep_*) then found 16- to 256-row tiles, 16- to
+  256-column tiles, BLOCK_K 64/128/256, 4 or 8 warps, 3 to 8 stages and TMA-loaded tiles all
+  bitwise equal at M = 1..8192. So on the GPU bf16/fp16 take whatever tile is fastest for the
+  shape (``measured_config``), and the GPU tests keep asserting rows alone = rows in batches of
+  2..2048 under that policy. On Triton's CPU interpreter (tl.dot = a numpy matmul of the tile,
+  whose rounding can follow the tile's shape) BLOCK_M, BLOCK_N and BLOCK_K stay fixed;
 - rows past M and columns past K load zeros, which add exact zeros.
 fp32 inputs take ``input_precision="ieee"``: Triton lowers that dot to FMAs on the CUDA cores,
 one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 throughout.
@@ -35,20 +35,11 @@ An alternative left for later: swap the operands at small M (w as the MMA's M si
 as its N side, 16..256 wide) so decode wastes 15/16 of a 16-wide MMA instead of 63/64 of the
 x tile's shared memory; it would have to be used at every M to stay invariant.
 
-Defaults for the H200 at the Qwen2.5-3B shapes (K 2048 or 11008, both multiples of 128; N
-2560, 2048, 22016, 2048, 151936), bf16/fp16:
-- BLOCK_K 128: the decode batch streams the weights, and a 128-wide K slice of a 16-row
-  weight tile is 4 KB per pipeline stage (64 would halve the bytes in flight); at large M a
-  64 x 256 x 128 stage is 80 KB, so 2 stages still fit in the 228 KB of shared memory.
-- BLOCK_M by M (see above): 16 at decode (the smallest MMA tile: 16x the useful work, and a
-  4 KB x tile a stage), 128 from 256 rows (prefill chunks: twice the reuse of each weight tile).
-  At 0afd934b it was 64 for every M; the 09 run's eager figures could not tell the difference.
-- BLOCK_N: there is no split-K, so at decode the grid's size comes from the columns alone:
-  the widest of 16..256 that still gives >= 2 programs per SM (N = 2048 on 132 SMs: 16 columns,
-  128 programs, as many as the no-split rule allows); wider (more reuse of each x tile) once
-  the row tiles fill the GPU. 64 x 256 tiles take 8 warps (two warpgroups side by side).
-- num_stages: as many as fit in ~200 KB of shared memory, 2 to 4, and up to 8 for skinny tiles
-  (BLOCK_M <= 32: decode streams the weights, so more bytes in flight per SM; not yet measured).
+Defaults: ``measured_config`` (the H200 sweeps' bests by row count; over the decoder's four
+linears x 36 (+ the LM head up to M = 1024) 0.99x cuBLAS's time at M = 1, 0.98x at M = 8192 and
+1.04-1.28x between, at 68fe4215), shrunk to the
+device's shared memory by ``fit_shared_memory`` (a T4's 64 KB). fp32 and the interpreter use
+``invariant_config``'s occupancy rule: the widest BLOCK_N that keeps >= 2 programs per SM.
 ``pdl`` as the GEMV: on for launches of at most ``PDL_MAX_TOKENS`` rows where supported.
 """
 from __future__ import annotations
