@@ -45,7 +45,8 @@ def candidates(M: int) -> list[InvariantMatmulConfig]:
     kind = "decode" if M <= 16 else "mid" if M <= 64 else "large" if M <= 1024 else "prefill"
     cfgs = [InvariantMatmulConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in CANDIDATES[kind]]
     if kind in ("large", "prefill"):  # the pointer loads lost every large-M case at 8df43651
-        return [dataclasses.replace(c, tma=True) for c in cfgs]
+        tma = [dataclasses.replace(c, tma=True) for c in cfgs]
+        return tma + [dataclasses.replace(c, persistent=True) for c in tma]  # and one program per SM
     return cfgs + [dataclasses.replace(c, tma=True) for c in cfgs]
 
 

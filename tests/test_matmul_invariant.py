@@ -172,6 +172,10 @@ def test_tma_loads_give_the_pointer_loads_bits(dtype, M, gen):
     ptr = matmul_invariant(x, w, bias, config=cfg)
     tma = matmul_invariant(x, w, bias, config=dataclasses.replace(cfg, tma=True))
     assert torch.equal(tma, ptr)
+    # the persistent variant: fewer programs than tiles, each walking several (sm_count_for on the
+    # CPU is num_sms(0); on the GPU the SM count) -- the same tiles, so the same bits
+    small = dataclasses.replace(cfg, block_n=16, tma=True, persistent=True)
+    assert torch.equal(matmul_invariant(x, w, bias, config=small), ptr)
     if CUDA:  # and it replays in a CUDA graph (the descriptors are launch parameters)
         out = torch.empty_like(ptr)
         graph = torch.cuda.CUDAGraph()

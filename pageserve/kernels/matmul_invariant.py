@@ -86,6 +86,7 @@ class InvariantMatmulConfig:
     num_stages: int = 3
     group_m: int = 8  # launch order only (L2 reuse of weight tiles across row tiles): no effect on the bits
     tma: bool = False  # tiles loaded by the Hopper tensor-memory accelerator (``_tma_ok``); same MMAs, same K order
+    persistent: bool = False  # with tma: one program per SM walking the tiles (the same tiles, the same K loop)
 
 
 def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
@@ -254,6 +255,39 @@ def _matmul_invariant_tma_kernel(
              mask=(m < M)[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _matmul_invariant_persistent_kernel(
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # the TMA kernel's tile, for tiles pid, pid + num_programs, ...: one launch wave, and a
+    # program's next tile's loads can start under its last one's epilogue. Each tile is the
+    # same K loop from zero, so its bits are the non-persistent kernel's.
+    pdl_enter(USE_PDL)
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+            b = w_desc.load([pid_n * BLOCK_N, k0])
+            if UPCAST == 2:
+                acc += mma(a, tl.trans(b), PREC, UPCAST)
+            else:
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(m < M)[:, None] & nmask[None, :])
+
+
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether TMA descriptors can address x and w: Triton's host descriptors, a Hopper-class
     GPU (or the interpreter), unit inner stride, 16-byte aligned bases and row strides."""
@@ -294,14 +328,17 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     if cfg.tma and _tma_ok(x, w):
-        return _matmul_invariant_tma_kernel[grid](
-            TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
-            TensorDescriptor(w, [N, K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]),
-            bias if bias is not None else w, out, M, N, K, out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
-        )
+        descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
+                 TensorDescriptor(w, [N, K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]))
+        consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
+        b = bias if bias is not None else w
+        if cfg.persistent:
+            programs = min(grid[0], sm_count_for(x))
+            return _matmul_invariant_persistent_kernel[(programs,)](*descs, b, out, M, N, K, out.stride(0), programs,
+                                                                    **consts)
+        return _matmul_invariant_tma_kernel[grid](*descs, b, out, M, N, K, out.stride(0), **consts)
     return _matmul_invariant_kernel[grid](
         x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
