@@ -147,3 +147,26 @@ def test_decode_replays_in_a_cuda_graph_with_the_eager_bits():
     assert torch.equal(out, eager)
     ref = checks.attention_reference(q2, pool.k_cache, pool.v_cache, meta2, pool.scale)
     assert checks.rel_err(out, ref) <= checks.TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_a_decode_tile_map_made_inside_a_capture_never_serves_an_eager_call():
+    # a decode batch's tile map created during a graph capture holds its values only once the
+    # graph replays: an eager call of the same batch size before any replay must build its own
+    pool = inv.PagedPool([300, 40, 9, 70, 5], 16, 2, 128, 16, torch.bfloat16, DEVICE)
+    q2, meta2 = pool.batch([(0, 200, 201), (1, 30, 31)])
+    paged_attention_invariant(q2, pool.k_cache, pool.v_cache, meta2, pool.scale)  # compiles, outside the capture
+    torch.cuda.synchronize()
+    rows = [(0, 250, 251), (1, 35, 36), (2, 7, 8), (3, 60, 61), (4, 3, 4)]  # 5: a batch size no other test uses
+    q, meta = pool.batch(rows)
+    out = torch.empty_like(q)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_invariant(q, pool.k_cache, pool.v_cache, meta, pool.scale, out=out)
+    _, fresh = pool.batch(rows)
+    eager = paged_attention_invariant(q, pool.k_cache, pool.v_cache, fresh, pool.scale)  # before any replay
+    ref = checks.attention_reference(q, pool.k_cache, pool.v_cache, fresh, pool.scale)
+    assert checks.rel_err(eager, ref) <= checks.TOLERANCE[torch.bfloat16]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

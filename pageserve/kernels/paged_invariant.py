@@ -227,13 +227,23 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
     grid launched and exited (results/h200/diagnostics/profile_steps at 33a95d3b: a mixed step's
     attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
     the step's other layers. Which program computes a tile does not change a row's bits."""
+    scratch = getattr(meta, "scratch", None)
     if meta.max_query_len <= 1:
         key = (B, device)
-        if key not in _DECODE_TILES:
-            _DECODE_TILES[key] = torch.stack([torch.arange(B, dtype=torch.int32, device=device),
-                                              torch.zeros(B, dtype=torch.int32, device=device)])
-        return _DECODE_TILES[key]
-    scratch = getattr(meta, "scratch", None)
+        if key in _DECODE_TILES:
+            return _DECODE_TILES[key]
+        if scratch is not None and key in scratch:
+            return scratch[key]
+        tiles = torch.stack([torch.arange(B, dtype=torch.int32, device=device),
+                             torch.zeros(B, dtype=torch.int32, device=device)])
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a graph capture: its values exist only once the graph replays, so it
+            # stays with this graph's metadata and never serves an eager step
+            if scratch is not None:
+                scratch[key] = tiles
+        else:
+            _DECODE_TILES[key] = tiles
+        return tiles
     key = ("paged_invariant_tiles", q_tok)
     if scratch is not None and key in scratch:
         return scratch[key]
@@ -244,7 +254,8 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
         n = cdiv(qsl[b + 1] - qsl[b], q_tok)
         seq += [b] * n
         tile += range(n)
-    tiles = torch.tensor([seq, tile], dtype=torch.int32).to(device, non_blocking=True)
+    tiles = torch.tensor([seq, tile], dtype=torch.int32)
+    tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
     if scratch is not None:
         scratch[key] = tiles
     return tiles
