@@ -226,15 +226,11 @@ def _matmul_invariant_kernel(
 
 
 @triton.jit
-def _matmul_invariant_tma_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    # the pointer kernel's loop with the tiles fetched by TMA descriptors: rows past M and
-    # columns past K come back as zeros (the descriptor's bounds), as the masked loads give
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pdl_enter(USE_PDL)
+def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # the pointer kernel's tile with x and w fetched by TMA descriptors: rows past M and columns
+    # past K come back as zeros (the descriptor's bounds), as the masked loads give
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
@@ -256,6 +252,18 @@ def _matmul_invariant_tma_kernel(
 
 
 @triton.jit
+def _matmul_invariant_tma_kernel(
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pdl_enter(USE_PDL)
+    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
+
+
+@triton.jit
 def _matmul_invariant_persistent_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -268,24 +276,8 @@ def _matmul_invariant_persistent_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = x_desc.load([pid_m * BLOCK_M, k0])
-            b = w_desc.load([pid_n * BLOCK_N, k0])
-            if UPCAST == 2:
-                acc += mma(a, tl.trans(b), PREC, UPCAST)
-            else:
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-        m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < N
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(m < M)[:, None] & nmask[None, :])
+        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -248,13 +248,11 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
-    qsl = list(qsl) if qsl is not None else meta.query_start_loc.tolist()
-    seq, tile = [], []
-    for b in range(B):
-        n = cdiv(qsl[b + 1] - qsl[b], q_tok)
-        seq += [b] * n
-        tile += range(n)
-    tiles = torch.tensor([seq, tile], dtype=torch.int32)
+    qsl = torch.tensor(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=torch.int32)
+    n = (qsl[1:] - qsl[:-1] + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host
+    seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), n)
+    first = torch.repeat_interleave(torch.cumsum(n, 0, dtype=torch.int32) - n, n)  # each tile's sequence's first
+    tiles = torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int32) - first])
     tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
     if scratch is not None:
         scratch[key] = tiles
