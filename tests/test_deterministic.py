@@ -110,6 +110,20 @@ def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+def test_taller_prefill_tiles_are_on_by_default_only_where_the_h200_measured_them():
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    ops = DeterministicOps()
+    assert ops.prefill_block_m_for(torch.device("cpu")) is None  # the interpreter: 16-row tiles
+    if ON_GPU:
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert ops.prefill_block_m_for(torch.device("cuda")) == (128 if hopper else None)
+    assert DeterministicOps(attention_prefill_block_m=64).prefill_block_m_for(torch.device("cpu")) == 64
+    assert DeterministicOps(attention_prefill_block_m=None).prefill_block_m_for(torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="attention_prefill_block_m"):
+        DeterministicOps(attention_prefill_block_m="tall")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_deterministic_mode_captures_cuda_graphs(tiny_qwen2_config):
     # 09 at 0afd934b ran the deterministic engines eagerly: graphs were gated on ops.name == "triton"

@@ -131,7 +131,9 @@ def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
       for the narrow matrices (down at M = 1: 17.2 us against 24.1 with 128);
     - up to 64: 32/64-row tiles, TMA, narrow columns where N is small;
     - up to 1024 (large decode batches): TMA, 128 x 128 for wide N and from 513 rows, else 64-row
-      tiles 32 to 128 columns wide as the sweep ranked them;
+      tiles 32 to 128 columns wide as the sweep ranked them; the third sweep (12c46862, with the
+      persistent variant) moved the LM head from 129 rows and gate_up at 257-512 rows to the
+      persistent walk (lm_head 477 vs 493 us at M = 512, 930 vs 1019 at 1024; gate_up 73 vs 79);
     - beyond (prefill chunks): 256 x 128 x 64, 8 warps, 4 stages, TMA (0.98x cuBLAS's time over
       the four linears at M = 8192)."""
     if M <= 16:
@@ -146,6 +148,10 @@ def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
             return InvariantMatmulConfig(bm, 16, 128, 4, 6, tma=True)
         return InvariantMatmulConfig(bm, 32, 128, 4, 4, tma=True)
     if M <= 1024:
+        if M > 128 and N > 32768:  # the LM head: the persistent walk, 3-9% at M = 256..1024
+            return InvariantMatmulConfig(128, 128, 64, 8, 5, tma=True, persistent=True)
+        if 256 < M <= 512 and N >= 8192:  # gate_up at ~500 rows (W1's decode): 73 us vs 79
+            return InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True)
         if N >= 8192 or M > 512:
             return InvariantMatmulConfig(128, 128, 64, 8, 5, tma=True)
         if M <= 128:  # narrow N: enough column tiles for ~one program per SM

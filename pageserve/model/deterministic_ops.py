@@ -40,18 +40,21 @@ class DeterministicOps(TritonOps):
     splits a row sees depends only on its position). ``matmul_block_m``: force the matmul's
     row tile (None: its measured policy; see ``kernels.matmul_invariant``).
     ``attention_prefill_block_m``: taller attention tiles for steps with chunks, with MMA row
-    sums (``kernels.paged_invariant``; other bits than None, so one setting per run; off until
-    the H200 has checked its bits and timed it)."""
+    sums (``kernels.paged_invariant``; other bits than None, so one setting per run). "auto":
+    128 on Hopper (sm_90+), where the H200 measured its bits (gpu_det_tests at 12c46862) and
+    its speed, else None (16-row tiles: a T4's 64 KB of shared memory, and GPUs not measured)."""
 
     name = "deterministic"
 
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
-                 attention_prefill_block_m: int | None = None, **triton_options) -> None:
+                 attention_prefill_block_m: int | str | None = "auto", **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         super().__init__(**triton_options)
         self.kv_split = kv_split
         self.matmul_block_m = matmul_block_m
+        if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
+            raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
         self.attention_prefill_block_m = attention_prefill_block_m
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -68,9 +71,17 @@ class DeterministicOps(TritonOps):
         from ..kernels import paged_attention_invariant
 
         kw = {} if self.kv_split is None else {"kv_split": self.kv_split}
-        if self.attention_prefill_block_m is not None:
-            kw["prefill_block_m"] = self.attention_prefill_block_m
+        tall = self.prefill_block_m_for(q.device)
+        if tall is not None:
+            kw["prefill_block_m"] = tall
         return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl, **kw)
+
+
+    def prefill_block_m_for(self, device: torch.device) -> int | None:
+        """``attention_prefill_block_m`` resolved for a device ("auto": see the class)."""
+        if self.attention_prefill_block_m != "auto":
+            return self.attention_prefill_block_m
+        return 128 if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 else None
 
 
 class DeterministicTorchOps(TorchOps):
