@@ -102,7 +102,7 @@ for st in $stages; do
           -p VLLM_COST "$([ -d /tmp/site/vllm ] && echo True || echo False)" ;;  # vLLM's cost too where carried (+~200 s)
     vllmcost) timeout "$t" python3 scripts/vllm_cost.py --out "$RES/diagnostics" ${VLLM_COST_ARGS:-} > "$RES/vllm_cost.log" 2>&1
               echo "vllmcost rc=$?"; grep -E "Error|error|vllm_" "$RES/vllm_cost.log" | tail -n 20 ;;
-    invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" \
+    invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" ${INV_SWEEP_SHAPES:+--shapes "$INV_SWEEP_SHAPES"} \
                 > "$RES/invariant_sweep.log" 2>&1; echo "invsweep rc=$?"; tail -n 45 "$RES/invariant_sweep.log" ;;
     detbench) timeout "$t" python3 scripts/det_bench.py --out "$RES" --ms "${DET_BENCH_MS:-1,64,4096}" ${DET_BENCH_ARGS:-} > "$RES/det_bench.log" 2>&1
               echo "detbench rc=$?"; tail -n 30 "$RES/det_bench.log" ;;

@@ -4,7 +4,10 @@ each row count M and each Qwen2.5-3B linear shape, GPU time per call of a list o
 the default config's bits (``same_bits``) and gives row 0 the bits it gets alone
 (``row0_alone``). A config may enter the engine's policy only if both hold at every M.
 
-    python scripts/invariant_sweep.py --out DIR [--ms 1,16,64,128,256,512,1024,4096,8192]
+    python scripts/invariant_sweep.py --out DIR [--ms 1,16,64,128,256,512,1024,4096,8192] [--shapes down]
+
+Shapes with K > K_CHUNK (the down projection) run each config twice, chunks in one program
+(``split`` False) and split across programs (True): the same bits, to be timed.
 
 Writes DIR/invariant_sweep.json (``results.provenance`` commit) after every M, so a time limit
 keeps what ran. On the H200: stage ``invsweep`` of scripts/h200_run.sh.
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from pageserve.kernels.matmul_invariant import InvariantMatmulConfig, invariant_config, matmul_invariant
+from pageserve.kernels.matmul_invariant import K_CHUNK, InvariantMatmulConfig, invariant_config, matmul_invariant
 from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES, LAYERS
 from pageserve.lab.kernel_bench.timing import graph_ms, weight_copies
 from pageserve.lab.results import provenance
@@ -69,13 +72,15 @@ def sweep_shape(name: str, N: int, K: int, M: int, sms: int, gen: torch.Generato
            "default_us": 1e3 * graph_ms(lambda i: matmul_invariant(x, ws[i % len(ws)], bias, out=y, config=default),
                                         calls=len(ws)),
            "rows": []}
-    for cfg in configs or candidates(M):
-        row = dataclasses.asdict(cfg)
+    splits = (False, True) if K > K_CHUNK else (None,)
+    for cfg, split in ((c, sp) for c in configs or candidates(M) for sp in splits if not (sp and c.persistent)):
+        row = {**dataclasses.asdict(cfg), "split": split}
         try:
-            out = matmul_invariant(x, ws[0], bias, config=cfg)
+            out = matmul_invariant(x, ws[0], bias, config=cfg, split=split)
             row["same_bits"] = bool(torch.equal(out, ref))
             row["row0_alone"] = bool(torch.equal(out[:1], alone))
-            row["us"] = 1e3 * graph_ms(lambda i, c=cfg: matmul_invariant(x, ws[i % len(ws)], bias, out=y, config=c),
+            row["us"] = 1e3 * graph_ms(lambda i, c=cfg, sp=split: matmul_invariant(x, ws[i % len(ws)], bias, out=y,
+                                                                                   config=c, split=sp),
                                        calls=len(ws))
         except Exception as e:  # out of shared memory, a descriptor the GPU refuses: recorded, skipped
             row["error"] = f"{type(e).__name__}: {e}"[:240]
@@ -90,6 +95,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,16,64,128,256,512,1024,4096,8192")
+    ap.add_argument("--shapes", default=",".join(GEMV_SHAPES), help="which of the 3B linears (default: all)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("invariant_sweep times CUDA graphs: it needs a GPU")
@@ -102,6 +108,8 @@ def main() -> None:
         t0 = time.time()
         per = {}
         for name, (N, K) in GEMV_SHAPES.items():
+            if name not in args.shapes.split(","):
+                continue
             if name == "lm_head" and M > 1024:  # prefill samples only the last rows: no M = 4096 LM head
                 continue
             per[name] = sweep_shape(name, N, K, M, sms, gen)
@@ -121,7 +129,7 @@ def main() -> None:
             bad = [f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'t' if c['tma'] else ''}" for c in r["rows"]
                    if "us" in c and not (c["same_bits"] and c["row0_alone"])]
             print(f"  {n}: cublas {r['cublas_us']:.1f} default {r['default_us']:.1f} best {b.get('us', 0):.1f} "
-                  f"{ {k: b.get(k) for k in ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages', 'tma')} } "
+                  f"{ {k: b.get(k) for k in ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages', 'tma', 'split')} } "
                   f"not invariant: {bad}", flush=True)
 
 

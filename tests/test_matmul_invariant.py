@@ -247,3 +247,63 @@ def test_the_gpu_block_m_policy_as_it_would_run_on_the_gpu(monkeypatch):
     monkeypatch.setattr(mi, "interpreting", lambda: False)
     assert [mi.default_block_m(M, torch.bfloat16) for M in (1, 16, 17, 32, 33, 255, 256)] == [16, 16, 32, 32, 64, 64, 128]
     assert mi.default_block_m(1024, torch.float32) == BLOCK_M[torch.float32]
+
+
+KC = 512 if CUDA else 128  # k_chunk for the odd shapes: K_ODD in 5 (CUDA) / 3 (CPU) chunks
+
+
+def _module():
+    import sys
+
+    return sys.modules["pageserve.kernels.matmul_invariant"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5, 70])
+def test_k_chunks_split_across_programs_give_the_one_program_sum_bit_for_bit(dtype, M, gen):
+    x, w = _rand(gen, M, K_ODD, dtype=dtype), _rand(gen, N_ODD, K_ODD, dtype=dtype, scale=K_ODD**-0.5)
+    bias = _rand(gen, N_ODD, dtype=dtype)
+    one = matmul_invariant(x, w, bias, k_chunk=KC, split=False)
+    split = matmul_invariant(x, w, bias, k_chunk=KC, split=True)
+    assert torch.equal(one, split)
+    ref = matmul_invariant_reference(x.double(), w.double(), bias.double())
+    assert rel_err(split, ref) <= TIGHT[dtype]
+    alone = matmul_invariant(x[-1:].clone(), w, bias, k_chunk=KC)  # the policy's mode for one row
+    assert torch.equal(alone[0], one[-1])
+    assert not _module()._COUNTERS[x.device].any()  # every launch leaves its counts at zero
+
+
+def test_the_chunk_length_is_part_of_the_bits(gen):
+    # the check above has teeth: fp32 sums cut at other places differ (CPU: the interpreter too)
+    x, w = _rand(gen, 4, K_ODD), _rand(gen, N_ODD, K_ODD)
+    assert not torch.equal(matmul_invariant(x, w, k_chunk=KC), matmul_invariant(x, w, k_chunk=4 * KC))
+    with pytest.raises(ValueError, match="k_chunk"):
+        matmul_invariant(x, w, k_chunk=KC + 1)
+
+
+def test_matmul_mode_splits_long_k_where_the_tiles_leave_sms_idle():
+    mi = _module()
+    down, gate_up, sms = (2048, 11008), (22016, 2048), 132
+    assert mi.matmul_mode(1, *down, mi.measured_config(1, *down, sms), sms, mi.K_CHUNK) == 2
+    assert mi.matmul_mode(8192, *down, mi.measured_config(8192, *down, sms), sms, mi.K_CHUNK) == 1
+    assert mi.matmul_mode(1, *gate_up, mi.measured_config(1, *gate_up, sms), sms, mi.K_CHUNK) == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("eager_first", [True, False])
+def test_split_mode_captures_in_a_cuda_graph_and_replays_the_eager_bits(eager_first, gen, monkeypatch):
+    # captured before any eager call the counters do not exist yet: the chunked mode, same bits
+    if not eager_first:
+        monkeypatch.setattr(_module(), "_COUNTERS", {})
+    x, w = _rand(gen, 1, 11008, dtype=torch.bfloat16), _rand(gen, 2048, 11008, dtype=torch.bfloat16, scale=0.01)
+    out = torch.empty(1, 2048, device=DEVICE, dtype=torch.bfloat16)
+    eager = matmul_invariant(x, w, split=False) if not eager_first else matmul_invariant(x, w)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        matmul_invariant(x, w, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    assert torch.equal(matmul_invariant(x, w, split=True), eager)

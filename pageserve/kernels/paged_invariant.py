@@ -218,7 +218,7 @@ def _merge_kernel(
 _DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
+def _tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all", short_len: int = 0) -> torch.Tensor:
     """[2, n_tiles] int32: the step's query tiles, (sequence b, tile mb of its chunk), one program
     each. A decode batch (max_query_len 1) has one tile per sequence: a constant map per batch
     size, so a graph's launch is fixed by shapes. A chunked step's map comes from the host copy
@@ -226,7 +226,9 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
     exact — no programs for the tiles a short sequence does not have, which a (max tiles x B)
     grid launched and exited (results/h200/diagnostics/profile_steps at 33a95d3b: a mixed step's
     attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
-    the step's other layers. Which program computes a tile does not change a row's bits."""
+    the step's other layers. ``part``: "all" sequences, only the "short" ones (at most
+    ``short_len`` new tokens: decodes) or only the "long" ones (chunks), for launches with
+    different tile heights. Which program computes a tile does not change a row's bits."""
     scratch = getattr(meta, "scratch", None)
     if meta.max_query_len <= 1:
         key = (B, device)
@@ -244,12 +246,15 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device) -> torch.Tensor:
         else:
             _DECODE_TILES[key] = tiles
         return tiles
-    key = ("paged_invariant_tiles", q_tok)
+    key = ("paged_invariant_tiles", q_tok, part, short_len)
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
     qsl = torch.tensor(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=torch.int32)
-    n = (qsl[1:] - qsl[:-1] + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host
+    q_len = qsl[1:] - qsl[:-1]
+    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host
+    if part != "all":
+        n = torch.where((q_len <= short_len) == (part == "short"), n, 0)
     seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), n)
     first = torch.repeat_interleave(torch.cumsum(n, 0, dtype=torch.int32) - n, n)  # each tile's sequence's first
     tiles = torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int32) - first])
@@ -273,19 +278,20 @@ def paged_attention_invariant(
     A decode batch (``max_query_len == 1``) launches from shapes only (split count from the
     block-table width) and can be captured in a CUDA graph. ``kv_split`` (keys per split, a
     multiple of ``block_n``), ``block_m`` (default ``invariant_block_m(group)``) and ``block_n``
-    decide the bits: keep them fixed for a run. ``prefill_block_m``: rows per tile in steps with
-    chunks (max_query_len > 1), e.g. 128 = 16 query tokens of a group of 8 instead of 2, so each
-    K/V tile serves 8x the queries; it turns on the MMA row sums (``_softmax_step``) for every
+    decide the bits: keep them fixed for a run. ``prefill_block_m``: rows per tile for the chunks of
+    a step with chunks (max_query_len > 1; sequences with more new tokens than one small tile
+    holds), e.g. 128 = 16 query tokens of a group of 8 instead of 2, so each K/V tile serves 8x
+    the queries; the step's decodes keep small tiles in a launch of their own; it turns on the MMA row sums (``_softmax_step``) for every
     step, which is what makes the tile height free — and gives other bits than None does, so it
     too is fixed for a run. ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
-    BLOCK_M = block_m or invariant_block_m(group)
-    if prefill_block_m is not None and meta.max_query_len > 1:
-        BLOCK_M = prefill_block_m
-    if BLOCK_M < group or BLOCK_M < 16 or BLOCK_M & (BLOCK_M - 1):
-        raise ValueError(f"block_m {BLOCK_M} must be a power of two >= 16 and >= the GQA group {group}")
+    small_m = block_m or invariant_block_m(group)
+    tall_m = prefill_block_m if prefill_block_m is not None and meta.max_query_len > 1 else None
+    for bm in (small_m, tall_m or small_m):
+        if bm < group or bm < 16 or bm & (bm - 1):
+            raise ValueError(f"block_m {bm} must be a power of two >= 16 and >= the GQA group {group}")
     if block_n < 16 or block_n & (block_n - 1) or kv_split % block_n:
         raise ValueError(f"kv_split {kv_split} must be a multiple of block_n {block_n} (a power of two >= 16)")
     out = torch.empty_like(q) if out is None else out
@@ -300,29 +306,39 @@ def paged_attention_invariant(
     if meta.max_query_len > 1 and getattr(meta, "max_seq_len", None):
         max_ctx = min(max_ctx, meta.max_seq_len)
     S = max(1, cdiv(max_ctx, kv_split))
-    q_tok = BLOCK_M // group
     BLOCK_D = max(16, next_pow2(D))
     # fp32 even when unused (S == 1), so every call runs the one compiled kernel
     part_acc = torch.empty((T, Hq, S, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((T, Hq, S, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
-    tiles = _tile_map(meta, q_tok, B, q.device)
-    n_tiles = tiles.shape[1]
     launch = pdl_args(q, T, pdl)
-    common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, Q_TOK=q_tok, KV_SPLIT=kv_split, BLOCK_M=BLOCK_M,
-                  BLOCK_D=BLOCK_D, **launch)
-    _split_kernel[(n_tiles, S * Hkv)](
-        q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles,
-        PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
-        ROWSUM_DOT=prefill_block_m is not None, num_warps=4 if BLOCK_M <= 64 else 8, num_stages=2, **common,
-    )
+    common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, KV_SPLIT=kv_split, BLOCK_D=BLOCK_D, **launch)
+    # taller tiles serve the chunks only: a decode row in a tall tile would pay for 16 tokens'
+    # MMAs (a mixed step's attention 14.4 ms against 8.0 for its prompts alone at a47b2281), so
+    # sequences that fit one small tile keep small tiles, in a launch of their own
+    short_len = small_m // group
+    parts = [(small_m, "all")] if tall_m is None else [(small_m, "short"), (tall_m, "long")]
+    for bm, part in parts:
+        tiles = _tile_map(meta, bm // group, B, q.device, part, short_len)
+        n_tiles = tiles.shape[1]
+        if n_tiles == 0:
+            continue
+        _split_kernel[(n_tiles, S * Hkv)](
+            q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles,
+            PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
+            ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
+            num_warps=4 if bm <= 64 else 8, num_stages=2, **common,
+        )
     if S > 1:
-        _merge_kernel[(n_tiles, Hkv)](
+        # the merge is elementwise per row, so its tile height never changes a row's bits: small
+        # tiles always (128-row merge tiles took 1.6 ms a prefill step against 1.0 at 16 rows)
+        tiles = _tile_map(meta, small_m // group, B, q.device)
+        _merge_kernel[(tiles.shape[1], Hkv)](
             part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, tiles, out.stride(0), out.stride(1), S,
-            n_tiles,
+            tiles.shape[1], Q_TOK=small_m // group, BLOCK_M=small_m,
             num_warps=4, **common,
         )
     return out
