@@ -4,10 +4,7 @@ each row count M and each Qwen2.5-3B linear shape, GPU time per call of a list o
 the default config's bits (``same_bits``) and gives row 0 the bits it gets alone
 (``row0_alone``). A config may enter the engine's policy only if both hold at every M.
 
-    python scripts/invariant_sweep.py --out DIR [--ms 1,16,64,128,256,512,1024,4096,8192] [--shapes down]
-
-Shapes with K > K_CHUNK (the down projection) run each config twice, chunks in one program
-(``split`` False) and split across programs (True): the same bits, to be timed.
+    python scripts/invariant_sweep.py --out DIR [--ms 1,16,64,128,256,512,1024,4096,8192] [--shapes down,o]
 
 Writes DIR/invariant_sweep.json (``results.provenance`` commit) after every M, so a time limit
 keeps what ran. On the H200: stage ``invsweep`` of scripts/h200_run.sh.
@@ -22,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pageserve.kernels.matmul_invariant import K_CHUNK, InvariantMatmulConfig, invariant_config, matmul_invariant
+from pageserve.kernels.matmul_invariant import InvariantMatmulConfig, invariant_config, matmul_invariant
 from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES, LAYERS
 from pageserve.lab.kernel_bench.timing import graph_ms, weight_copies
 from pageserve.lab.results import provenance
@@ -72,15 +69,13 @@ def sweep_shape(name: str, N: int, K: int, M: int, sms: int, gen: torch.Generato
            "default_us": 1e3 * graph_ms(lambda i: matmul_invariant(x, ws[i % len(ws)], bias, out=y, config=default),
                                         calls=len(ws)),
            "rows": []}
-    splits = (False, True) if K > K_CHUNK else (None,)
-    for cfg, split in ((c, sp) for c in configs or candidates(M) for sp in splits if not (sp and c.persistent)):
-        row = {**dataclasses.asdict(cfg), "split": split}
+    for cfg in configs or candidates(M):
+        row = dataclasses.asdict(cfg)
         try:
-            out = matmul_invariant(x, ws[0], bias, config=cfg, split=split)
+            out = matmul_invariant(x, ws[0], bias, config=cfg)
             row["same_bits"] = bool(torch.equal(out, ref))
             row["row0_alone"] = bool(torch.equal(out[:1], alone))
-            row["us"] = 1e3 * graph_ms(lambda i, c=cfg, sp=split: matmul_invariant(x, ws[i % len(ws)], bias, out=y,
-                                                                                   config=c, split=sp),
+            row["us"] = 1e3 * graph_ms(lambda i, c=cfg: matmul_invariant(x, ws[i % len(ws)], bias, out=y, config=c),
                                        calls=len(ws))
         except Exception as e:  # out of shared memory, a descriptor the GPU refuses: recorded, skipped
             row["error"] = f"{type(e).__name__}: {e}"[:240]
@@ -129,7 +124,7 @@ def main() -> None:
             bad = [f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'t' if c['tma'] else ''}" for c in r["rows"]
                    if "us" in c and not (c["same_bits"] and c["row0_alone"])]
             print(f"  {n}: cublas {r['cublas_us']:.1f} default {r['default_us']:.1f} best {b.get('us', 0):.1f} "
-                  f"{ {k: b.get(k) for k in ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages', 'tma', 'split')} } "
+                  f"{ {k: b.get(k) for k in ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages', 'tma')} } "
                   f"not invariant: {bad}", flush=True)
 
 

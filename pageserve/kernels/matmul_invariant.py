@@ -27,14 +27,6 @@ of MMAs over the same K slices in the same order whatever tile it sits in, provi
   2..2048 under that policy. On Triton's CPU interpreter (tl.dot = a numpy matmul of the tile,
   whose rounding can follow the tile's shape) BLOCK_M, BLOCK_N and BLOCK_K stay fixed;
 - rows past M and columns past K load zeros, which add exact zeros.
-Chunks (``K_CHUNK``): where K > K_CHUNK the chain restarts from zero every K_CHUNK columns and the
-chunk sums are added in order in fp32, ((0 + c0) + c1) + ...; a chunk's sum is an MMA chain like
-any other (so BLOCK_K and the tile stay free), and the adds are the same whether one program
-walks the chunks (mode 1) or each chunk is its own program that writes an fp32 partial, the last
-of a tile's programs to arrive (an atomic count) reading them back in chunk order (mode 2, split:
-``matmul_mode``). Split is the one way to give a narrow, long-K product at few rows (the down
-projection at batch 1: 128 tiles of 16 columns for 132 SMs) more programs without letting the
-batch change the order of a sum.
 fp32 inputs take ``input_precision="ieee"``: Triton lowers that dot to FMAs on the CUDA cores,
 one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 throughout.
 ``block_m=`` overrides the policy (tests, the lab's ``invariance_report``).
@@ -74,12 +66,6 @@ matmul_invariant_reference = reference.matmul_invariant_reference
 # BLOCK_K and BLOCK_M on the CPU interpreter and for fp32 (module docstring); on the GPU bf16/fp16
 # follow measured_config (tiles measured invariant on the H200)
 BLOCK_K = {torch.bfloat16: 128, torch.float16: 128, torch.float32: 32}
-# K per chunk: a product with K > K_CHUNK sums fp32 partials of K_CHUNK-long slices (each its own
-# MMA chain from zero) in slice order, the same sum whether one program walks the slices or one
-# program per slice writes a partial (split mode: decode batches, whose tiles alone leave SMs
-# idle). Every K_CHUNK-long product keeps the bits it had before chunks existed (at the 3B shape
-# only the MLP's down projection, K = 11008, has several)
-K_CHUNK = 4096
 BLOCK_M = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 16}
 
 
@@ -176,8 +162,6 @@ def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
                 InvariantMatmulConfig(64, 64, 64, 4, 6, tma=True)
         return InvariantMatmulConfig(64, 128, 64, 4, 4, tma=True) if N > 2048 else \
             InvariantMatmulConfig(64, 64, 64, 4, 6, tma=True)
-    if K > K_CHUNK:  # chunked: two fp32 accumulators (the running sum and the chunk's), so 128 x 128
-        return InvariantMatmulConfig(128, 128, 64, 8, 5, tma=True)
     return InvariantMatmulConfig(256, 128, 64, 8, 4, tma=True)
 
 
@@ -215,13 +199,23 @@ def _smem_limit(device_index: int) -> int:
 
 
 @triton.jit
-def _ptr_slice(x_rows, w_rows, mmask, nmask, k_lo, k_hi, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    # sum over K slice [k_lo, k_hi), from zero: the same K tiles in the same order for every tile
+def _matmul_invariant_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    # the same K slices in the same order for every tile, the whole of K in one program
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < k_hi
+        kmask = k < K
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if UPCAST == 2:  # the interpreter: products summed in K order (see _util.dot_upcast)
@@ -231,17 +225,20 @@ def _ptr_slice(x_rows, w_rows, mmask, nmask, k_lo, k_hi, BLOCK_K: tl.constexpr, 
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    return acc
+    if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _tma_slice(x_desc, w_desc, pid_m, pid_n, k_lo, k_hi, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    # ``_ptr_slice`` with x and w fetched by TMA descriptors: rows past M and columns past K come
-    # back as zeros (the descriptor's bounds), as the masked loads give; slices end on BLOCK_K
-    # multiples or at K (K_CHUNK is a multiple of every BLOCK_K)
+def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PREC: tl.constexpr, UPCAST: tl.constexpr):
+    # the pointer kernel's tile with x and w fetched by TMA descriptors: rows past M and columns
+    # past K come back as zeros (the descriptor's bounds), as the masked loads give
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
         b = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K]
         if UPCAST == 2:
@@ -251,122 +248,42 @@ def _tma_slice(x_desc, w_desc, pid_m, pid_n, k_lo, k_hi, BLOCK_K: tl.constexpr, 
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    return acc
-
-
-@triton.jit
-def _epilogue(acc, bias_ptr, out_ptr, m, n, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
+    if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(m < M)[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _split_finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, m, n, M, N, K, stride_om, chunk, tile,
-                  K_CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # split mode: this program's K chunk is one fp32 partial; the program that completes the
-    # tile's count adds all the partials in chunk order, from zero -- the chunked loop's sum
-    n_chunks = tl.cdiv(K, K_CHUNK)
-    mn = m.to(tl.int64)[:, None] * N + n[None, :]
-    inside = (m < M)[:, None] & (n < N)[None, :]
-    tl.store(ws_ptr + chunk.to(tl.int64) * M * N + mn, acc, mask=inside)
-    tl.debug_barrier()  # every thread's partial written before the count says so
-    done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-    if done == n_chunks - 1:
-        total = tl.zeros_like(acc)
-        for c in range(0, n_chunks):
-            total += tl.load(ws_ptr + c * M * N + mn, mask=inside, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-        _epilogue(total, bias_ptr, out_ptr, m, n, M, N, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _matmul_invariant_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    K_CHUNK: tl.constexpr, MODE: tl.constexpr,
-):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask, nmask = m < M, n < N
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    pdl_enter(USE_PDL)
-    if MODE == 2:  # split: program (tile, chunk)
-        chunk = tl.program_id(1)
-        k_lo = chunk * K_CHUNK
-        acc = _ptr_slice(x_rows, w_rows, mmask, nmask, k_lo, tl.minimum(k_lo + K_CHUNK, K),
-                         BLOCK_K, BLOCK_M, BLOCK_N, PREC, UPCAST)
-        _split_finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, m, n, M, N, K, stride_om, chunk,
-                      tl.program_id(0), K_CHUNK, HAS_BIAS)
-    elif MODE == 1:  # chunked: the same chunk partials summed in order, in one program
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k_lo in range(0, K, K_CHUNK):
-            total += _ptr_slice(x_rows, w_rows, mmask, nmask, k_lo, tl.minimum(k_lo + K_CHUNK, K),
-                                BLOCK_K, BLOCK_M, BLOCK_N, PREC, UPCAST)
-        _epilogue(total, bias_ptr, out_ptr, m, n, M, N, stride_om, HAS_BIAS)
-    else:  # K <= K_CHUNK: the whole of K in one chain
-        acc = _ptr_slice(x_rows, w_rows, mmask, nmask, 0, K, BLOCK_K, BLOCK_M, BLOCK_N, PREC, UPCAST)
-        _epilogue(acc, bias_ptr, out_ptr, m, n, M, N, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_m, pid_n, M, N, K, stride_om, chunk, tile,
-              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PREC: tl.constexpr, UPCAST: tl.constexpr, K_CHUNK: tl.constexpr, MODE: tl.constexpr):
-    # the pointer kernel's tile (its three modes) with TMA loads
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if MODE == 2:
-        k_lo = chunk * K_CHUNK
-        acc = _tma_slice(x_desc, w_desc, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K),
-                         BLOCK_K, BLOCK_M, BLOCK_N, PREC, UPCAST)
-        _split_finish(acc, ws_ptr, cnt_ptr, bias_ptr, out_ptr, m, n, M, N, K, stride_om, chunk, tile,
-                      K_CHUNK, HAS_BIAS)
-    elif MODE == 1:
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k_lo in range(0, K, K_CHUNK):
-            total += _tma_slice(x_desc, w_desc, pid_m, pid_n, k_lo, tl.minimum(k_lo + K_CHUNK, K),
-                                BLOCK_K, BLOCK_M, BLOCK_N, PREC, UPCAST)
-        _epilogue(total, bias_ptr, out_ptr, m, n, M, N, stride_om, HAS_BIAS)
-    else:
-        acc = _tma_slice(x_desc, w_desc, pid_m, pid_n, 0, K, BLOCK_K, BLOCK_M, BLOCK_N, PREC, UPCAST)
-        _epilogue(acc, bias_ptr, out_ptr, m, n, M, N, stride_om, HAS_BIAS)
-
-
-@triton.jit
 def _matmul_invariant_tma_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om,
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    K_CHUNK: tl.constexpr, MODE: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pdl_enter(USE_PDL)
-    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_m, pid_n, M, N, K, stride_om,
-              tl.program_id(1), tl.program_id(0), HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, K_CHUNK, MODE)
+    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
 
 
 @triton.jit
 def _matmul_invariant_persistent_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_om, num_programs,
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    K_CHUNK: tl.constexpr, MODE: tl.constexpr,
 ):
     # the TMA kernel's tile, for tiles pid, pid + num_programs, ...: one launch wave, and a
     # program's next tile's loads can start under its last one's epilogue. Each tile is the
-    # same K loop from zero, so its bits are the non-persistent kernel's. Never split (MODE 2).
+    # same K loop from zero, so its bits are the non-persistent kernel's.
     pdl_enter(USE_PDL)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, cnt_ptr, pid_m, pid_n, M, N, K, stride_om, 0, tile,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, K_CHUNK, MODE)
+        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -380,44 +297,15 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 for t in (x, w))
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-COUNTER_SLOTS = 1 << 14  # output tiles a split launch may have (the LM head at 16-wide tiles: 9,496)
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    """The split mode's per-tile arrival counts on ``device``: int32 zeros, left zero by every
-    launch. Made on first use outside a CUDA-graph capture (inside one its zeros would exist
-    only after a replay); None until then, and the caller runs the chunked mode instead."""
-    if device not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[device] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
-def matmul_mode(M: int, N: int, K: int, cfg: InvariantMatmulConfig, sms: int, k_chunk: int) -> int:
-    """0: K in one chain (K <= k_chunk, the bits of every M); else the same chunk partials summed
-    in order, 1 by one program per tile, 2 split across programs (one per (tile, chunk), the
-    last to finish adding them up) where the tiles alone would not fill the SMs (``split_k``)."""
-    if K <= k_chunk:
-        return 0
-    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    return 2 if M <= 1024 and tiles < sms and tiles <= COUNTER_SLOTS and not cfg.persistent else 1
-
-
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
-                     config: InvariantMatmulConfig | None = None, k_chunk: int | None = None,
-                     split: bool | None = None) -> torch.Tensor:
+                     config: InvariantMatmulConfig | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] row-major, bias: [N] or None -> x @ w^T + bias: [M, N] in x's dtype
     (fp32, fp16, bf16), fp32 accumulation, each row's bits independent of the batch (module
     docstring). ``out``: a [M, N] buffer to write (row stride free). ``block_m``: force another
     BLOCK_M (a power of two in [16, 256]) -- only for measuring whether it stays invariant.
     ``config``: the whole tile choice (tests, sweeps); a BLOCK_K or BLOCK_M other than the
-    default's gives rows that need not equal the default's. ``k_chunk``: K per chunk
-    (``K_CHUNK``; a multiple of the config's BLOCK_K; part of the bits: one value per run).
-    ``split``: force (True) or forbid (False) the split mode where K has several chunks (the
-    same bits either way; None: ``matmul_mode``). ``pdl``: see ``_util.use_pdl``.
+    default's gives rows that need not equal the default's. ``pdl``: see ``_util.use_pdl``.
     No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
     M, N, K = check_linear(x, w, bias, "w")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
@@ -426,47 +314,32 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    sms = sm_count_for(x)
-    cfg = config or invariant_config(M, N, x.dtype, sms, block_m, K=K, smem_bytes=smem_budget(x))
-    k_chunk = K_CHUNK if k_chunk is None else k_chunk
-    if k_chunk <= 0 or k_chunk % cfg.block_k:
-        raise ValueError(f"k_chunk {k_chunk} must be a positive multiple of BLOCK_K {cfg.block_k}")
-    mode = matmul_mode(M, N, K, cfg, sms, k_chunk)
-    if mode and split is not None:
-        mode = 2 if split and not cfg.persistent else 1
-    _launch(x, w, bias, out, cfg, pdl, k_chunk, mode)
+    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m, K=K,
+                                                         smem_bytes=smem_budget(x)), pdl)
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: InvariantMatmulConfig, pdl: bool | None, k_chunk: int = 0, mode: int = 0):
+            cfg: InvariantMatmulConfig, pdl: bool | None):
     """One launch over checked arguments; returns Triton's compiled kernel (the lab reads its
     PTX to see which MMA instruction a config got)."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
-    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    cnt = _counters(x.device) if mode == 2 else None
-    if mode == 2 and cnt is None:
-        mode = 1  # inside a capture before any eager call: the same bits in one program per tile
-    n_chunks = cdiv(K, k_chunk) if mode == 2 else 1
-    ws = torch.empty((n_chunks, M, N), dtype=torch.float32, device=x.device) if mode == 2 else out
-    cnt = cnt if cnt is not None else out
-    grid = (tiles, n_chunks)
-    chunking = dict(K_CHUNK=max(k_chunk, cfg.block_k), MODE=mode)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     if cfg.tma and _tma_ok(x, w):
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
                  TensorDescriptor(w, [N, K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]))
         consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                       GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl), **chunking)
+                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
         b = bias if bias is not None else w
-        if cfg.persistent and mode != 2:
-            programs = min(tiles, sm_count_for(x))
-            return _matmul_invariant_persistent_kernel[(programs,)](*descs, b, out, ws, cnt, M, N, K, out.stride(0),
-                                                                    programs, **consts)
-        return _matmul_invariant_tma_kernel[grid](*descs, b, out, ws, cnt, M, N, K, out.stride(0), **consts)
+        if cfg.persistent:
+            programs = min(grid[0], sm_count_for(x))
+            return _matmul_invariant_persistent_kernel[(programs,)](*descs, b, out, M, N, K, out.stride(0), programs,
+                                                                    **consts)
+        return _matmul_invariant_tma_kernel[grid](*descs, b, out, M, N, K, out.stride(0), **consts)
     return _matmul_invariant_kernel[grid](
-        x, w, bias if bias is not None else w, out, ws, cnt, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl), **chunking,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
     )
