@@ -52,7 +52,7 @@ for st in $stages; do
                 echo "attn_sweep rc=$?"; tail -n 25 "$RES/decode_attn_sweep.log" ;;
     prefill_sweep) timeout "$t" python3 scripts/prefill_attn_sweep.py --out "$RES/diagnostics" ${PREFILL_SWEEP_ARGS:-} \
                      > "$RES/prefill_attn_sweep.log" 2>&1; echo "prefill_sweep rc=$?"; tail -n 16 "$RES/prefill_attn_sweep.log" ;;
-    w1prof) timeout "$t" python3 scripts/w1_profile.py --out "$RES/diagnostics" > "$RES/w1_profile.log" 2>&1
+    w1prof) timeout "$t" python3 scripts/w1_profile.py --out "$RES/diagnostics" ${W1PROF_ARGS:-} > "$RES/w1_profile.log" 2>&1
             echo "w1prof rc=$?"; head -n 60 "$RES/w1_profile.log" ;;
     timeline) timeout "$t" python3 scripts/step_timeline.py --out "$RES/diagnostics" ${TIMELINE_ARGS:-} > "$RES/step_timeline.log" 2>&1
               echo "timeline rc=$?"; tail -n 8 "$RES/step_timeline.log" ;;

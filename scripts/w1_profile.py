@@ -10,9 +10,10 @@ engine (after a W1-shaped warm-up), the engine's defaults.
    A host sync inside a launch shows up as a C function (``synchronize``, ``item``, ``tolist``,
    a copy) with wall time near the GPU's.
 
-    python scripts/w1_profile.py --out DIR [--requests 500] [--top 40]
+    python scripts/w1_profile.py --out DIR [--requests 500] [--top 40] [--modes default,deterministic] [--no-cprofile]
 
-Writes DIR/w1_profile.json (with the commit) and prints a summary. GPU only.
+Writes DIR/w1_profile.json (with the commit; with --modes, the events pass of each mode, one
+engine at a time, under ``modes``) and prints a summary. GPU only.
 """
 from __future__ import annotations
 
@@ -112,25 +113,43 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="qwen2.5-3b")
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--modes", default=None, help="e.g. default,deterministic: the events pass of each (no cProfile)")
+    ap.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args(argv)
-    llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0)
     vocab = workload_vocab(args.model)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / "w1_profile.json"
+    if args.modes:
+        rec = {**provenance(), "model": args.model, "requests": args.requests, "modes": {}}
+        for mode in args.modes.split(","):
+            llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, deterministic=mode == "deterministic")
+            bench.run_pageserve(llm, warmup_workload(WorkloadSpec("w1", {}), vocab, num_requests=32))
+            e = rec["modes"][mode] = events_pass(llm, w1_workload(vocab, num_requests=args.requests))
+            _print(mode, e)
+            path.write_text(json.dumps(rec, indent=1))
+            llm.shutdown()
+            del llm
+            torch.cuda.empty_cache()
+        return
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0)
     bench.run_pageserve(llm, warmup_workload(WorkloadSpec("w1", {}), vocab, num_requests=32))
     w = w1_workload(vocab, num_requests=args.requests)
     rec = {**provenance(), "model": args.model, "requests": args.requests,
            "max_num_seqs": llm.engine.config.max_num_seqs, "events": events_pass(llm, w)}
-    e = rec["events"]
-    print(f"W1 {e['total_tok_s']:.0f} tok/s, wall {e['wall_s']:.3f} s = GPU {e['gpu_s']:.3f} + idle {e['idle_s']:.3f} s",
-          flush=True)
+    _print("default", rec["events"])
+    path.write_text(json.dumps(rec, indent=1))
+    if args.cprofile:
+        rec["cprofile"] = cprofile_pass(llm, w1_workload(vocab, num_requests=args.requests, seed=1), args.top)
+        print("\n".join(rec["cprofile"]["top"]["tottime"][:45]), flush=True)
+        path.write_text(json.dumps(rec, indent=1))
+
+
+def _print(mode: str, e: dict) -> None:
+    print(f"{mode}: W1 {e['total_tok_s']:.0f} tok/s, wall {e['wall_s']:.3f} s = GPU {e['gpu_s']:.3f} + idle "
+          f"{e['idle_s']:.3f} s", flush=True)
     for kind, v in e["kinds"].items():
         print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms",
               flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / "w1_profile.json"
-    path.write_text(json.dumps(rec, indent=1))
-    rec["cprofile"] = cprofile_pass(llm, w1_workload(vocab, num_requests=args.requests, seed=1), args.top)
-    print("\n".join(rec["cprofile"]["top"]["tottime"][:45]), flush=True)
-    path.write_text(json.dumps(rec, indent=1))
 
 
 if __name__ == "__main__":
