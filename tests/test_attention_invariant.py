@@ -170,3 +170,18 @@ def test_a_decode_tile_map_made_inside_a_capture_never_serves_an_eager_call():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("tall", [None, TALL])
+def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tall):
+    # the grid's split programs (split_programs) follow the batch and max_model_len; the bits must not
+    gen = torch.Generator().manual_seed(11)
+    Hq, Hkv, D, bs = _shape(8, 1)
+    dtype = torch.bfloat16
+    for q_lens, ctx in (([1, 1, 1], [3 * KS + 5, KS - 3, 2 * KS]),  # a decode batch
+                        ([1, 20, 37, 1], [KS + 1, 20, 2 * KS + 26, 45])):  # a mixed step
+        q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen)
+        outs = [paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=tall, split_programs=p, **LAUNCH)
+                for p in (None, 1, 2, 64)]
+        for other in outs[1:]:
+            assert torch.equal(outs[0], other)

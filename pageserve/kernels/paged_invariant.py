@@ -58,7 +58,7 @@ import triton
 import triton.language as tl
 
 from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
-                    online_softmax_step, pdl_args, pdl_enter)
+                    online_softmax_step, pdl_args, pdl_enter, sm_count_for)
 
 __all__ = ["paged_attention_invariant", "invariant_block_m", "KV_SPLIT", "BLOCK_N"]
 
@@ -113,12 +113,12 @@ def _softmax_step(scores, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.const
         return online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles", "split_programs"])
 def _split_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, qk_scale, num_splits, n_tiles,
+    stride_bt, qk_scale, num_splits, n_tiles, split_programs,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
@@ -127,47 +127,49 @@ def _split_kernel(
     t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
     b = tl.load(tiles_ptr + t).to(tl.int64)
     mb = tl.load(tiles_ptr + n_tiles + t)
-    s = tl.program_id(1) // NUM_KV_HEADS
+    first = tl.program_id(1) // NUM_KV_HEADS  # this program's splits: first, first + split_programs, ...
     h = tl.program_id(1) % NUM_KV_HEADS
     q_len = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
     if mb * Q_TOK >= q_len:
         return
     rows, head, q_pos, rmask = _rows(qsl_ptr, seq_lens_ptr, mb, b, h, GROUP, Q_TOK, BLOCK_M)
     last_pos = tl.max(tl.where(rmask, q_pos, -1), axis=0)  # the tile's last row's position
-    split_start = s * KV_SPLIT
-    if (s > 0) & (split_start > last_pos):
-        return  # split 0 always runs: it writes the zeros of seq_len-0 rows
-    kv_end = tl.minimum(split_start + KV_SPLIT, last_pos + 1)
+    # the splits the tile's rows have; split 0 always runs: it writes the zeros of seq_len-0 rows
+    n_tile = tl.minimum(tl.maximum(last_pos, 0) // KV_SPLIT + 1, num_splits)
 
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
     qmask = rmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_bt
-    for n0 in range(split_start, kv_end, BLOCK_N):
-        kpos = n0 + tl.arange(0, BLOCK_N)
-        kmask = kpos < kv_end  # past it: zeros, never unwritten slots
-        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
-                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-        m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
-
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
-    # one split (or none): the final answer, here; l_i == 0 only for seq_len-0 rows -> zeros
-    direct = rmask & (n_row <= 1) & ((n_row * 0 + s) == 0)  # (a [BLOCK_M] mask: the interpreter needs one)
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
-    # several: this split's unnormalised partial; part_acc [T, Hq, S, D], part_ml [T, Hq, S, 2] fp32
-    partial = (n_row > 1) & (s < n_row)
-    prow = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits + s  # [BLOCK_M]
-    tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
-    tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
-    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
+    prow0 = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits  # [BLOCK_M], split 0's partial row
+    # each split from scratch, as if it had a program of its own (the grid does not change a bit)
+    for s in range(first, n_tile, split_programs):
+        split_start = s * KV_SPLIT
+        kv_end = tl.minimum(split_start + KV_SPLIT, last_pos + 1)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for n0 in range(split_start, kv_end, BLOCK_N):
+            kpos = n0 + tl.arange(0, BLOCK_N)
+            kmask = kpos < kv_end  # past it: zeros, never unwritten slots
+            k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+            scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+            m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
+        # one split (or none): the final answer, here; l_i == 0 only for seq_len-0 rows -> zeros
+        direct = rmask & (n_row <= 1) & ((n_row * 0 + s) == 0)  # (a [BLOCK_M] mask: the interpreter needs one)
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
+        # several: this split's unnormalised partial; part_acc [T, Hq, S, D], part_ml [T, Hq, S, 2] fp32
+        partial = (n_row > 1) & (s < n_row)
+        prow = prow0 + s
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
+        tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
+        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
 
 
 @triton.jit(do_not_specialize=["num_splits", "n_tiles"])
@@ -268,6 +270,7 @@ def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
+    split_programs: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -283,7 +286,9 @@ def paged_attention_invariant(
     holds), e.g. 128 = 16 query tokens of a group of 8 instead of 2, so each K/V tile serves 8x
     the queries; the step's decodes keep small tiles in a launch of their own; it turns on the MMA row sums (``_softmax_step``) for every
     step, which is what makes the tile height free — and gives other bits than None does, so it
-    too is fixed for a run. ``pdl``: see ``_util.use_pdl``."""
+    too is fixed for a run. ``split_programs``: programs per (query tile, KV head), each taking
+    every P-th split (None: from the grid's size; it never changes a bit). ``pdl``: see
+    ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
@@ -322,12 +327,17 @@ def paged_attention_invariant(
         n_tiles = tiles.shape[1]
         if n_tiles == 0:
             continue
-        _split_kernel[(n_tiles, S * Hkv)](
+        # programs per (tile, KV head), each walking splits first, first + P, ...: from shapes only
+        # (graph-safe), enough for ~4 waves, never more than the splits. A decode batch's S follows
+        # the block table's width (max_model_len), so one program a split would launch e.g. 512 x
+        # 256 programs at 32k, nearly all exiting at once
+        P = split_programs or min(S, max(1, cdiv(4 * sm_count_for(q), n_tiles * Hkv)))
+        _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles,
+            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
             num_warps=4 if bm <= 64 else 8, num_stages=2, **common,
