@@ -198,7 +198,7 @@ def _smem_limit(device_index: int) -> int:
         return getattr(props, "shared_memory_per_block_optin", 0) or (99 << 10 if props.major >= 8 else 64 << 10)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile per config, whatever M (see _launch)
 def _matmul_invariant_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -257,7 +257,7 @@ def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_o
              mask=(m < M)[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile per config, whatever M (see _launch)
 def _matmul_invariant_tma_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -269,7 +269,7 @@ def _matmul_invariant_tma_kernel(
               HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile per config, whatever M (see _launch)
 def _matmul_invariant_persistent_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -322,7 +322,11 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: InvariantMatmulConfig, pdl: bool | None):
     """One launch over checked arguments; returns Triton's compiled kernel (the lab reads its
-    PTX to see which MMA instruction a config got)."""
+    PTX to see which MMA instruction a config got). The kernels do not specialize on M: Triton
+    would otherwise compile a variant per M's divisibility by 16 (and M == 1), and the first W1
+    on an engine paid ~0.8 s of such compiles in its eager steps (the LM head's and the last
+    chunks' odd row counts; results/h200/diagnostics/w1_profile_modes_80ed5d6e.*), where the
+    graph capture had already compiled every config the policy uses."""
     M, N, K = x.shape[0], w.shape[0], w.shape[1]
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     if cfg.tma and _tma_ok(x, w):
