@@ -9,6 +9,8 @@ engine (after a W1-shaped warm-up), the engine's defaults.
    wall time is not W1's): the functions with the most own time and the most cumulative time.
    A host sync inside a launch shows up as a C function (``synchronize``, ``item``, ``tolist``,
    a copy) with wall time near the GPU's.
+Each events pass also lists the Triton kernels compiled during it (a compile stalls the host
+mid-step; the GPU's wait shows inside that step's events).
 
     python scripts/w1_profile.py --out DIR [--requests 500] [--top 40] [--modes default,deterministic] [--no-cprofile]
 
@@ -48,6 +50,39 @@ def idle_split(marks: list[tuple]) -> dict:
     return out
 
 
+class CompileLog:
+    """Triton JIT compiles while active (``knobs.runtime.jit_post_compile_hook``, Triton >= 3.4;
+    elsewhere it records nothing and says so): which kernels compiled inside a timed pass."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        try:
+            import triton
+            self._knobs = triton.knobs.runtime
+        except (ImportError, AttributeError):
+            self._knobs = None
+
+    def __enter__(self):
+        if self._knobs is not None:
+            self._prev = self._knobs.jit_post_compile_hook
+            self._knobs.jit_post_compile_hook = self._hook
+        return self
+
+    def _hook(self, *, fn=None, **_):
+        self.names.append(getattr(fn, "name", str(fn)))
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_post_compile_hook = self._prev
+
+    def summary(self) -> dict:
+        if self._knobs is None:
+            return {"available": False}
+        return {"available": True, "compiles": len(self.names),
+                "by_kernel": {n: self.names.count(n) for n in sorted(set(self.names))}}
+
+
 def events_pass(llm, workload) -> dict:
     runner = llm.engine.runner
     execute, graphs = runner.execute, runner.graphs
@@ -77,10 +112,11 @@ def events_pass(llm, workload) -> dict:
         graphs.run = timed_run
     try:
         bench.synchronize()
-        t0 = time.perf_counter()
-        r = bench.run_pageserve(llm, workload)
-        bench.synchronize()
-        wall = time.perf_counter() - t0
+        with CompileLog() as compiles:
+            t0 = time.perf_counter()
+            r = bench.run_pageserve(llm, workload)
+            bench.synchronize()
+            wall = time.perf_counter() - t0
     finally:
         del runner.execute
         if graphs is not None:
@@ -88,7 +124,7 @@ def events_pass(llm, workload) -> dict:
     split = idle_split(marks)
     return {"wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
             "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
-            "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3}
+            "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary()}
 
 
 def cprofile_pass(llm, workload, top: int) -> dict:
@@ -158,6 +194,7 @@ def _print(mode: str, e: dict) -> None:
     for kind, v in e["kinds"].items():
         print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms",
               flush=True)
+    print(f"  Triton compiles inside the pass: {e['jit']}", flush=True)
 
 
 if __name__ == "__main__":
