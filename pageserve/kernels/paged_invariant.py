@@ -13,13 +13,16 @@ head_dim, group, page) must be used for every step of a run; the bits are a func
 Work layout. The batch is flattened as in ``paged_prefill``: sequence b owns query rows
 ``query_start_loc[b]:query_start_loc[b+1]``, its last q_len positions. Its chunk is cut into
 tiles of ``Q_TOK = BLOCK_M // group`` query tokens; the step's tiles are listed in a tile map
-(``_tile_map``: (b, mb) per tile) and program (t, s*Hkv+h) takes tile t times the group of
-query heads sharing KV head h (row = token * group + head), and the keys of split s: absolute
-positions ``[s * kv_split, (s + 1) * kv_split)``. A decode is a chunk of one token; its tile is
+(``_tile_map``: (b, mb) per tile) and program (t, p*Hkv+h) takes tile t times the group of
+query heads sharing KV head h (row = token * group + head), and the keys of splits p, p + P,
+... (P programs per tile and head, from the grid's size): split s covers absolute positions
+``[s * kv_split, (s + 1) * kv_split)``, each split computed from scratch. A decode is a chunk of one token; its tile is
 the same [BLOCK_M, BLOCK_N] shape with the rows past its group masked. A decode batch
 (max_query_len 1) has one tile per sequence and a constant map, and its split count comes from
 the block-table width, so its launch is fixed by shapes: CUDA-graph safe. Splits past a tile's
-last position exit at once. Rows of seq_len 0 (graph padding) come out zero.
+last position are skipped. On Hopper, ``prefill_block_m`` gives the chunks of a step taller
+tiles (128 rows) in a launch of their own, with the row sums of point 1 taken by an MMA.
+Rows of seq_len 0 (graph padding) come out zero.
 
 Why each row's bits are invariant:
 
@@ -28,7 +31,10 @@ Why each row's bits are invariant:
    layouts are identical everywhere. In ``q @ k^T`` and ``p @ v`` an output element is the dot
    of one row with one column, in an order fixed by the tile shape; ``tl.max`` is
    order-free; ``tl.sum(p, axis=1)`` reduces each row with the same fixed tree. So a row's
-   values never depend on the other rows of its tile or on which tile row it sits in.
+   values never depend on the other rows of its tile or on which tile row it sits in. With
+   ``prefill_block_m`` the row sums are an MMA against ones instead (``_softmax_step``): an
+   MMA element is the same chain whatever the tile's height (measured on the H200), so decode
+   rows in 16-row tiles and chunk rows in 128-row tiles get the same bits.
 2. Fixed key tiles. Keys are walked in BLOCK_N tiles aligned to position 0, in increasing
    order, inside splits of fixed SIZE aligned to 0: a row at position p has exactly
    ``p // kv_split + 1`` splits, whatever the batch, and in split s sees the same tiles with
@@ -284,11 +290,11 @@ def paged_attention_invariant(
     decide the bits: keep them fixed for a run. ``prefill_block_m``: rows per tile for the chunks of
     a step with chunks (max_query_len > 1; sequences with more new tokens than one small tile
     holds), e.g. 128 = 16 query tokens of a group of 8 instead of 2, so each K/V tile serves 8x
-    the queries; the step's decodes keep small tiles in a launch of their own; it turns on the MMA row sums (``_softmax_step``) for every
-    step, which is what makes the tile height free — and gives other bits than None does, so it
-    too is fixed for a run. ``split_programs``: programs per (query tile, KV head), each taking
-    every P-th split (None: from the grid's size; it never changes a bit). ``pdl``: see
-    ``_util.use_pdl``."""
+    the queries; the step's decodes keep small tiles in a launch of their own. It turns on the
+    MMA row sums (``_softmax_step``) for every step, which is what makes the tile height free,
+    and gives other bits than None does, so it too is fixed for a run. ``split_programs``:
+    programs per (query tile, KV head), each taking every P-th split (None: from the grid's
+    size; it never changes a bit). ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv

@@ -76,7 +76,6 @@ class DeterministicOps(TritonOps):
             kw["prefill_block_m"] = tall
         return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl, **kw)
 
-
     def prefill_block_m_for(self, device: torch.device) -> int | None:
         """``attention_prefill_block_m`` resolved for a device ("auto": see the class)."""
         if self.attention_prefill_block_m != "auto":
