@@ -254,7 +254,7 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all",
         else:
             _DECODE_TILES[key] = tiles
         return tiles
-    key = ("paged_invariant_tiles", q_tok, part, short_len)
+    key = ("paged_invariant_tiles", q_tok, part, short_len if part != "all" else 0)  # the merge reuses "all"
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
