@@ -186,6 +186,39 @@ def test_tma_loads_give_the_pointer_loads_bits(dtype, M, gen):
         assert torch.equal(out, ptr)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 17, 70])
+def test_silu_mul_in_the_epilogue_gives_the_separate_kernels_bits(dtype, M, gen):
+    # the gate_up product with SiLU(gate) * up in its epilogue (deterministic mode's MLP) must be
+    # bitwise silu_and_mul(the product), for the pointer, TMA and persistent tiles, and row by row
+    from pageserve.kernels import silu_and_mul
+    from pageserve.kernels.matmul_invariant import _tma_ok
+    from pageserve.kernels.reference import silu_and_mul as silu_and_mul_reference
+    I, K = N_ODD, 2056 if CUDA else 264  # an odd intermediate width: a last column tile past the gate rows
+    x, w = _rand(gen, M, K, dtype=dtype), _rand(gen, 2 * I, K, dtype=dtype, scale=K**-0.5)
+    separate = silu_and_mul(matmul_invariant(x, w))
+    out = torch.full((M, I), float("nan"), device=DEVICE, dtype=dtype)
+    assert matmul_invariant(x, w, silu_mul=True, out=out) is out
+    assert torch.equal(out, separate)
+    assert all(torch.equal(matmul_invariant(x[i:i + 1].clone(), w, silu_mul=True)[0], out[i]) for i in range(M))
+    ref = silu_and_mul_reference(matmul_invariant_reference(x.double(), w.double()))
+    assert rel_err(out, ref) <= 4 * TIGHT[dtype]  # two roundings (gate, up) before the product's
+    if _tma_ok(x, w):
+        cfg = invariant_config(M, 2 * I, dtype, sms=132, K=K)
+        for tile in (dataclasses.replace(cfg, tma=True), dataclasses.replace(cfg, block_n=32, tma=True, persistent=True)):
+            assert torch.equal(matmul_invariant(x, w, silu_mul=True, config=tile), separate), tile
+
+
+def test_silu_mul_refuses_a_bias_and_an_odd_gate_up_width(gen):
+    x, w = _rand(gen, 3, 64), _rand(gen, 20, 64)
+    with pytest.raises(ValueError, match="no bias"):
+        matmul_invariant(x, w, _rand(gen, 20), silu_mul=True)
+    with pytest.raises(ValueError, match="even row count"):
+        matmul_invariant(x, w[:19], silu_mul=True)
+    with pytest.raises(ValueError, match="out"):
+        matmul_invariant(x, w, silu_mul=True, out=torch.empty(3, 20, device=DEVICE))
+
+
 def test_tma_is_refused_where_descriptors_cannot_address_the_operands(gen):
     from pageserve.kernels.matmul_invariant import TensorDescriptor, _tma_ok
     x, w = _rand(gen, 4, 72), _rand(gen, 8, 72)
@@ -236,6 +269,42 @@ def test_captures_in_a_cuda_graph_and_replays_the_eager_bits(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter does not specialize (both compiles are one function there)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_the_m_specialized_and_generic_compiles_give_the_same_bits(dtype, gen):
+    # graph captures run the M-specialized compile, eager calls the generic one (_two_compiles):
+    # a row must not see which, at the row counts where the specialization differs (1, multiples
+    # of 16, others), on every 3B shape, with and without SiLU·mul
+    for shape, (N, K) in GEMV_SHAPES.items():
+        w = _rand(gen, N, K, dtype=dtype, scale=K**-0.5)
+        for M in (1, 7, 16, 64, 100, 512):
+            x = _rand(gen, M, K, dtype=dtype)
+            for silu in ((False, True) if shape == "gate_up" else (False,)):
+                spec = matmul_invariant(x, w, silu_mul=silu, specialize=True)
+                assert torch.equal(matmul_invariant(x, w, silu_mul=silu, specialize=False), spec), (shape, M, silu)
+                graphed = torch.empty_like(spec)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # None: the specialized compile inside a capture
+                    matmul_invariant(x, w, silu_mul=silu, out=graphed)
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(graphed, spec), (shape, M, silu)
+
+
+@pytest.mark.skipif(not CUDA, reason="the 3B gate_up shape needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_qwen3b_gate_up_with_silu_mul_is_the_separate_kernels_bits_and_batch_invariant(dtype, gen):
+    from pageserve.kernels import silu_and_mul
+    N, K = GEMV_SHAPES["gate_up"]
+    w = _rand(gen, N, K, dtype=dtype, scale=K**-0.5)
+    for M in (1, 16, 33, 64, 300, 512, 1024, 4096):  # every row class of measured_config
+        x = _rand(gen, M, K, dtype=dtype)
+        assert torch.equal(matmul_invariant(x, w, silu_mul=True), silu_and_mul(matmul_invariant(x, w))), M
+    probe = _rand(gen, 8, K, dtype=dtype)
+    mism = invariance_mismatches(lambda x: matmul_invariant(x, w, silu_mul=True), probe, (2, 7, 64, 257, 1024, 2048), gen)
+    assert not any(mism.values()), mism
 
 
 def test_the_gpu_block_m_policy_as_it_would_run_on_the_gpu(monkeypatch):

@@ -15,6 +15,13 @@ silu_and_mul_reference = reference.silu_and_mul
 
 
 @triton.jit
+def silu_mul_f32(g, u):
+    """SiLU(g) * u in fp32: the one expression every SiLU·mul of the deterministic mode computes
+    (this kernel, and the invariant matmul's gate_up epilogue), so both round alike."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -22,7 +29,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.conste
     mask = cols < I
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + I + cols, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    y = silu_mul_f32(g, u)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

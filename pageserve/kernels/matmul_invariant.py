@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from . import reference
+from .activation import silu_mul_f32
 from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, interpreting, mma,
                     pdl_args, pdl_enter, sm_count_for)
 
@@ -198,11 +199,35 @@ def _smem_limit(device_index: int) -> int:
         return getattr(props, "shared_memory_per_block_optin", 0) or (99 << 10 if props.major >= 8 else 64 << 10)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile per config, whatever M (see _launch)
+@triton.jit
+def _acc_dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b^T, the MMA accumulating into acc (a: [BLOCK_M, BLOCK_K], b: [BLOCK_N, BLOCK_K])."""
+    if UPCAST == 2:  # the interpreter: products summed in K order (see _util.dot_upcast)
+        return acc + mma(a, tl.trans(b), PREC, UPCAST)
+    if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ty: tl.constexpr, HAS_BIAS: tl.constexpr,
+              SILU_MUL: tl.constexpr):
+    """The tile's output values: bias added after the whole K sum, in fp32, one rounding; with
+    SILU_MUL, SiLU(gate) * up from the gate and up sums each rounded to the output dtype first,
+    which is what the gate_up product followed by ``silu_and_mul`` computes, bit for bit."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if SILU_MUL:
+        return silu_mul_f32(acc.to(out_ty).to(tl.float32), acc_up.to(out_ty).to(tl.float32)).to(out_ty)
+    return acc.to(out_ty)
+
+
 def _matmul_invariant_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -212,68 +237,60 @@ def _matmul_invariant_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     pdl_enter(USE_PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up columns, rows N.. of w
     # the same K slices in the same order for every tile, the whole of K in one program
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if UPCAST == 2:  # the interpreter: products summed in K order (see _util.dot_upcast)
-            acc += mma(a, tl.trans(b), PREC, UPCAST)
-        else:
-            if UPCAST:  # the interpreter's bf16 (see _util.dot_upcast)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
-    if HAS_BIAS:  # after the whole K sum, in fp32: one rounding below
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+        acc = _acc_dot(a, b, acc, PREC, UPCAST)
+        if SILU_MUL:
+            b_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc_up = _acc_dot(a, b_up, acc_up, PREC, UPCAST)
+    y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
 def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PREC: tl.constexpr, UPCAST: tl.constexpr):
+              PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
     # the pointer kernel's tile with x and w fetched by TMA descriptors: rows past M and columns
-    # past K come back as zeros (the descriptor's bounds), as the masked loads give
+    # past K come back as zeros (the descriptor's bounds), as the masked loads give. With
+    # SILU_MUL the gate tile of a last column tile may read up rows past N: columns that are
+    # never stored (each output column is its own chain)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
-        b = w_desc.load([pid_n * BLOCK_N, k0])  # [BLOCK_N, BLOCK_K]
-        if UPCAST == 2:
-            acc += mma(a, tl.trans(b), PREC, UPCAST)
-        else:
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
+        acc = _acc_dot(a, w_desc.load([pid_n * BLOCK_N, k0]), acc, PREC, UPCAST)  # w tile: [BLOCK_N, BLOCK_K]
+        if SILU_MUL:
+            acc_up = _acc_dot(a, w_desc.load([N + pid_n * BLOCK_N, k0]), acc_up, PREC, UPCAST)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(m < M)[:, None] & nmask[None, :])
+    y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
+    tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], y, mask=(m < M)[:, None] & nmask[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile per config, whatever M (see _launch)
 def _matmul_invariant_tma_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pdl_enter(USE_PDL)
     _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
-              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
+              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL)
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile per config, whatever M (see _launch)
 def _matmul_invariant_persistent_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     # the TMA kernel's tile, for tiles pid, pid + num_programs, ...: one launch wave, and a
     # program's next tile's loads can start under its last one's epilogue. Each tile is the
@@ -283,7 +300,25 @@ def _matmul_invariant_persistent_kernel(
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL)
+
+
+def _two_compiles(fn):
+    """(specialized, generic) kernels of one body. Triton specializes an int argument on its
+    divisibility by 16 and on == 1, and compiles a variant per combination. The specialized
+    kernel serves CUDA-graph captures, whose row counts are the capture buckets, compiled at
+    start-up: at M = 1 and 64 it is what the H200 timed (09 at a3812625: batch-1 step 2.69 ms,
+    batch 64 3.51; with M unspecialized everywhere, 09 at e11798a: 2.80 and 3.71). The generic
+    kernel (M not specialized) serves eager calls, whose row counts vary with every prefill
+    chunk: one compile per tile config, where the specialized kernel paid ~0.8 s of compiles
+    inside the first W1 on an engine (results/h200/diagnostics/w1_profile_modes_80ed5d6e.*).
+    Both run the same MMAs over the same K slices: the same bits (tests/test_matmul_invariant.py)."""
+    return triton.jit(fn), triton.jit(fn, do_not_specialize=["M"])
+
+
+_POINTER_KERNELS = _two_compiles(_matmul_invariant_kernel)
+_TMA_KERNELS = _two_compiles(_matmul_invariant_tma_kernel)
+_PERSISTENT_KERNELS = _two_compiles(_matmul_invariant_persistent_kernel)
 
 
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -299,51 +334,62 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
-                     config: InvariantMatmulConfig | None = None) -> torch.Tensor:
+                     config: InvariantMatmulConfig | None = None, silu_mul: bool = False,
+                     specialize: bool | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] row-major, bias: [N] or None -> x @ w^T + bias: [M, N] in x's dtype
     (fp32, fp16, bf16), fp32 accumulation, each row's bits independent of the batch (module
     docstring). ``out``: a [M, N] buffer to write (row stride free). ``block_m``: force another
     BLOCK_M (a power of two in [16, 256]) -- only for measuring whether it stays invariant.
     ``config``: the whole tile choice (tests, sweeps); a BLOCK_K or BLOCK_M other than the
     default's gives rows that need not equal the default's. ``pdl``: see ``_util.use_pdl``.
+
+    ``silu_mul``: w is the MLP's gate|up matrix [2I, K] (gate rows first) and the result is
+    SiLU(gate) * up: [M, I], bitwise what ``silu_and_mul(matmul_invariant(x, w))`` gives, without
+    the [M, 2I] intermediate or the second launch. Each program computes a gate tile and the
+    matching up tile (BLOCK_N / 2 columns each, at least 16: the work of the config's tile). No bias.
+
+    ``specialize``: which compile of the kernel (``_two_compiles``): None = the M-specialized one
+    inside a CUDA-graph capture, the generic one otherwise; the bits are the same.
     No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
     M, N, K = check_linear(x, w, bias, "w")
+    if silu_mul:
+        if bias is not None:
+            raise ValueError("silu_mul: the gate|up product takes no bias")
+        if N % 2:
+            raise ValueError(f"silu_mul: w must stack gate and up rows (an even row count), got {N}")
+        N //= 2
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     check("out", out, shape=(M, N), dtype=x.dtype)
     if M == 0 or N == 0:
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    _launch(x, w, bias, out, config or invariant_config(M, N, x.dtype, sm_count_for(x), block_m, K=K,
-                                                         smem_bytes=smem_budget(x)), pdl)
+    cfg = config or invariant_config(M, w.shape[0], x.dtype, sm_count_for(x), block_m, K=K, smem_bytes=smem_budget(x))
+    if silu_mul:
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
+    if specialize is None:
+        specialize = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize)
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: InvariantMatmulConfig, pdl: bool | None):
-    """One launch over checked arguments; returns Triton's compiled kernel (the lab reads its
-    PTX to see which MMA instruction a config got). The kernels do not specialize on M: Triton
-    would otherwise compile a variant per M's divisibility by 16 (and M == 1), and the first W1
-    on an engine paid ~0.8 s of such compiles in its eager steps (the LM head's and the last
-    chunks' odd row counts; results/h200/diagnostics/w1_profile_modes_80ed5d6e.*), where the
-    graph capture had already compiled every config the policy uses."""
-    M, N, K = x.shape[0], w.shape[0], w.shape[1]
+            cfg: InvariantMatmulConfig, pdl: bool | None, silu_mul: bool = False, specialize: bool = False):
+    """One launch over checked arguments (``silu_mul``: w holds gate then up rows, out the up
+    rows' count of columns); returns Triton's compiled kernel (the lab reads its PTX to see which
+    MMA instruction a config got). ``specialize``: ``_two_compiles``."""
+    M, N, K = x.shape[0], out.shape[1], w.shape[1]
+    pick = 0 if specialize else 1
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
+    consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
+                  SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
+    b = bias if bias is not None else w
     if cfg.tma and _tma_ok(x, w):
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
-                 TensorDescriptor(w, [N, K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]))
-        consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
-        b = bias if bias is not None else w
+                 TensorDescriptor(w, [w.shape[0], K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]))
         if cfg.persistent:
             programs = min(grid[0], sm_count_for(x))
-            return _matmul_invariant_persistent_kernel[(programs,)](*descs, b, out, M, N, K, out.stride(0), programs,
-                                                                    **consts)
-        return _matmul_invariant_tma_kernel[grid](*descs, b, out, M, N, K, out.stride(0), **consts)
-    return _matmul_invariant_kernel[grid](
-        x, w, bias if bias is not None else w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl),
-    )
+            return _PERSISTENT_KERNELS[pick][(programs,)](*descs, b, out, M, N, K, out.stride(0), programs, **consts)
+        return _TMA_KERNELS[pick][grid](*descs, b, out, M, N, K, out.stride(0), **consts)
+    return _POINTER_KERNELS[pick][grid](x, w, b, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), **consts)

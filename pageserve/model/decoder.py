@@ -41,10 +41,11 @@ class RMSNorm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps), x
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
-    def project(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear):
+    def project(self, x: torch.Tensor, residual: torch.Tensor | None, proj: nn.Linear, silu_mul: bool = False):
         """``proj(self(x, residual))`` as one op, so a backend can fold the norm into the
-        projection's activation load. Returns (projected [T, N], residual' [T, H])."""
-        return self.ops.add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias)
+        projection's activation load. Returns (projected [T, N], residual' [T, H]); with
+        ``silu_mul`` (proj: gate|up) the projection is SiLU(gate) * up: [T, N / 2]."""
+        return self.ops.add_rms_norm_linear(x, residual, self.weight, self.eps, proj.weight, proj.bias, silu_mul)
 
 
 class Attention(nn.Module):
@@ -80,9 +81,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        # gate_up: [T, 2I], the gate_up_proj output (the layer fuses that projection with its norm)
-        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)  # [T, H]
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # h: the gate_up_proj output [T, 2I] (the layer fuses that projection with its norm), or,
+        # where the ops put SiLU·mul in that projection (``silu_in_gate_up``), SiLU(gate) * up [T, I]
+        if self.ops.silu_in_gate_up:
+            return self.ops.linear(h, self.down_proj.weight, None)  # [T, H]
+        return self.ops.silu_mul_linear(h, self.down_proj.weight)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -96,8 +100,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin, attn):
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(qkv, positions, cos_sin, attn)
-        gate_up, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj)
-        return self.mlp(gate_up), residual
+        h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj,
+                                                            silu_mul=self.mlp.ops.silu_in_gate_up)
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):

@@ -37,19 +37,31 @@ class TorchOps:
 
     def add_rms_norm_linear(
         self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-        weight: torch.Tensor, bias: torch.Tensor | None,
+        weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A decoder layer's norm and the projection after it: returns (linear(normed, weight, bias),
         residual'), normed and residual' as ``add_rms_norm`` (``rms_norm`` of x, and x itself, when
-        residual is None). x, residual: [T, K], weight: [N, K] -> ([T, N], [T, K])."""
+        residual is None). x, residual: [T, K], weight: [N, K] -> ([T, N], [T, K]). ``silu_mul``:
+        the projection is ``gate_up_silu_mul`` (weight: gate|up, no bias) -> ([T, N / 2], [T, K])."""
         if residual is None:
             normed, residual = self.rms_norm(x, norm_weight, eps), x
         else:
             normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)
+        if silu_mul:
+            return self.gate_up_silu_mul(normed, weight), residual
         return self.linear(normed, weight, bias), residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(gate_up)
+
+    # Where the MLP's SiLU·mul runs: False, in the down projection (``silu_mul_linear``, which a
+    # backend may fuse into its down GEMV); True, in the gate_up projection's epilogue
+    # (``gate_up_silu_mul``, then a plain ``linear`` for down: ``DeterministicOps``).
+    silu_in_gate_up = False
+
+    def gate_up_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(linear(x, weight)): x [T, K], weight the gate|up matrix [2I, K] -> [T, I]."""
+        return self.silu_and_mul(self.linear(x, weight, None))
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """linear(silu_and_mul(gate_up), weight), through this object's own two ops."""
