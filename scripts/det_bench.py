@@ -29,8 +29,6 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048", help="decode contexts for the attention timings")
     ap.add_argument("--skip-matmul", action="store_true", help="the attention timings only")
     ap.add_argument("--batches", default="1,64", help="decode batch sizes for the attention timings")
-    ap.add_argument("--unfused-merge", action="store_true",
-                    help="also time the attention with fused_merge=False (partials + the merge kernel)")
     ap.add_argument("--prefill-block-m", type=int, default=128,
                     help="also time the attention with this prefill_block_m (0: not)")
     args = ap.parse_args()
@@ -48,9 +46,6 @@ def main() -> None:
     for ctx in (int(c) for c in args.contexts.split(",")):
         batches = tuple(int(b) for b in args.batches.split(","))
         times = attention_timings(context=ctx, batches=batches, prefill_len=512)
-        if args.unfused_merge:  # where one program walks all of a tile's splits, it merges them itself by default
-            plain = attention_timings(context=ctx, batches=batches, prefill_len=512, fused_merge=False)
-            times.update({f"{k}_unfused_merge": v for k, v in plain.items() if "invariant" in k})
         if args.prefill_block_m:  # taller prefill tiles with MMA row sums: the decode rows keep 16-row tiles
             tall = attention_timings(context=ctx, batches=batches, prefill_len=512, prefill_block_m=args.prefill_block_m)
             times.update({f"{k}_prefill_block_m{args.prefill_block_m}": v for k, v in tall.items() if "invariant" in k})

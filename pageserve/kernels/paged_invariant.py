@@ -27,15 +27,14 @@ Rows of seq_len 0 (graph padding) come out zero.
 Why each row's bits are invariant:
 
 1. One compiled kernel, one tile shape. Every case runs the same two kernels with the same
-   constexprs (batch-dependent ints are not specialised on; ``FUSED_MERGE`` only adds point 4's
-   fold after each split), so Triton's dot and reduction layouts are identical everywhere. In
-   ``q @ k^T`` and ``p @ v`` an output element is the dot of one row with one column, in an
-   order fixed by the tile shape; ``tl.max`` is order-free; ``tl.sum(p, axis=1)`` reduces each
-   row with the same fixed tree. So a row's values never depend on the other rows of its tile
-   or on which tile row it sits in. With ``prefill_block_m`` the row sums are an MMA against
-   ones instead (``_softmax_step``): an MMA element is the same chain whatever the tile's height
-   (measured on the H200), so decode rows in 16-row tiles and chunk rows in 128-row tiles get
-   the same bits.
+   constexprs (batch-dependent ints are not specialised on), so Triton's dot and reduction
+   layouts are identical everywhere. In ``q @ k^T`` and ``p @ v`` an output element is the dot
+   of one row with one column, in an order fixed by the tile shape; ``tl.max`` is
+   order-free; ``tl.sum(p, axis=1)`` reduces each row with the same fixed tree. So a row's
+   values never depend on the other rows of its tile or on which tile row it sits in. With
+   ``prefill_block_m`` the row sums are an MMA against ones instead (``_softmax_step``): an
+   MMA element is the same chain whatever the tile's height (measured on the H200), so decode
+   rows in 16-row tiles and chunk rows in 128-row tiles get the same bits.
 2. Fixed key tiles. Keys are walked in BLOCK_N tiles aligned to position 0, in increasing
    order, inside splits of fixed SIZE aligned to 0: a row at position p has exactly
    ``p // kv_split + 1`` splits, whatever the batch, and in split s sees the same tiles with
@@ -46,19 +45,12 @@ Why each row's bits are invariant:
    tile's last needed position (maybe never written: NaN/garbage) load as 0, so a 0 weight
    only ever meets finite V. (Only the sign of an exactly-zero accumulator could flip.)
 4. Fixed merge. A row with one split (p < kv_split) writes acc / l straight from the split
-   kernel; a row with several has its splits' unnormalised (m, l, acc) folded in split order
-   0, 1, ... with elementwise fp32 arithmetic (``_merge_start``, ``_merge_fold``,
-   ``_merge_out``); which path a row takes depends only on p. Where P > 1 the split kernel
-   writes the partials and the merge kernel folds them; where P == 1 (large batches) the one
-   program that walks every split of the tile folds each as it finishes it (``FUSED_MERGE``),
-   from the values the merge kernel would load: the same helpers on the same fp32 values, with
-   the multiply-adds explicit, so P never changes a bit. Tile rows with fewer splits are held by
-   ``tl.where``, exactly.
+   kernel; a row with several writes unnormalised (m, l, acc) per split and the merge kernel
+   folds them in split order 0, 1, ... with elementwise fp32 arithmetic; which path a row
+   takes depends only on p. Tile rows with fewer splits are held by ``tl.where``, exactly.
 
-The cost of invariance: a decode tile carries BLOCK_M rows for ``group`` real ones, and where
-P > 1 the partial buffers are [T, Hq, num_splits, D] fp32 (only rows past the first split write
-them) and a merge launch reads them back; a launch with P == 1 needs neither, only registers
-for a second accumulator.
+The cost of invariance: a decode tile carries BLOCK_M rows for ``group`` real ones, and the
+partial buffers are [T, Hq, num_splits, D] fp32 (only rows past the first split write them).
 Defaults, from graph-replayed timings on the H200 (Qwen2.5-3B shape, bf16, µs per call; the
 split-K decode / prefill kernels in brackets): BLOCK_M 16, BLOCK_N 64, kv_split 256 give decode
 batch 1 @ 512 8.9 [7.2], batch 64 @ 512 13.0 [12.1], batch 1 @ 4k 13.8 [8.8], batch 64 @ 4k
@@ -127,32 +119,6 @@ def _softmax_step(scores, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.const
         return online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
 
 
-@triton.jit
-def _merge_start(m_0, l_0, acc_0, active):
-    """The merge state after split 0: its (m, l, acc) in the rows with several splits; in the
-    others m 0, l 1, acc 0 (the merge kernel's ``other=``; never stored)."""
-    return tl.where(active, m_0, 0.0), tl.where(active, l_0, 1.0), tl.where(active[:, None], acc_0, 0.0)
-
-
-@triton.jit
-def _merge_fold(m, l, acc, m_s, l_s, acc_s, take):
-    """Fold split s's (m_s, l_s, acc_s) into the rows ``take``; elementwise, so a row's arithmetic
-    is its own. The fused multiply-adds are explicit: both merge paths must round alike, and
-    contraction is otherwise the compiler's choice (Triton 3.10 turns it off by default)."""
-    m_new = tl.maximum(m, m_s)
-    a = tl.exp2(m - m_new)
-    c = tl.exp2(m_s - m_new)
-    l = tl.where(take, tl.fma(l, a, l_s * c), l)
-    acc = tl.where(take[:, None], tl.fma(acc, a[:, None], acc_s * c[:, None]), acc)
-    m = tl.where(take, m_new, m)
-    return m, l, acc
-
-
-@triton.jit
-def _merge_out(acc, l):
-    return acc / l[:, None]
-
-
 @triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles", "split_programs"])
 def _split_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
@@ -162,7 +128,6 @@ def _split_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
@@ -185,13 +150,6 @@ def _split_kernel(
     bt_row = bt_ptr + b * stride_bt
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
     prow0 = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits  # [BLOCK_M], split 0's partial row
-    if FUSED_MERGE:
-        # one program holds every split (split_programs 1): _merge_kernel's fold, in registers
-        n_merge = tl.minimum(n_row, num_splits)  # as _merge_kernel counts them
-        active = n_merge > 1
-        m_m = tl.zeros([BLOCK_M], tl.float32)  # (set by split 0, which always runs)
-        l_m = tl.zeros([BLOCK_M], tl.float32)
-        acc_m = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # each split from scratch, as if it had a program of its own (the grid does not change a bit)
     for s in range(first, n_tile, split_programs):
         split_start = s * KV_SPLIT
@@ -212,24 +170,12 @@ def _split_kernel(
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
-        if FUSED_MERGE:
-            # the fp32 values _merge_kernel would load, through the same helpers; what it loads
-            # with other= (rows not taking split s) the helpers' tl.where never keeps
-            if s == 0:
-                m_m, l_m, acc_m = _merge_start(m_i, l_i, acc, active)
-            else:
-                m_m, l_m, acc_m = _merge_fold(m_m, l_m, acc_m, m_i, l_i, acc, active & (s < n_merge))
-        else:
-            # several: this split's unnormalised partial; part_acc [T, Hq, S, D], part_ml [T, Hq, S, 2] fp32
-            partial = (n_row > 1) & (s < n_row)
-            prow = prow0 + s
-            tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc,
-                     mask=partial[:, None] & dmask[None, :])
-            tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
-            tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
-    if FUSED_MERGE:
-        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 _merge_out(acc_m, l_m).to(out_ptr.dtype.element_ty), mask=active[:, None] & dmask[None, :])
+        # several: this split's unnormalised partial; part_acc [T, Hq, S, D], part_ml [T, Hq, S, 2] fp32
+        partial = (n_row > 1) & (s < n_row)
+        prow = prow0 + s
+        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
+        tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
+        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
 
 
 @triton.jit(do_not_specialize=["num_splits", "n_tiles"])
@@ -259,17 +205,22 @@ def _merge_kernel(
     m = tl.load(part_ml_ptr + prow * 2, mask=active, other=0.0)
     l = tl.load(part_ml_ptr + prow * 2 + 1, mask=active, other=1.0)
     acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=amask, other=0.0)
-    m, l, acc = _merge_start(m, l, acc, active)
-    # fold splits 1, 2, ... in order (_split_kernel's FUSED_MERGE folds the same way)
+    # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own
     for s in range(1, n_max):
         take = active & (s < n_row)
         m_s = tl.load(part_ml_ptr + (prow + s) * 2, mask=take, other=0.0)
         l_s = tl.load(part_ml_ptr + (prow + s) * 2 + 1, mask=take, other=0.0)
         acc_s = tl.load(part_acc_ptr + (prow + s)[:, None] * HEAD_DIM + d[None, :],
                         mask=take[:, None] & dmask[None, :], other=0.0)
-        m, l, acc = _merge_fold(m, l, acc, m_s, l_s, acc_s, take)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp2(m - m_new)
+        c = tl.exp2(m_s - m_new)
+        l = tl.where(take, l * a + l_s * c, l)
+        acc = tl.where(take[:, None], acc * a[:, None] + acc_s * c[:, None], acc)
+        m = tl.where(take, m_new, m)
+    out = acc / l[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             _merge_out(acc, l).to(out_ptr.dtype.element_ty), mask=amask)
+             out.to(out_ptr.dtype.element_ty), mask=amask)
 
 
 _DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -285,8 +236,7 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all",
     attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
     the step's other layers. ``part``: "all" sequences, only the "short" ones (at most
     ``short_len`` new tokens: decodes) or only the "long" ones (chunks), for launches with
-    different tile heights and for the merge of one of them. Which program computes a tile does
-    not change a row's bits."""
+    different tile heights. Which program computes a tile does not change a row's bits."""
     scratch = getattr(meta, "scratch", None)
     if meta.max_query_len <= 1:
         key = (B, device)
@@ -304,7 +254,7 @@ def _tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all",
         else:
             _DECODE_TILES[key] = tiles
         return tiles
-    key = ("paged_invariant_tiles", q_tok, part, short_len if part != "all" else 0)  # the merge reuses small maps
+    key = ("paged_invariant_tiles", q_tok, part, short_len if part != "all" else 0)  # the merge reuses "all"
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
@@ -326,7 +276,7 @@ def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
-    split_programs: int | None = None, fused_merge: bool = True,
+    split_programs: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -344,9 +294,7 @@ def paged_attention_invariant(
     MMA row sums (``_softmax_step``) for every step, which is what makes the tile height free,
     and gives other bits than None does, so it too is fixed for a run. ``split_programs``:
     programs per (query tile, KV head), each taking every P-th split (None: from the grid's
-    size; it never changes a bit); with 1 each program merges its tile's splits itself, so the
-    launch needs no partial buffers and no merge (small tiles; ``fused_merge=False``: never, for
-    timing the two against each other: the same bits). ``pdl``: see ``_util.use_pdl``."""
+    size; it never changes a bit). ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
@@ -370,33 +318,26 @@ def paged_attention_invariant(
         max_ctx = min(max_ctx, meta.max_seq_len)
     S = max(1, cdiv(max_ctx, kv_split))
     BLOCK_D = max(16, next_pow2(D))
+    # fp32 even when unused (S == 1), so every call runs the one compiled kernel
+    part_acc = torch.empty((T, Hq, S, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((T, Hq, S, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
+    launch = pdl_args(q, T, pdl)
+    common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, KV_SPLIT=kv_split, BLOCK_D=BLOCK_D, **launch)
     # taller tiles serve the chunks only: a decode row in a tall tile would pay for 16 tokens'
     # MMAs (a mixed step's attention 14.4 ms against 8.0 for its prompts alone at a47b2281), so
     # sequences that fit one small tile keep small tiles, in a launch of their own
     short_len = small_m // group
-    launches = []
-    for bm, part in [(small_m, "all")] if tall_m is None else [(small_m, "short"), (tall_m, "long")]:
+    parts = [(small_m, "all")] if tall_m is None else [(small_m, "short"), (tall_m, "long")]
+    for bm, part in parts:
         tiles = _tile_map(meta, bm // group, B, q.device, part, short_len)
-        if tiles.shape[1] == 0:
+        n_tiles = tiles.shape[1]
+        if n_tiles == 0:
             continue
         # programs per (tile, KV head), each walking splits first, first + P, ...: from shapes only
         # (graph-safe), enough for ~4 waves, never more than the splits. A decode batch's S follows
         # the block table's width (max_model_len), so one program a split would launch e.g. 512 x
         # 256 programs at 32k, nearly all exiting at once
-        P = split_programs or min(S, max(1, cdiv(4 * sm_count_for(q), tiles.shape[1] * Hkv)))
-        # P == 1 (large batches): each program merges its tile's splits itself, with the merge
-        # kernel's arithmetic: no partials to write and read back, no merge launch for these rows
-        # Small tiles only: the fused 128-row tile spills (255 registers and 160 bytes of stack for
-        # sm_90, against 120 unfused), and would compile a variant of its own inside a long run
-        launches.append((bm, part, tiles, P, fused_merge and S > 1 and P == 1 and bm == small_m))
-    merged = [part for _, part, _, _, fused in launches if S > 1 and not fused]  # the merge kernel's parts
-    # fp32 even when unused, so the pointers' types never compile another kernel
-    part_acc = torch.empty((T, Hq, S, D) if merged else (1,), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((T, Hq, S, 2) if merged else (1,), dtype=torch.float32, device=q.device)
-    launch = pdl_args(q, T, pdl)
-    common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, KV_SPLIT=kv_split, BLOCK_D=BLOCK_D, **launch)
-    for bm, part, tiles, P, fused in launches:
-        n_tiles = tiles.shape[1]
+        P = split_programs or min(S, max(1, cdiv(4 * sm_count_for(q), n_tiles * Hkv)))
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -404,14 +345,13 @@ def paged_attention_invariant(
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
-            ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm, FUSED_MERGE=fused,
+            ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
             num_warps=4 if bm <= 64 else 8, num_stages=2, **common,
         )
-    if merged:
+    if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
-        # tiles always (128-row merge tiles took 1.6 ms a prefill step against 1.0 at 16 rows), over
-        # the sequences of the launches that wrote partials only (a fused launch's rows are final)
-        tiles = _tile_map(meta, small_m // group, B, q.device, merged[0] if len(merged) == 1 else "all", short_len)
+        # tiles always (128-row merge tiles took 1.6 ms a prefill step against 1.0 at 16 rows)
+        tiles = _tile_map(meta, small_m // group, B, q.device)
         _merge_kernel[(tiles.shape[1], Hkv)](
             part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, tiles, out.stride(0), out.stride(1), S,
             tiles.shape[1], Q_TOK=small_m // group, BLOCK_M=small_m,

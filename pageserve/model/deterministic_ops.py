@@ -69,15 +69,22 @@ class DeterministicOps(TritonOps):
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), weight, None)
 
-    # SiLU·mul in the gate_up matmul's epilogue: no [T, 2I] intermediate and no launch of its own
-    # (the separate kernel cost 0.28 ms a 512-row decode step on the H200, profile_steps_det_a47b2281),
-    # bit for bit the separate kernel's values (``matmul_invariant``'s ``silu_mul``)
+    # SiLU·mul in the gate_up matmul's epilogue up to ``SILU_IN_GATE_UP_MAX_ROWS`` rows: no [T, 2I]
+    # intermediate and no launch of its own, bit for bit the separate kernel's values
+    # (``matmul_invariant``'s ``silu_mul``). On the H200 at 00ce090 (W1, 32k, diagnostics/
+    # w1_profile_modes_00ce090.*) the decode steps (~500 rows) gained (11.55 -> 11.14 ms a step, with
+    # the M-specialized compiles and a fused attention merge that cost 0.24 of it) and the ~8k-row
+    # chunk steps lost (86.5 -> 88.8 ms): the fused product's 256 x (64 + 64) tiles run slower than
+    # 256 x 128, which the saved elementwise pass does not pay for. So chunks keep the separate kernel.
     silu_in_gate_up = True
+    SILU_IN_GATE_UP_MAX_ROWS = 1024
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
         from ..kernels import matmul_invariant
 
         _refuse_int8(weight)
+        if x.shape[0] > self.SILU_IN_GATE_UP_MAX_ROWS:
+            return super().gate_up_silu_mul(x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
         return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=self.pdl, silu_mul=True)
 
