@@ -95,7 +95,7 @@ def test_deterministic_seeded_sampling_is_the_same_alone_and_batched(tiny_qwen2_
     assert D.seeded_sampling_identical(make, prompts, max_tokens=8) == 4
 
 
-def test_silu_mul_moves_out_of_the_gate_up_product_above_its_row_limit_with_the_same_bits(monkeypatch):
+def test_silu_mul_moves_out_of_the_gate_up_product_above_its_row_limit_with_the_same_bits():
     # decode-sized batches get SiLU·mul in the gate_up epilogue, chunks the separate kernel: a row's
     # bits must not see which (a chunk's rows are decoded later in small batches)
     from pageserve.model.deterministic_ops import DeterministicOps
@@ -106,8 +106,7 @@ def test_silu_mul_moves_out_of_the_gate_up_product_above_its_row_limit_with_the_
     x = torch.randn(6, 96, generator=gen).to(dev, torch.bfloat16)
     w = (torch.randn(2 * 40, 96, generator=gen) * 0.1).to(dev, torch.bfloat16)
     fused = ops.gate_up_silu_mul(x, w)
-    monkeypatch.setattr(ops, "SILU_IN_GATE_UP_MAX_ROWS", 4)
-    separate = ops.gate_up_silu_mul(x, w)
+    separate = DeterministicOps(silu_in_gate_up_max_rows=4).gate_up_silu_mul(x, w)
     assert torch.equal(separate, ops.silu_and_mul(ops.linear(x, w, None)))
     assert torch.equal(separate, fused)
     assert torch.equal(ops.gate_up_silu_mul(x[2:5], w), fused[2:5])  # 3 rows: under the limit, fused

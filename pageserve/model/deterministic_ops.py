@@ -44,12 +44,17 @@ class DeterministicOps(TritonOps):
     ``attention_prefill_block_m``: taller attention tiles for steps with chunks, with MMA row
     sums (``kernels.paged_invariant``; other bits than None, so one setting per run). "auto":
     128 on Hopper (sm_90+), where the H200 measured its bits (gpu_det_tests at 12c46862) and
-    its speed, else None (16-row tiles: a T4's 64 KB of shared memory, and GPUs not measured)."""
+    its speed, else None (16-row tiles: a T4's 64 KB of shared memory, and GPUs not measured).
+    ``silu_in_gate_up_max_rows``: the most rows whose SiLU·mul runs in the gate_up matmul's
+    epilogue (below). ``matmul_specialize``: which compile of the matmul kernels (None: the
+    M-specialized one inside graph captures; ``kernels.matmul_invariant``). Neither changes a bit:
+    they are there to time the batch-1 step with and without each (scripts/det_b1_switches.py)."""
 
     name = "deterministic"
 
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
-                 attention_prefill_block_m: int | str | None = "auto", **triton_options) -> None:
+                 attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
+                 matmul_specialize: bool | None = None, **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         super().__init__(**triton_options)
@@ -58,18 +63,21 @@ class DeterministicOps(TritonOps):
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
             raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
         self.attention_prefill_block_m = attention_prefill_block_m
+        self.silu_in_gate_up_max_rows = silu_in_gate_up_max_rows
+        self.matmul_specialize = matmul_specialize
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
 
         _refuse_int8(weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl)
+        return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl,
+                                specialize=self.matmul_specialize)
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), weight, None)
 
-    # SiLU·mul in the gate_up matmul's epilogue up to ``SILU_IN_GATE_UP_MAX_ROWS`` rows: no [T, 2I]
+    # SiLU·mul in the gate_up matmul's epilogue up to ``silu_in_gate_up_max_rows`` rows: no [T, 2I]
     # intermediate and no launch of its own, bit for bit the separate kernel's values
     # (``matmul_invariant``'s ``silu_mul``). On the H200 at 00ce090 (W1, 32k, diagnostics/
     # w1_profile_modes_00ce090.*) the decode steps (~500 rows) gained (11.55 -> 11.14 ms a step, with
@@ -77,16 +85,16 @@ class DeterministicOps(TritonOps):
     # chunk steps lost (86.5 -> 88.8 ms): the fused product's 256 x (64 + 64) tiles run slower than
     # 256 x 128, which the saved elementwise pass does not pay for. So chunks keep the separate kernel.
     silu_in_gate_up = True
-    SILU_IN_GATE_UP_MAX_ROWS = 1024
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
         from ..kernels import matmul_invariant
 
         _refuse_int8(weight)
-        if x.shape[0] > self.SILU_IN_GATE_UP_MAX_ROWS:
+        if x.shape[0] > self.silu_in_gate_up_max_rows:
             return super().gate_up_silu_mul(x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=self.pdl, silu_mul=True)
+        return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=self.pdl, silu_mul=True,
+                                specialize=self.matmul_specialize)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         from ..kernels import paged_attention_invariant
