@@ -305,14 +305,14 @@ def _matmul_invariant_persistent_kernel(
 
 def _two_compiles(fn):
     """(specialized, generic) kernels of one body. Triton specializes an int argument on its
-    divisibility by 16 and on == 1, and compiles a variant per combination. The specialized
-    kernel serves CUDA-graph captures, whose row counts are the capture buckets, compiled at
-    start-up: at M = 1 and 64 it is what the H200 timed (09 at a3812625: batch-1 step 2.69 ms,
-    batch 64 3.51; with M unspecialized everywhere, 09 at e11798a: 2.80 and 3.71). The generic
-    kernel (M not specialized) serves eager calls, whose row counts vary with every prefill
-    chunk: one compile per tile config, where the specialized kernel paid ~0.8 s of compiles
-    inside the first W1 on an engine (results/h200/diagnostics/w1_profile_modes_80ed5d6e.*).
-    Both run the same MMAs over the same K slices: the same bits (tests/test_matmul_invariant.py)."""
+    divisibility by 16 and on == 1, and compiles a variant per combination. The generic kernel
+    (M not specialized) serves eager calls, whose row counts vary with every prefill chunk: one
+    compile per tile config, where specializing paid ~0.8 s of compiles inside the first W1 on an
+    engine (results/h200/diagnostics/w1_profile_modes_80ed5d6e.*). The specialized kernel serves
+    CUDA-graph captures, whose row counts are the capture buckets, compiled at start-up. Timed
+    alone on the H200 the two are level on every 3B shape at M = 1, 64 and 512 but the down
+    projection at M = 1 (17.1 vs 17.6 us; diagnostics/det_m1_bench_a41ec7b.*). Both run the same
+    MMAs over the same K slices: the same bits (tests/test_matmul_invariant.py)."""
     return triton.jit(fn), triton.jit(fn, do_not_specialize=["M"])
 
 

@@ -79,11 +79,13 @@ class DeterministicOps(TritonOps):
 
     # SiLU·mul in the gate_up matmul's epilogue up to ``silu_in_gate_up_max_rows`` rows: no [T, 2I]
     # intermediate and no launch of its own, bit for bit the separate kernel's values
-    # (``matmul_invariant``'s ``silu_mul``). On the H200 at 00ce090 (W1, 32k, diagnostics/
-    # w1_profile_modes_00ce090.*) the decode steps (~500 rows) gained (11.55 -> 11.14 ms a step, with
-    # the M-specialized compiles and a fused attention merge that cost 0.24 of it) and the ~8k-row
-    # chunk steps lost (86.5 -> 88.8 ms): the fused product's 256 x (64 + 64) tiles run slower than
-    # 256 x 128, which the saved elementwise pass does not pay for. So chunks keep the separate kernel.
+    # (``matmul_invariant``'s ``silu_mul``). On the H200, gate_up + SiLU·mul in µs a call, epilogue vs
+    # separate kernel: 25.0 vs 25.1 at M = 1, 26.2 vs 27.9 at 64, 78.6 vs 82.9 at 512 (diagnostics/
+    # det_m1_bench_a41ec7b.*). With it at every M (and a fused attention merge, since reverted) W1's
+    # ~8k-row chunk steps went 86.5 -> 88.8 ms (diagnostics/w1_profile_modes_00ce090.*; 87.5 at
+    # 97c30a6 with neither): the two were not timed apart, and the fused product's chunk tiles are
+    # 256 x (64 + 64), two N = 64 MMA chains a k-step for one N = 128, so chunks keep the separate
+    # kernel until an isolated timing at ~8k rows says otherwise.
     silu_in_gate_up = True
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
