@@ -50,7 +50,7 @@ Why each row's bits are invariant:
    takes depends only on p. Tile rows with fewer splits are held by ``tl.where``, exactly.
 
 The cost of invariance: a decode tile carries BLOCK_M rows for ``group`` real ones, and the
-partial buffers are [T, Hq, num_splits, D] fp32 (only rows past the first split write them).
+partial buffers are [num_splits, T, Hq, D] fp32 (only rows past the first split write them).
 Defaults, from graph-replayed timings on the H200 (Qwen2.5-3B shape, bf16, µs per call; the
 split-K decode / prefill kernels in brackets): BLOCK_M 16, BLOCK_N 64, kv_split 256 give decode
 batch 1 @ 512 8.9 [7.2], batch 64 @ 512 13.0 [12.1], batch 1 @ 4k 13.8 [8.8], batch 64 @ 4k
@@ -119,12 +119,12 @@ def _softmax_step(scores, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.const
         return online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles", "split_programs"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles", "split_programs", "split_rows"])
 def _split_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, qk_scale, num_splits, n_tiles, split_programs,
+    stride_bt, qk_scale, num_splits, n_tiles, split_programs, split_rows,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
@@ -149,7 +149,7 @@ def _split_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
     bt_row = bt_ptr + b * stride_bt
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
-    prow0 = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits  # [BLOCK_M], split 0's partial row
+    prow0 = rows * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M], split 0's partial row
     # each split from scratch, as if it had a program of its own (the grid does not change a bit)
     for s in range(first, n_tile, split_programs):
         split_start = s * KV_SPLIT
@@ -170,17 +170,19 @@ def _split_kernel(
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
-        # several: this split's unnormalised partial; part_acc [T, Hq, S, D], part_ml [T, Hq, S, 2] fp32
+        # several: this split's unnormalised partial; part_acc [S, T, Hq, D], part_ml [S, T, Hq, 2] fp32,
+        # split-major so a step touches only the first splits' slabs (split_rows = T * Hq rows each)
         partial = (n_row > 1) & (s < n_row)
-        prow = prow0 + s
+        prow = prow0 + s * split_rows
         tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
         tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
         tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
 
 
-@triton.jit(do_not_specialize=["num_splits", "n_tiles"])
+@triton.jit(do_not_specialize=["num_splits", "n_tiles", "split_rows"])
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, stride_ot, stride_oh, num_splits, n_tiles,
+    split_rows,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOK: tl.constexpr,
     KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -200,7 +202,7 @@ def _merge_kernel(
         return  # every row was written by the split kernel
     d = tl.arange(0, BLOCK_D)
     dmask = d < HEAD_DIM
-    prow = (rows * (NUM_KV_HEADS * GROUP) + head) * num_splits  # [BLOCK_M], split 0
+    prow = rows * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M], split 0; split s is split_rows rows on
     amask = active[:, None] & dmask[None, :]
     m = tl.load(part_ml_ptr + prow * 2, mask=active, other=0.0)
     l = tl.load(part_ml_ptr + prow * 2 + 1, mask=active, other=1.0)
@@ -208,9 +210,10 @@ def _merge_kernel(
     # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own
     for s in range(1, n_max):
         take = active & (s < n_row)
-        m_s = tl.load(part_ml_ptr + (prow + s) * 2, mask=take, other=0.0)
-        l_s = tl.load(part_ml_ptr + (prow + s) * 2 + 1, mask=take, other=0.0)
-        acc_s = tl.load(part_acc_ptr + (prow + s)[:, None] * HEAD_DIM + d[None, :],
+        prow_s = prow + s * split_rows
+        m_s = tl.load(part_ml_ptr + prow_s * 2, mask=take, other=0.0)
+        l_s = tl.load(part_ml_ptr + prow_s * 2 + 1, mask=take, other=0.0)
+        acc_s = tl.load(part_acc_ptr + prow_s[:, None] * HEAD_DIM + d[None, :],
                         mask=take[:, None] & dmask[None, :], other=0.0)
         m_new = tl.maximum(m, m_s)
         a = tl.exp2(m - m_new)
@@ -319,8 +322,11 @@ def paged_attention_invariant(
     S = max(1, cdiv(max_ctx, kv_split))
     BLOCK_D = max(16, next_pow2(D))
     # fp32 even when unused (S == 1), so every call runs the one compiled kernel
-    part_acc = torch.empty((T, Hq, S, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((T, Hq, S, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
+    # split-major: a decode batch's S follows max_model_len (128 at 32k) while its rows use ~3 splits;
+    # [T, Hq, S, D] put each row's few partials 64 KB from the next row's (at 32k), [S, T, Hq, D]
+    # keeps a step's partials in the first S' slabs (which layout is faster: not yet timed on a GPU)
+    part_acc = torch.empty((S, T, Hq, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((S, T, Hq, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
     launch = pdl_args(q, T, pdl)
     common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, KV_SPLIT=kv_split, BLOCK_D=BLOCK_D, **launch)
     # taller tiles serve the chunks only: a decode row in a tall tile would pay for 16 tokens'
@@ -343,7 +349,7 @@ def paged_attention_invariant(
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P,
+            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
             num_warps=4 if bm <= 64 else 8, num_stages=2, **common,
@@ -354,7 +360,7 @@ def paged_attention_invariant(
         tiles = _tile_map(meta, small_m // group, B, q.device)
         _merge_kernel[(tiles.shape[1], Hkv)](
             part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, tiles, out.stride(0), out.stride(1), S,
-            tiles.shape[1], Q_TOK=small_m // group, BLOCK_M=small_m,
+            tiles.shape[1], T * Hq, Q_TOK=small_m // group, BLOCK_M=small_m,
             num_warps=4, **common,
         )
     return out
