@@ -48,6 +48,8 @@ class TorchOps:
         else:
             normed, residual = self.add_rms_norm(x, residual, norm_weight, eps)
         if silu_mul:
+            if bias is not None:
+                raise ValueError("add_rms_norm_linear(silu_mul=True): the gate|up projection takes no bias")
             return self.gate_up_silu_mul(normed, weight), residual
         return self.linear(normed, weight, bias), residual
 
