@@ -1,12 +1,15 @@
-"""The deterministic mode's batch-1 decode step, one switch at a time (issue 15): at 97c30a6 notebook 09
-measured 3.11 ms (1.40x the default mode), where a3812625 had 2.69 and each matmul of the step, timed
-alone, is no slower now (results/h200/diagnostics/det_m1_bench_*). Each variant is an engine of its own
-at the Qwen2.5-3B shape (random weights, bf16): the default mode, the deterministic mode as it ships,
-then with programmatic dependent launch off, with SiLU·mul back in its own kernel at decode sizes, with
-the matmul's generic compile in the graphs too, and all three. Per variant: the step's wall time over
+"""Small-batch decode steps (1-8 rows), one switch at a time, in both modes (issues 15 and 14). At
+97c30a6 notebook 09 measured the deterministic batch-1 step at 3.11 ms (1.40x the default mode); at
+2df709a this script found it was the SiLU·mul epilogue in gate_up under programmatic dependent launch
+(graph 3.07 ms, 2.73 with SiLU·mul in its own kernel), and the default mode's batch-8 step slower than
+the deterministic one (4.52 vs 3.21 ms of graph time). Each variant is an engine of its own at the
+Qwen2.5-3B shape (random weights, bf16): the default mode, with the GEMV at one row only (cuBLAS above),
+with PDL at one row only; the deterministic mode as it ships (since 2df709a: no SiLU·mul epilogue on a
+PDL launch), with PDL up to 1 and 4 rows, without PDL, and the earlier switches (SiLU·mul always in its
+own kernel, the generic matmul compile in the graphs). Per variant and batch: the step's wall time over
 consecutive ``engine.step()`` calls (what 09 reports) and its graph's GPU time alone (replays).
 
-    python scripts/det_b1_switches.py --out DIR [--batches 1,8] [--variants name,...]
+    python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
 
 Writes DIR/det_b1_switches.json (with the commit) after every variant. On the H200: stage ``detb1``
 of scripts/h200_run.sh.
@@ -26,7 +29,11 @@ from pageserve.lab.results import provenance
 
 VARIANTS = {
     "default": (False, {}),
+    "default_gemv_1_row": (False, {"gemv_max_m": 1}),
+    "default_pdl_1_row": (False, {"pdl_max_rows": 1}),
     "det": (True, {}),
+    "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
+    "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),
     "det_no_pdl": (True, {"pdl": False}),
     "det_silu_kernel": (True, {"silu_in_gate_up_max_rows": 0}),
     "det_generic_in_graphs": (True, {"matmul_specialize": False}),
@@ -37,7 +44,7 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,2,4,8")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)

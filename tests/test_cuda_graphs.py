@@ -94,6 +94,18 @@ def test_programmatic_dependent_launch_is_off_where_unsupported():
     assert not use_pdl(torch.zeros(1, device=DEVICE), 1, pdl=False)
 
 
+def test_pdl_max_rows_turns_pdl_off_above_it_and_rejects_what_pdl_never_covers():
+    from pageserve.kernels._util import PDL_MAX_TOKENS
+    from pageserve.model.triton_ops import TritonOps
+
+    ops = TritonOps(pdl_max_rows=2, tuned_configs=False)
+    assert [ops.pdl_for(r) for r in (1, 2, 3)] == [None, None, False]
+    assert TritonOps(pdl=False, tuned_configs=False).pdl_for(1) is False
+    assert TritonOps(tuned_configs=False).pdl_max_rows == PDL_MAX_TOKENS
+    with pytest.raises(ValueError, match="pdl_max_rows"):
+        TritonOps(pdl_max_rows=PDL_MAX_TOKENS + 1)
+
+
 def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
     from pageserve.lab.bench import run_pageserve_online
 

@@ -109,7 +109,34 @@ def test_silu_mul_moves_out_of_the_gate_up_product_above_its_row_limit_with_the_
     separate = DeterministicOps(silu_in_gate_up_max_rows=4).gate_up_silu_mul(x, w)
     assert torch.equal(separate, ops.silu_and_mul(ops.linear(x, w, None)))
     assert torch.equal(separate, fused)
-    assert torch.equal(ops.gate_up_silu_mul(x[2:5], w), fused[2:5])  # 3 rows: under the limit, fused
+    assert torch.equal(ops.gate_up_silu_mul(x[2:5], w), fused[2:5])  # 3 rows: fused unless launched with PDL
+
+
+def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch(monkeypatch):
+    # under PDL the fused product cost a graphed batch-1 step 0.34 ms on the H200 (det_b1_switches_2df709a):
+    # small batches launched with PDL take the separate kernel; without PDL, or above pdl_max_rows, the epilogue
+    import pageserve.kernels as K
+    from pageserve.model import deterministic_ops as DO
+
+    real, calls = K.matmul_invariant, []
+
+    def spy(*args, **kw):
+        calls.append(kw.get("silu_mul", False))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(K, "matmul_invariant", spy)
+    # as on a GPU with PDL (the interpreter never launches with it)
+    monkeypatch.setattr(DO, "use_pdl", lambda t, rows, pdl: pdl is not False and rows <= 8)
+    dev = "cuda" if ON_GPU else "cpu"
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(12, 64, generator=gen).to(dev, torch.bfloat16)
+    w = (torch.randn(2 * 32, 64, generator=gen) * 0.1).to(dev, torch.bfloat16)
+    for ops, rows, fused in [(DO.DeterministicOps(), 2, False), (DO.DeterministicOps(), 12, True),
+                             (DO.DeterministicOps(pdl=False), 2, True),
+                             (DO.DeterministicOps(pdl_max_rows=1), 2, True), (DO.DeterministicOps(pdl_max_rows=1), 1, False)]:
+        calls.clear()
+        ops.gate_up_silu_mul(x[:rows], w)
+        assert calls[0] is fused, (ops.pdl, ops.pdl_max_rows, rows)
 
 
 def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):

@@ -5,7 +5,7 @@ A dataclass that validates itself; ``ModelConfig.shipped(name)`` reads ``configs
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import reference
+from ..kernels._util import use_pdl
 from .ops import TorchOps
 from .quant import QuantizedWeight
 from .triton_ops import TritonOps
@@ -71,7 +72,7 @@ class DeterministicOps(TritonOps):
 
         _refuse_int8(weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl,
+        return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
                                 specialize=self.matmul_specialize)
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
@@ -86,16 +87,21 @@ class DeterministicOps(TritonOps):
     # 97c30a6 with neither): the two were not timed apart, and the fused product's chunk tiles are
     # 256 x (64 + 64), two N = 64 MMA chains a k-step for one N = 128, so chunks keep the separate
     # kernel until an isolated timing at ~8k rows says otherwise.
+    # Not on a launch with programmatic dependent launch (batches of <= pdl_max_rows): inside a
+    # graphed batch-1 step the fused product under PDL cost 0.34 ms a step (graph 3.07 ms vs 2.73
+    # with the separate kernel; without PDL the epilogue is the faster one, 2.90 vs 2.98;
+    # diagnostics/det_b1_switches_2df709a.*), though alone the two are level (25.0 vs 25.1 us).
     silu_in_gate_up = True
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
         from ..kernels import matmul_invariant
 
         _refuse_int8(weight)
-        if x.shape[0] > self.silu_in_gate_up_max_rows:
+        rows = x.shape[0]
+        if rows > self.silu_in_gate_up_max_rows or use_pdl(x, rows, self.pdl_for(rows)):
             return super().gate_up_silu_mul(x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=self.pdl, silu_mul=True,
+        return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=False, silu_mul=True,
                                 specialize=self.matmul_specialize)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
@@ -105,7 +111,7 @@ class DeterministicOps(TritonOps):
         tall = self.prefill_block_m_for(q.device)
         if tall is not None:
             kw["prefill_block_m"] = tall
-        return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl, **kw)
+        return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl_for(q.shape[0]), **kw)
 
     def prefill_block_m_for(self, device: torch.device) -> int | None:
         """``attention_prefill_block_m`` resolved for a device ("auto": see the class)."""

@@ -15,6 +15,7 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
+from ..kernels._util import PDL_MAX_TOKENS
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -45,9 +46,10 @@ class TritonOps(TorchOps):
     the ones tuned for this GPU model if the package ships them (``kernels/configs/<gpu>.json``);
     False: none; a mapping ``config_key -> GemvConfig`` (``kernels.parse_configs`` reads a bench
     JSON): these. Shapes without an entry use the heuristic.
-    ``pdl``: programmatic dependent launch for the decode-path kernels over at most 8 rows
-    (``self.pdl``): each kernel's launch overlaps the tail of the one before it (H200,
-    batch-1 step 2.41 -> 2.20 ms). None = on where the GPU (sm_90+) and Triton support it.
+    ``pdl``: programmatic dependent launch for the decode-path kernels over at most
+    ``pdl_max_rows`` rows (default and cap: ``kernels._util.PDL_MAX_TOKENS``, 8): each kernel's
+    launch overlaps the tail of the one before it (H200, batch-1 step 2.41 -> 2.20 ms).
+    None = on where the GPU (sm_90+) and Triton support it; False = never.
 
     Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``gemv_max_m`` rows the int8
     GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
@@ -68,7 +70,8 @@ class TritonOps(TorchOps):
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
-                 int8_gemv_max_m: int = 64) -> None:
+                 int8_gemv_max_m: int = 64,
+                 pdl_max_rows: int = PDL_MAX_TOKENS) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -96,7 +99,14 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
+        if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
+            raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         self.pdl = pdl
+        self.pdl_max_rows = pdl_max_rows
+
+    def pdl_for(self, rows: int) -> bool | None:
+        """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
+        return False if rows > self.pdl_max_rows else self.pdl
 
     def _gemv_fits(self, x: torch.Tensor) -> bool:
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
@@ -105,19 +115,19 @@ class TritonOps(TorchOps):
         if isinstance(weight, QuantizedWeight):
             return self._linear_int8(x, weight, bias)
         if self._gemv_fits(x):
-            return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl)
+            return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self._gemv_fits(x):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
-                             pdl=self.pdl)
+                             pdl=self.pdl_for(x.shape[0]))
         x = x if x.stride(-1) == 1 else x.contiguous()
         if self.int8_gemm == "auto" and self.use_gemv and x.dim() == 2 and x.shape[0] <= self.int8_gemv_max_m:
             # decode batches: a split-K skinny GEMM over the int8 weight; no PDL above 8 rows (_util)
-            return gemv_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
+            return gemv_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         if self.int8_gemm == "triton" or (self.int8_gemm == "auto" and x.shape[0] <= self.int8_gemm_max_m):
-            return gemm_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl)
+            return gemm_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
         return torch.nn.functional.linear(x, dequantize_int8(w.qweight, w.scale), bias)
 
@@ -125,34 +135,36 @@ class TritonOps(TorchOps):
         if isinstance(weight, QuantizedWeight):
             if self.fuse_silu_down and self._gemv_fits(gate_up):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
-                                          configs=self.int8_configs, pdl=self.pdl)
+                                          configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
             return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
         if self.fuse_silu_down and self._gemv_fits(gate_up):
-            return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl)
+            return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
+                                 pdl=self.pdl_for(gate_up.shape[0]))
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps, pdl=self.pdl)
+        return rms_norm(x, weight, eps, pdl=self.pdl_for(x.shape[0]))
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return add_rms_norm(x, residual, weight, eps, pdl=self.pdl)
+        return add_rms_norm(x, residual, weight, eps, pdl=self.pdl_for(x.shape[0]))
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(gate_up, pdl=self.pdl)
+        return silu_and_mul(gate_up, pdl=self.pdl_for(gate_up.shape[0]))
 
     def rotary(self, q, k, positions, cos_sin):
-        return rotary(q, k, positions, cos_sin, pdl=self.pdl)
+        return rotary(q, k, positions, cos_sin, pdl=self.pdl_for(q.shape[0]))
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        write_kv(k, v, k_cache, v_cache, slot_mapping, pdl=self.pdl)
+        write_kv(k, v, k_cache, v_cache, slot_mapping, pdl=self.pdl_for(k.shape[0]))
 
     def rotary_write_kv(self, q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping):
         if self.fuse_rope_kv:
-            return rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, pdl=self.pdl)
+            return rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                   pdl=self.pdl_for(q.shape[0]))
         return super().rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
-                                          num_splits=self.decode_num_splits, pdl=self.pdl)
+                                          num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]))
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
