@@ -48,7 +48,8 @@ def test_matches_reference_on_mixed_batches_of_decodes_and_chunks_over_cached_pr
     assert err <= checks.TOLERANCE[dtype], f"relative error {err:.3g} ({dtype})"
 
 
-def test_decode_batch_matches_reference_with_padding_rows_and_a_wide_table():
+@pytest.mark.parametrize("walk", [{}, {"split_programs": 1, "flat": True}, {"split_programs": 1, "flat": False}])
+def test_decode_batch_matches_reference_with_padding_rows_and_a_wide_table(walk):
     gen = torch.Generator().manual_seed(1)
     Hq, Hkv, D, bs = _shape(8, 2)
     ctx = [0, 1, bs, 3 * KS + 1, 2 * bs + 3, 0]
@@ -58,7 +59,7 @@ def test_decode_batch_matches_reference_with_padding_rows_and_a_wide_table():
     meta.query_start_loc = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
     meta.query_start_loc_cpu, meta.max_query_len = list(range(len(ctx) + 1)), 1
     out = torch.full_like(q, float("nan"))
-    paged_attention_invariant(q, kc, vc, meta, D**-0.5, out=out, **LAUNCH)
+    paged_attention_invariant(q, kc, vc, meta, D**-0.5, out=out, **walk, **LAUNCH)
     assert checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, D**-0.5)) <= checks.TOLERANCE[torch.float32]
     assert not out[0].any() and not out[-1].any()  # padding rows: zeros
 
@@ -181,7 +182,13 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
     for q_lens, ctx in (([1, 1, 1], [3 * KS + 5, KS - 3, 2 * KS]),  # a decode batch
                         ([1, 20, 37, 1], [KS + 1, 20, 2 * KS + 26, 45])):  # a mixed step
         q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen)
-        outs = [paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=tall, split_programs=p, **LAUNCH)
-                for p in (None, 1, 2, 64)]
-        for other in outs[1:]:
-            assert torch.equal(outs[0], other)
+        # P = 1 walks a tile's splits as one loop over key tiles (flat) unless told not to; a deeper
+        # software pipeline changes no arithmetic either
+        walks = [{"split_programs": p} for p in (None, 1, 2, 64)] + [
+            {"split_programs": 1, "flat": False}, {"split_programs": 1, "flat": True, "split_stages": 3},
+            {"split_programs": 2, "split_stages": 3}]
+        outs = [paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=tall, **w, **LAUNCH) for w in walks]
+        for w, other in zip(walks[1:], outs[1:]):
+            assert torch.equal(outs[0], other), w
+    with pytest.raises(ValueError, match="split_programs must be 1"):
+        paged_attention_invariant(q, kc, vc, meta, D**-0.5, split_programs=2, flat=True, **LAUNCH)

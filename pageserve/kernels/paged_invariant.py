@@ -128,6 +128,7 @@ def _split_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
@@ -150,33 +151,67 @@ def _split_kernel(
     bt_row = bt_ptr + b * stride_bt
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
     prow0 = rows * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M], split 0's partial row
-    # each split from scratch, as if it had a program of its own (the grid does not change a bit)
-    for s in range(first, n_tile, split_programs):
-        split_start = s * KV_SPLIT
-        kv_end = tl.minimum(split_start + KV_SPLIT, last_pos + 1)
+    if FLAT:
+        # one program walks all its tile's splits (split_programs 1) as one loop over key tiles, so
+        # the loads are pipelined across split boundaries; at a split's first tile (m, l, acc) are
+        # reset to the values a fresh split starts from, exactly, and at its last the split's
+        # results are stored: the same arithmetic, tile for tile, as the loop per split below
+        end = tl.minimum(last_pos + 1, n_tile * KV_SPLIT)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for n0 in range(split_start, kv_end, BLOCK_N):
+        # at least one (fully masked) tile: a tile of seq_len-0 rows still writes their zeros
+        for n0 in range(0, tl.maximum(end, 1), BLOCK_N):
+            fresh = (n0 % KV_SPLIT) == 0
+            m_i = tl.where(fresh, -1.0e30, m_i)
+            l_i = tl.where(fresh, 0.0, l_i)
+            acc = tl.where(fresh, 0.0, acc)
             kpos = n0 + tl.arange(0, BLOCK_N)
-            kmask = kpos < kv_end  # past it: zeros, never unwritten slots
-            k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+            kmask = kpos < end  # past it: zeros, never unwritten slots
+            k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,
                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-            scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
             scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
             m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
-        # one split (or none): the final answer, here; l_i == 0 only for seq_len-0 rows -> zeros
-        direct = rmask & (n_row <= 1) & ((n_row * 0 + s) == 0)  # (a [BLOCK_M] mask: the interpreter needs one)
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
-        # several: this split's unnormalised partial; part_acc [S, T, Hq, D], part_ml [S, T, Hq, 2] fp32,
-        # split-major so a step touches only the first splits' slabs (split_rows = T * Hq rows each)
-        partial = (n_row > 1) & (s < n_row)
-        prow = prow0 + s * split_rows
-        tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
-        tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
-        tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
+            if ((n0 + BLOCK_N) % KV_SPLIT == 0) | (n0 + BLOCK_N >= end):
+                _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, n0 // KV_SPLIT, rows, head, d, dmask,
+                             rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
+    else:
+        # each split from scratch, as if it had a program of its own (the grid does not change a bit)
+        for s in range(first, n_tile, split_programs):
+            split_start = s * KV_SPLIT
+            kv_end = tl.minimum(split_start + KV_SPLIT, last_pos + 1)
+            m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for n0 in range(split_start, kv_end, BLOCK_N):
+                kpos = n0 + tl.arange(0, BLOCK_N)
+                kmask = kpos < kv_end  # past it: zeros, never unwritten slots
+                k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+                scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+                scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+                m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
+            _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, head, d, dmask,
+                         rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
+
+
+@triton.jit
+def _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, head, d, dmask, rmask, n_row, prow0,
+                 split_rows, stride_ot, stride_oh, HEAD_DIM: tl.constexpr):
+    """Split s's results for the tile's rows: the final answer of a row with one split (or none:
+    l_i == 0 only for seq_len-0 rows -> zeros); the unnormalised partial of a row with several."""
+    direct = rmask & (n_row <= 1) & ((n_row * 0 + s) == 0)  # (a [BLOCK_M] mask: the interpreter needs one)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=direct[:, None] & dmask[None, :])
+    # part_acc [S, T, Hq, D], part_ml [S, T, Hq, 2] fp32, split-major so a step touches only the first
+    # splits' slabs (split_rows = T * Hq rows each)
+    partial = (n_row > 1) & (s < n_row)
+    prow = prow0 + s * split_rows
+    tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
+    tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
+    tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
 
 
 @triton.jit(do_not_specialize=["num_splits", "n_tiles", "split_rows"])
@@ -279,7 +314,7 @@ def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
-    split_programs: int | None = None,
+    split_programs: int | None = None, flat: bool | None = None, split_stages: int = 2,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -297,7 +332,10 @@ def paged_attention_invariant(
     MMA row sums (``_softmax_step``) for every step, which is what makes the tile height free,
     and gives other bits than None does, so it too is fixed for a run. ``split_programs``:
     programs per (query tile, KV head), each taking every P-th split (None: from the grid's
-    size; it never changes a bit). ``pdl``: see ``_util.use_pdl``."""
+    size; it never changes a bit). ``flat``: where a program takes all its tile's splits (P = 1),
+    walk them as one loop over key tiles (None: whenever P = 1; False: a loop per split; the same
+    arithmetic either way). ``split_stages``: the split kernel's software-pipeline depth (no bit
+    depends on it). ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
@@ -344,6 +382,8 @@ def paged_attention_invariant(
         # the block table's width (max_model_len), so one program a split would launch e.g. 512 x
         # 256 programs at 32k, nearly all exiting at once
         P = split_programs or min(S, max(1, cdiv(4 * sm_count_for(q), n_tiles * Hkv)))
+        if flat and P != 1:
+            raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -352,7 +392,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            num_warps=4 if bm <= 64 else 8, num_stages=2, **common,
+            FLAT=P == 1 if flat is None else flat, num_warps=4 if bm <= 64 else 8, num_stages=split_stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
