@@ -2,7 +2,9 @@
 97c30a6 notebook 09 measured the deterministic batch-1 step at 3.11 ms (1.40x the default mode); at
 2df709a this script found it was the SiLU·mul epilogue in gate_up under programmatic dependent launch
 (graph 3.07 ms, 2.73 with SiLU·mul in its own kernel), and the default mode's batch-8 step slower than
-the deterministic one (4.52 vs 3.21 ms of graph time). Each variant is an engine of its own at the
+the deterministic one (4.52 vs 3.21 ms of graph time). At 6bad32f: the GEMV at 2-8 rows was the cause
+(cuBLAS 2.73-2.80 ms at 2-8 rows) and PDL over 5-8 rows slows the det step; since then the default
+mode's GEMV serves one row and the det mode's PDL stops at 4 rows (variants *_8_rows: as before). Each variant is an engine of its own at the
 Qwen2.5-3B shape (random weights, bf16): the default mode, with the GEMV at one row only (cuBLAS above),
 with PDL at one row only; the deterministic mode as it ships (since 2df709a: no SiLU·mul epilogue on a
 PDL launch), with PDL up to 1 and 4 rows, without PDL, and the earlier switches (SiLU·mul always in its
@@ -30,10 +32,12 @@ from pageserve.lab.results import provenance
 VARIANTS = {
     "default": (False, {}),
     "default_gemv_1_row": (False, {"gemv_max_m": 1}),
+    "default_gemv_8_rows": (False, {"gemv_max_m": 8}),
     "default_pdl_1_row": (False, {"pdl_max_rows": 1}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),
+    "det_pdl_8_rows": (True, {"pdl_max_rows": 8}),
     "det_no_pdl": (True, {"pdl": False}),
     "det_silu_kernel": (True, {"silu_in_gate_up_max_rows": 0}),
     "det_generic_in_graphs": (True, {"matmul_specialize": False}),

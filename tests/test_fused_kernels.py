@@ -103,6 +103,19 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
     assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv  # on by default (measured, kernels/NOTES.md)
 
 
+def test_the_gemv_serves_one_row_and_cublas_two_or_more_by_default(monkeypatch, gen):
+    # H200, graphed 3B decode step: GEMV up to 8 rows 4.51 ms at batch 2, cuBLAS from 2 rows 2.73
+    # (results/h200/diagnostics/det_b1_switches_6bad32f.*); int8 weights keep their GEMV to 8 rows
+    calls = []
+    real = triton_ops.gemv
+    monkeypatch.setattr(triton_ops, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    ops, w = TritonOps(), torch.randn(24, 32, generator=gen).to(DEVICE)
+    for M in (1, 2, 8):
+        x = torch.randn(M, 32, generator=gen).to(DEVICE)
+        torch.testing.assert_close(ops.linear(x, w, None), TorchOps().linear(x, w, None))
+    assert ops.gemv_max_m == 1 and calls == [1]
+
+
 FUSED = {"silu_mul_gemv", "rotary_write_kv"}  # the kernels the two fusion switches turn on
 SWITCHES = {  # TritonOps keywords -> the fused kernels the decode step must run (the defaults: both on)
     "all_off": ({"fuse_silu_down": False, "fuse_rope_kv": False}, set()),
@@ -155,7 +168,8 @@ def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen, monkeypatc
         monkeypatch.setattr(triton_ops, kernel, lambda *a, _n=kernel, _f=real, **kw: called.add(_n) or _f(*a, **kw))
     for name, (switches, fused) in SWITCHES.items():
         called.clear()
-        for got, want in zip(run(TritonOps(**switches)), ref):
+        # the GEMV (and with it the fused MLP) up to the 2-row decode: by default it stops at 1 row
+        for got, want in zip(run(TritonOps(gemv_max_m=2, **switches)), ref):
             assert checks.rel_err(got, want) < 1e-5, name
         assert called & FUSED == fused, (name, called)
         if "silu_mul_gemv" not in fused:  # the 2-row decode's MLP: SiLU·mul kernel, then the GEMV

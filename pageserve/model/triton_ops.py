@@ -16,6 +16,10 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS
+
+# int8 weights: the GEMV (split-K over the int8 tiles) up to this many rows, as measured for issue 12
+# before the float GEMV's limit came down to one row (not re-measured for int8 since)
+INT8_GEMV_ROWS = 8
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -27,7 +31,10 @@ class TritonOps(TorchOps):
     """Same methods and signatures as ``TorchOps``; each runs a Triton kernel.
 
     ``gemv``: use the GEMV for ``linear`` when the batch has at most ``gemv_max_m`` rows
-    (larger batches, and ``gemv=False``, go to cuBLAS through torch).
+    (larger batches, and ``gemv=False``, go to cuBLAS through torch). One row by default: on the
+    H200 the graphed 3B decode step took 4.51 ms at batch 2 with the GEMV up to 8 rows against
+    2.73 with cuBLAS from 2 rows (2.16 at batch 1 either way; diagnostics/det_b1_switches_6bad32f.*).
+    Int8 weights keep their GEMV (and the fused SiLU·down) up to ``INT8_GEMV_ROWS`` (8) rows.
     ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
     few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
@@ -51,7 +58,7 @@ class TritonOps(TorchOps):
     launch overlaps the tail of the one before it (H200, batch-1 step 2.41 -> 2.20 ms).
     None = on where the GPU (sm_90+) and Triton support it; False = never.
 
-    Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``gemv_max_m`` rows the int8
+    Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``INT8_GEMV_ROWS`` rows the int8
     GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
     ``"triton"``: the int8 GEMM (reads int8 tiles, half the bytes); ``"dequant"``: dequantize the
     weight into a float buffer, then cuBLAS; ``"auto"``: the int8 GEMV (split-K, ``tl.dot`` on 32-64
@@ -66,7 +73,7 @@ class TritonOps(TorchOps):
     name = "triton"
     graph_safe = True  # no host syncs, grids from shapes: decode steps can be captured in CUDA graphs
 
-    def __init__(self, gemv: bool = True, gemv_max_m: int = 8, decode_num_splits: int | None = None,
+    def __init__(self, gemv: bool = True, gemv_max_m: int = 1, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
@@ -108,8 +115,9 @@ class TritonOps(TorchOps):
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
         return False if rows > self.pdl_max_rows else self.pdl
 
-    def _gemv_fits(self, x: torch.Tensor) -> bool:
-        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= self.gemv_max_m and x.stride(-1) == 1
+    def _gemv_fits(self, x: torch.Tensor, max_m: int | None = None) -> bool:
+        max_m = self.gemv_max_m if max_m is None else max_m
+        return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= max_m and x.stride(-1) == 1
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
@@ -119,7 +127,7 @@ class TritonOps(TorchOps):
         return torch.nn.functional.linear(x, weight, bias)
 
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._gemv_fits(x):
+        if self._gemv_fits(x, INT8_GEMV_ROWS):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
                              pdl=self.pdl_for(x.shape[0]))
         x = x if x.stride(-1) == 1 else x.contiguous()
@@ -133,7 +141,7 @@ class TritonOps(TorchOps):
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
-            if self.fuse_silu_down and self._gemv_fits(gate_up):
+            if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
                                           configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
             return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
