@@ -31,10 +31,11 @@ from pageserve.lab.results import provenance
 
 PREFILL_BLOCK_M = 128
 WALKS = {
-    "per_split": {"flat": False},
+    "per_split": {"flat": False, "split_stages": 2},
     "per_split_stages3": {"flat": False, "split_stages": 3},
-    "flat": {"flat": True},
+    "flat": {"flat": True, "split_stages": 2},
     "flat_stages3": {"flat": True, "split_stages": 3},
+    "as_shipped": {},  # the launch's own choice (paged_attention_invariant's defaults)
 }
 DECODE_PROGRAMS = (2, 3)  # split_programs tried on decode cases (loop per split)
 

@@ -314,7 +314,7 @@ def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
-    split_programs: int | None = None, flat: bool | None = None, split_stages: int = 2,
+    split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -333,9 +333,12 @@ def paged_attention_invariant(
     and gives other bits than None does, so it too is fixed for a run. ``split_programs``:
     programs per (query tile, KV head), each taking every P-th split (None: from the grid's
     size; it never changes a bit). ``flat``: where a program takes all its tile's splits (P = 1),
-    walk them as one loop over key tiles (None: whenever P = 1; False: a loop per split; the same
-    arithmetic either way). ``split_stages``: the split kernel's software-pipeline depth (no bit
-    depends on it). ``pdl``: see ``_util.use_pdl``."""
+    walk them as one loop over key tiles (None: for small tiles with P = 1; False: a loop per
+    split; the same arithmetic either way). ``split_stages``: the split kernel's software-pipeline
+    depth (None: 2 for small tiles, 3 for tall ones; no bit depends on it). Chosen on the H200, µs
+    a call at 32k max_model_len (diagnostics/det_attn_sweep_5ba6fc2.*): decode 512 x 640 flat 103.8
+    vs 120.3 a loop per split (at 256 rows level, 65.2 vs 64.2); 16 prompts of 512 (tall tiles) a loop
+    per split at 3 stages 182.0, at 2 200.2, flat at 3 188.0. ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
@@ -384,6 +387,8 @@ def paged_attention_invariant(
         P = split_programs or min(S, max(1, cdiv(4 * sm_count_for(q), n_tiles * Hkv)))
         if flat and P != 1:
             raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
+        walk_flat = (P == 1 and bm == small_m) if flat is None else flat
+        stages = split_stages or (2 if bm == small_m else 3)
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -392,7 +397,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=P == 1 if flat is None else flat, num_warps=4 if bm <= 64 else 8, num_stages=split_stages, **common,
+            FLAT=walk_flat, num_warps=4 if bm <= 64 else 8, num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
