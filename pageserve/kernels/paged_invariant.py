@@ -315,7 +315,6 @@ def paged_attention_invariant(
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
-    split_warps: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -339,10 +338,9 @@ def paged_attention_invariant(
     depth (None: 2 for small tiles, 3 for tall ones; no bit depends on it). Chosen on the H200, µs
     a call at 32k max_model_len (diagnostics/det_attn_sweep_5ba6fc2.*): decode 512 x 640 flat 103.8
     vs 120.3 a loop per split (at 256 rows level, 65.2 vs 64.2); 16 prompts of 512 (tall tiles) a loop
-    per split at 3 stages 182.0, at 2 200.2, flat at 3 188.0. ``split_warps``: the split kernel's
-    warps (None: 4 for tiles of up to 64 rows, else 8); on Hopper, where the row sums are MMAs, an
-    output element is the same chain of MMA steps whatever the warp layout (small and tall tiles,
-    4 and 8 warps, give the same bits), so it is a speed knob there. ``pdl``: see ``_util.use_pdl``."""
+    per split at 3 stages 182.0, at 2 200.2, flat at 3 188.0. (2 or 8 warps instead of 4 for small
+    tiles: no faster where it matters, det_attn_sweep_0960f7a; the knob left with that commit.)
+    ``pdl``: see ``_util.use_pdl``."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
@@ -401,7 +399,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, num_warps=split_warps or (4 if bm <= 64 else 8), num_stages=stages, **common,
+            FLAT=walk_flat, num_warps=4 if bm <= 64 else 8, num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
