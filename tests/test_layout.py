@@ -112,3 +112,23 @@ def test_the_import_reader_sees_relative_lazy_and_absolute_imports(tmp_path, mon
     got = imported_modules(fake / "model" / "x.py")
     assert {"pageserve.engine.llm", "pageserve.lab.bench", "pageserve.serve.api"} <= got
     assert {wing_of(m) for m in got} >= {"engine", "lab", "serve"}
+
+
+SCRIPTS = sorted((PKG.parent / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_every_gpu_script_parses_and_finds_the_pageserve_names_it_imports(script):
+    # most scripts run only on the H200, where a renamed function costs a device call to find out
+    import importlib
+    import importlib.util
+
+    tree = ast.parse(script.read_text(), filename=str(script))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pageserve":
+            mod = importlib.import_module(node.module)
+            is_package = hasattr(mod, "__path__")
+            for alias in node.names:
+                found = hasattr(mod, alias.name) or (
+                    is_package and importlib.util.find_spec(f"{node.module}.{alias.name}") is not None)
+                assert found, f"{script.name}: from {node.module} import {alias.name}"
