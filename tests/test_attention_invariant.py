@@ -173,12 +173,13 @@ def test_a_decode_tile_map_made_inside_a_capture_never_serves_an_eager_call():
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [torch.bfloat16])
 @pytest.mark.parametrize("tall", [None, TALL])
-def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tall):
+def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tall, dtype):
     # the grid's split programs (split_programs) follow the batch and max_model_len; the bits must not
+    # (fp16 too: a T4 has no bf16)
     gen = torch.Generator().manual_seed(11)
     Hq, Hkv, D, bs = _shape(8, 1)
-    dtype = torch.bfloat16
     for q_lens, ctx in (([1, 1, 1], [3 * KS + 5, KS - 3, 2 * KS]),  # a decode batch
                         ([1, 20, 37, 1], [KS + 1, 20, 2 * KS + 26, 45])):  # a mixed step
         q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen)
