@@ -16,7 +16,9 @@ tiles of ``Q_TOK = BLOCK_M // group`` query tokens; the step's tiles are listed 
 (``_tile_map``: (b, mb) per tile) and program (t, p*Hkv+h) takes tile t times the group of
 query heads sharing KV head h (row = token * group + head), and the keys of splits p, p + P,
 ... (P programs per tile and head, from the grid's size): split s covers absolute positions
-``[s * kv_split, (s + 1) * kv_split)``, each split computed from scratch. A decode is a chunk of one token; its tile is
+``[s * kv_split, (s + 1) * kv_split)``, each split computed from scratch (a program that takes all of
+a small tile's splits walks them as one loop over key tiles, resetting its state at each split's
+first tile: ``FLAT``, the same arithmetic). A decode is a chunk of one token; its tile is
 the same [BLOCK_M, BLOCK_N] shape with the rows past its group masked. A decode batch
 (max_query_len 1) has one tile per sequence and a constant map, and its split count comes from
 the block-table width, so its launch is fixed by shapes: CUDA-graph safe. Splits past a tile's
