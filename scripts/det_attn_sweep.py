@@ -10,6 +10,7 @@ cases, more programs per tile (``split_programs``) and the default mode's decode
 that every variant's output equals the loop per split's, bit for bit (none may change a bit).
 
     python scripts/det_attn_sweep.py --out DIR [--cases b512c640,b64c640,...] [--max-model-len 32768]
+        [--walks per_split,flat,...] [--kv-splits 128]
 
 Cases: ``b<batch>c<context>`` is a decode batch (block tables as wide as ``--max-model-len``, as in an
 engine), ``mixed<decodes>`` a step of that many decodes at context 640 plus 16 fresh 512-token prompts,
@@ -67,6 +68,10 @@ def main() -> None:
     ap.add_argument("--cases", default="b512c640,b256c640,b64c640,b64c2048,b1c640,b1c4096,mixed256,prefill16")
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--kv-splits", default="",
+                    help="other split sizes to time too (e.g. 128): other bits, so each is compared with its own "
+                         "loop per split, not with the default's")
+    ap.add_argument("--walks", default=",".join(WALKS), help="which of the walks to time")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("det_attn_sweep times CUDA graphs: it needs a GPU")
@@ -76,10 +81,13 @@ def main() -> None:
     for name in args.cases.split(","):
         pool, q, meta, is_decode = _case(name, args.max_model_len, args.page)
         kc, vc, sc = pool.k_cache, pool.v_cache, pool.scale
-        walks = dict(WALKS)
+        walks = {w: WALKS[w] for w in args.walks.split(",")}
         if is_decode:
             walks.update({f"programs{p}": {"split_programs": p, "flat": False} for p in DECODE_PROGRAMS})
-        row, base = {"us": {}, "bits_equal": {}}, None
+        for ks in (int(k) for k in args.kv_splits.split(",") if k):
+            walks.update({f"kv{ks}_{w}": {**kw, "kv_split": ks} for w, kw in list(walks.items())
+                          if "kv_split" not in kw})
+        row, bases = {"us": {}, "bits_equal": {}}, {}
         for walk, kw in walks.items():
             kw = dict(kw)
             if kw.get("flat"):
@@ -90,8 +98,7 @@ def main() -> None:
                 row["us"][walk] = None
                 row["bits_equal"][walk] = str(e)
                 continue
-            if base is None:
-                base = got.clone()
+            base = bases.setdefault(kw.get("kv_split"), got.clone())  # the first walk of each split size
             row["bits_equal"][walk] = bool(torch.equal(got, base))
             row["us"][walk] = _time_us(
                 lambda kw=kw: paged_attention_invariant(q, kc, vc, meta, sc, prefill_block_m=PREFILL_BLOCK_M, **kw))
