@@ -109,7 +109,7 @@ def main() -> None:
         print(name, {k: (round(v, 1) if v is not None else None) for k, v in row["us"].items()},
               "bits equal:", all(v is True for v in row["bits_equal"].values()), flush=True)
         out_path.write_text(json.dumps(rec, indent=1))
-        del pool, q, meta
+        pool = q = meta = None  # the next case builds its own (GPU memory)
         torch.cuda.empty_cache()
 
 
