@@ -4,12 +4,13 @@
 (graph 3.07 ms, 2.73 with SiLU·mul in its own kernel), and the default mode's batch-8 step slower than
 the deterministic one (4.52 vs 3.21 ms of graph time). At 6bad32f: the GEMV at 2-8 rows was the cause
 (cuBLAS 2.73-2.80 ms at 2-8 rows) and PDL over 5-8 rows slows the det step; since then the default
-mode's GEMV serves one row and the det mode's PDL stops at 4 rows (variants *_8_rows: as before). Each variant is an engine of its own at the
-Qwen2.5-3B shape (random weights, bf16): the default mode, with the GEMV at one row only (cuBLAS above),
-with PDL at one row only; the deterministic mode as it ships (since 2df709a: no SiLU·mul epilogue on a
-PDL launch), with PDL up to 1 and 4 rows, without PDL, and the earlier switches (SiLU·mul always in its
-own kernel, the generic matmul compile in the graphs). Per variant and batch: the step's wall time over
-consecutive ``engine.step()`` calls (what 09 reports) and its graph's GPU time alone (replays).
+mode's GEMV serves one row and the det mode's PDL stops at 4 rows (variants *_8_rows: as before).
+
+Each variant is an engine of its own at the Qwen2.5-3B shape (random weights, bf16): the default mode,
+with the GEMV at one or up to 8 rows, with PDL at one row only; the deterministic mode as it ships, with
+PDL up to 1, 4 or 8 rows, without PDL, and the earlier switches (SiLU·mul always in its own kernel, the
+generic matmul compile in the graphs). Per variant and batch: the step's wall time over consecutive
+``engine.step()`` calls (what 09 reports) and its graph's GPU time alone (replays).
 
     python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
 

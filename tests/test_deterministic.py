@@ -131,9 +131,9 @@ def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(12, 64, generator=gen).to(dev, torch.bfloat16)
     w = (torch.randn(2 * 32, 64, generator=gen) * 0.1).to(dev, torch.bfloat16)
+    one_row = DO.DeterministicOps(pdl_max_rows=1)
     for ops, rows, fused in [(DO.DeterministicOps(), 2, False), (DO.DeterministicOps(), 12, True),
-                             (DO.DeterministicOps(pdl=False), 2, True),
-                             (DO.DeterministicOps(pdl_max_rows=1), 2, True), (DO.DeterministicOps(pdl_max_rows=1), 1, False)]:
+                             (DO.DeterministicOps(pdl=False), 2, True), (one_row, 2, True), (one_row, 1, False)]:
         calls.clear()
         ops.gate_up_silu_mul(x[:rows], w)
         assert calls[0] is fused, (ops.pdl, ops.pdl_max_rows, rows)

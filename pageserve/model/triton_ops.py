@@ -16,13 +16,13 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS
+from .attention import AttentionMetadata
+from .ops import TorchOps
+from .quant import QuantizedWeight
 
 # int8 weights: the GEMV (split-K over the int8 tiles) up to this many rows, as measured for issue 12
 # before the float GEMV's limit came down to one row (not re-measured for int8 since)
 INT8_GEMV_ROWS = 8
-from .attention import AttentionMetadata
-from .ops import TorchOps
-from .quant import QuantizedWeight
 
 INT8_GEMM_MODES = ("auto", "triton", "dequant")
 
@@ -123,7 +123,8 @@ class TritonOps(TorchOps):
         if isinstance(weight, QuantizedWeight):
             return self._linear_int8(x, weight, bias)
         if self._gemv_fits(x):
-            return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs, pdl=self.pdl_for(x.shape[0]))
+            return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs,
+                        pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
