@@ -49,20 +49,6 @@ def test_int8_gemv_is_right_at_every_decode_batch_size_one_to_eight(dtype, gen):
     _ok(checks.check_silu_mul_gemv_int8(8, 33, 70, dtype, DEVICE, gen, split_k="never"), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", [GemvConfig(64, 32, 1, swap_ab=True), GemvConfig(16, 32, 3, swap_ab=True)],
-                         ids=["mma", "mma-split3"])
-def test_int8_gemv_at_one_row_on_the_tensor_cores_matches_the_reference(config, dtype, gen):
-    # swap_ab at M = 1: x padded to 16 rows for the MMA, the weight tile its A side (the sweep's
-    # m1_int8_mma_candidates); N, K not tile multiples, the fused SiLU·down and the float GEMV too
-    from pageserve.lab.quant_eval import m1_int8_mma_candidates
-
-    _ok(checks.check_gemv_int8(1, 77, 100, dtype, DEVICE, gen, bias=True, config=config), dtype)
-    _ok(checks.check_silu_mul_gemv_int8(1, 77, 100, dtype, DEVICE, gen, config=config), dtype)
-    _ok(checks.check_gemv(1, 77, 100, dtype, DEVICE, gen, bias=True, config=config), dtype)
-    assert all(c.swap_ab and c.block_n >= 16 for c in m1_int8_mma_candidates(2048, 11008, 132))
-
-
 @pytest.mark.parametrize("config", [GemvConfig(2, 16, 1, defer_reduce=True), GemvConfig(4, 16, 1),
                                     GemvConfig(2, 16, 2, defer_reduce=True)], ids=["defer", "sum", "split"])
 @pytest.mark.parametrize("magic", [True, False], ids=["magic", "cvt"])
@@ -97,8 +83,6 @@ def test_int8_tensor_core_paths_convert_every_byte_value_exactly(dtype, magic):
     assert torch.equal(got.float().cpu(), want)
     got = gemm_int8(*args, config=Int8GemmConfig(16, 16, 16), magic=magic)
     assert torch.equal(got.float().cpu(), want)
-    got = gemv_int8(args[0][:1], *args[1:], config=GemvConfig(16, 16, 1, swap_ab=True), magic=magic)  # M = 1, MMA
-    assert torch.equal(got.float().cpu(), want[:1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

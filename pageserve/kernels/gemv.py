@@ -53,10 +53,9 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3
     defer_reduce: bool = False  # M = 1: accumulate [BLOCK_N, BLOCK_K], reduce once after the K loop
-    # on tl.dot: out^T = w @ x^T, the weight tile as the MMA's A (M) side and the batch as its
+    # M > 1 on tl.dot: out^T = w @ x^T, the weight tile as the MMA's A (M) side and the batch as its
     # N side: the converted int8 tile can feed the MMA from registers, and a 64-row MMA is filled
-    # by weight rows instead of padded batch rows (BLOCK_N >= 64 then). At M = 1 it also moves the
-    # product from the CUDA cores onto the tensor cores (x padded to 16 rows; BLOCK_N >= 16)
+    # by weight rows instead of padded batch rows (BLOCK_N >= 64 then)
     swap_ab: bool = False
 
 
@@ -372,11 +371,8 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         return out
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
-    # M = 1 runs on the CUDA cores unless the config asks for the transposed MMA (swap_ab): the weight
-    # tile as the MMA's A side, x padded to 16 rows (its tensor-core work is cheap; at M = 1 it spares
-    # the int8 tile's per-weight fp32 FMA and, from registers, any shared-memory round trip)
-    use_dot = (M > 1 or cfg.swap_ab) and cfg.block_n >= 16
-    block_m = max(16, next_pow2(M)) if use_dot else next_pow2(M)
+    use_dot = M > 1 and cfg.block_n >= 16
+    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     anything = weight if scale is None else scale  # unused pointers point at something valid
     launch = pdl_args(x, M, pdl)
@@ -385,9 +381,9 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, QUANT=scale is not None,
         MAGIC=magic and scale is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and block_m == 1,
+        USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if block_m == 1 else 0,
+        W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if M == 1 else 0,
         SWAP_AB=cfg.swap_ab and use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )

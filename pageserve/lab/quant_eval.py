@@ -192,27 +192,11 @@ def int8_linear_bench(shapes: dict[str, tuple[int, int]], Ms: list[int], dtype=t
     return r
 
 
-def m1_int8_mma_candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
-    """M = 1 on the tensor cores (``GemvConfig.swap_ab``: the converted int8 tile as the MMA's A side,
-    x padded to 16 rows): 64/128 weight rows x 128/256 int8 columns a tile, 4 warps, 3/4 stages, K
-    split until the grid covers the SMs ~4x. At ca551bec the CUDA-core GEMV spent ~6.4 instructions a
-    weight (NOTES.md), the fp32 FMA among them; here the MMA does the multiply-adds."""
-    out = []
-    for block_n in (64, 128):
-        rows = -(-N // block_n)
-        for block_k in (128, 256):
-            split = max(1, min(-(-4 * sms // rows), K // (2 * block_k)))
-            for stages in (3, 4):
-                out.append(GemvConfig(block_n, block_k, split, 4, stages, swap_ab=True))
-    return out
-
-
 def m1_int8_candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
-    """The int8 M = 1 sweep space: first the tensor-core tiles (``m1_int8_mma_candidates``, new
-    since the last record, so tried before the time budget runs out), then 1-8 rows x 512-4096 int8
-    columns a tile on the CUDA cores (the deferred reduction where the accumulator stays <= 32
-    registers a thread), 2/4/8 warps, split-K where rows give fewer than 4 programs per SM."""
-    out = m1_int8_mma_candidates(N, K, sms)
+    """The int8 M = 1 sweep space: 1-8 rows x 512-4096 int8 columns a tile (the deferred reduction
+    where the accumulator stays <= 32 registers a thread), 2/4/8 warps, split-K where rows give
+    fewer than 4 programs per SM."""
+    out = []
     for block_n in (1, 2, 4, 8):
         for block_k in (512, 1024, 2048, 4096):
             if block_k > 2 * max(512, K):
@@ -229,9 +213,8 @@ def m1_int8_candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
 def m1_int8_silu_candidates(N: int, K: int, sms: int) -> list[GemvConfig]:
     """The fused SiLU·mul + down sweep space at M = 1: 4-32 rows a tile (each program applies SiLU to
     its K slice of gate|up, so thin tiles repeat it: 1-2 rows measured ~0.5 ms a 3B step slower),
-    256-1024 columns, 2/4/8 warps, K split to ~4 programs per SM or none; the tensor-core tiles first
-    (``m1_int8_mma_candidates``: 64-128 rows, so SiLU is applied once per 64+ weight rows)."""
-    out = m1_int8_mma_candidates(N, K, sms)
+    256-1024 columns, 2/4/8 warps, K split to ~4 programs per SM or none."""
+    out = []
     for block_n in (4, 8, 16, 32):
         for block_k in (256, 512, 1024):
             if block_n * block_k > 16384:
