@@ -369,7 +369,8 @@ def paged_attention_invariant(
     # fp32 even when unused (S == 1), so every call runs the one compiled kernel
     # split-major: a decode batch's S follows max_model_len (128 at 32k) while its rows use ~3 splits;
     # [T, Hq, S, D] put each row's few partials 64 KB from the next row's (at 32k), [S, T, Hq, D]
-    # keeps a step's partials in the first S' slabs (which layout is faster: not yet timed on a GPU)
+    # keeps a step's partials in the first S' slabs (H200, W1 at 32k: the det decode step 11.53 -> 10.89 ms
+    # with it, diagnostics/w1_profile_modes_97c30a6.* vs _2df709a.*)
     part_acc = torch.empty((S, T, Hq, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((S, T, Hq, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
     launch = pdl_args(q, T, pdl)
