@@ -25,6 +25,12 @@ stages=${*:-tests:80 04:190 02:170 01:95}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
+# pytest-xdist, when carried in .wheels (`pip download --no-deps -d .wheels pytest-xdist execnet`): the
+# GPU test stages compile their Triton kernels in 4 processes (16 cores) instead of one; a cold
+# cache made dettests > 230 s in one process (0ea6d46). Without it the stages run as before.
+XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-4}"
+echo "pytest workers: ${XDIST:-one process}"
+
 run_nb() {  # run_nb <seconds> <name> [papermill -p args...]
   local limit=$1 name=$2; shift 2
   local t0=$(date +%s)
@@ -36,7 +42,7 @@ Q3B="-p MODEL qwen2.5-3b -p DEVICE cuda"
 for st in $stages; do
   s=${st%%:*}; t=${st##*:}
   case $s in
-    tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
+    tests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
              tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py > "$RES/gpu_tests.log" 2>&1
            echo "tests rc=$? ($(grep -cE "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu_tests.log") named results in gpu_tests.log/.xml)"; tail -n 15 "$RES/gpu_tests.log" ;;
     skinny) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES/diagnostics" --parts gemv,gemv_int8 --skip-checks \
@@ -133,7 +139,7 @@ for st in $stages; do
     w1defaults) timeout "$t" python3 scripts/w1_defaults.py --out "$RES/diagnostics" ${W1_DEFAULTS_ARGS:-} > "$RES/w1_defaults.log" 2>&1
                 echo "w1defaults rc=$?"; tail -n 8 "$RES/w1_defaults.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
-    dettests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider --junitxml "$RES/gpu_det_tests.xml" \
+    dettests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_det_tests.xml" \
              tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s \
              > "$RES/gpu_det_tests.log" 2>&1
            echo "dettests rc=$?"; tail -n 25 "$RES/gpu_det_tests.log" ;;
