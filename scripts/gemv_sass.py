@@ -39,15 +39,17 @@ CASES = [("bf16 2x1024", False, 2, 1024, 4), ("int8 2x1024", True, 2, 1024, 4), 
 
 
 def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: bool = True, block_m: int = 1,
-                 swap_ab: bool = False, stages: int = 3) -> str:
+                 swap_ab: bool = False, stages: int = 3, magic: str = "ptx") -> str:
     """SASS of ``_gemv_kernel`` for sm_90: M = 1 (the CUDA-core GEMV) or ``block_m`` > 1 (its tl.dot
-    tiles, split-K on, ``swap_ab`` as ``GemvConfig.swap_ab``)."""
+    tiles, split-K on, ``swap_ab`` as ``GemvConfig.swap_ab``); ``magic``: the int8 conversion
+    (``gemv.MAGIC_MODES``)."""
     k = gemv_mod._gemv_kernel
     sig = {n: "i32" for n in ARGS}
     sig.update(x_ptr="*bf16", w_ptr="*i8" if quant else "*bf16", scale_ptr="*bf16", bias_ptr="*bf16",
                out_ptr="*bf16", part_ptr="*fp32")
     dot = block_m > 1
-    const = dict(HAS_BIAS=False, SPLIT=dot, SILU_MUL=False, QUANT=quant, MAGIC=quant, BLOCK_M=block_m,
+    const = dict(HAS_BIAS=False, SPLIT=dot, SILU_MUL=False, QUANT=quant, MAGIC=gemv_mod.MAGIC_MODES[magic] if quant else 0,
+                 BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, DEFER_REDUCE=not dot, PREC="ieee", UPCAST=False,
                  USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab)
     sig.update({n: "constexpr" for n in const})
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a K loop has a barrier or shared-memory access")
     ap.add_argument("--old", action="store_true", help="also show the int8 tiles in their own vector width (match_x=False)")
+    ap.add_argument("--magic", default="ptx,ops", help="int8 conversions to compile, of gemv.MAGIC_MODES (default ptx,ops)")
     ap.add_argument("--dot", action="store_true",
                     help="also the tl.dot tiles at M = 64 (64 x 128 x 64, 4 warps, 4 stages), plain and swap_ab")
     args = ap.parse_args(argv)
@@ -91,17 +94,26 @@ def main(argv: list[str] | None = None) -> int:
         print("unset TRITON_INTERPRET: this compiles for sm_90", file=sys.stderr)
         return 2
     bad = []
+    magics = [m for m in args.magic.split(",") if m]
+    counts: dict[tuple[str, str], int] = {}
     for label, quant, bn, bk, warps in CASES:
-        for match_x in (True, False) if (args.old and quant) else (True,):
-            loop = k_loop(compile_sass(quant, bn, bk, warps, match_x))
-            ops = collections.Counter(o.split(".")[0] for o in loop)
-            weights = bn * bk / (32 * warps)  # a thread's weights per loop trip
-            tag = label + ("" if match_x else " (own vector width)")
-            print(f"{tag}: {len(loop)} instructions a loop trip for {weights:.0f} weights a thread; "
-                  f"BAR {ops['BAR']}, STS {ops['STS']}, LDS {ops['LDS']}, LDG {ops['LDG']}; "
-                  f"{dict(ops.most_common(6))}")
-            if match_x and (not loop or ops["BAR"] or ops["STS"] or ops["LDS"]):
-                bad.append(tag)
+        for magic in magics if quant else ["-"]:
+            for match_x in (True, False) if (args.old and quant) else (True,):
+                loop = k_loop(compile_sass(quant, bn, bk, warps, match_x, magic=magic if quant else "cvt"))
+                ops = collections.Counter(o.split(".")[0] for o in loop)
+                weights = bn * bk / (32 * warps)  # a thread's weights per loop trip
+                tag = label + ("" if not quant else f" [{magic}]") + ("" if match_x else " (own vector width)")
+                print(f"{tag}: {len(loop)} instructions a loop trip for {weights:.0f} weights a thread "
+                      f"({len(loop) / weights:.2f} a weight); BAR {ops['BAR']}, STS {ops['STS']}, LDS {ops['LDS']}, "
+                      f"LDG {ops['LDG']}; {dict(ops.most_common(6))}")
+                if match_x and (not loop or ops["BAR"] or ops["STS"] or ops["LDS"]):
+                    bad.append(tag)
+                if match_x:
+                    counts[(label, magic)] = len(loop)
+    # the PTX conversion must stay cheaper than the same arithmetic in Triton ops (1.25 vs 2.25 a weight)
+    for label, *_ in CASES:
+        if (label, "ptx") in counts and (label, "ops") in counts and counts[(label, "ptx")] >= counts[(label, "ops")]:
+            bad.append(f"{label}: ptx {counts[(label, 'ptx')]} >= ops {counts[(label, 'ops')]} instructions")
     if args.dot:
         for quant in (False, True):
             for swap in (False, True):
@@ -111,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"a loop trip; BAR {ops['BAR']}, STS {ops['STS']}, LDS {ops['LDS']}, LDGSTS {ops['LDGSTS']}, "
                       f"HGMMA {ops['HGMMA']}, F2FP {ops['F2FP']}")
     if args.check and bad:
-        print("shared memory or barriers in the K loop (or no loop found): " + ", ".join(bad), file=sys.stderr)
+        print("shared memory or barriers in the K loop, no loop found, or PTX no cheaper: " + ", ".join(bad),
+              file=sys.stderr)
         return 1
     return 0
 

@@ -51,11 +51,12 @@ def test_int8_gemv_is_right_at_every_decode_batch_size_one_to_eight(dtype, gen):
 
 @pytest.mark.parametrize("config", [GemvConfig(2, 16, 1, defer_reduce=True), GemvConfig(4, 16, 1),
                                     GemvConfig(2, 16, 2, defer_reduce=True)], ids=["defer", "sum", "split"])
-@pytest.mark.parametrize("magic", [True, False], ids=["magic", "cvt"])
+@pytest.mark.parametrize("magic", [True, "ops", False], ids=["magic", "ops", "cvt"])
 def test_int8_gemv_converts_every_byte_value_exactly(config, magic):
     # row n of the weight holds q = n - 128 (all 256 int8 values) at column 3, zeros elsewhere; x
     # picks column 3 with weight 1 and the scale is 1, so out[0, n] must be n - 128 exactly: the
-    # exponent trick (magic) and the plain conversion on the CUDA-core paths alike
+    # exponent trick (magic: in PTX where compiled, ops: in Triton ops) and the plain conversion on
+    # the CUDA-core paths alike
     from pageserve.kernels.gemv_int8 import gemv_int8
 
     q = torch.zeros(256, 37, dtype=torch.int8)
@@ -66,8 +67,21 @@ def test_int8_gemv_converts_every_byte_value_exactly(config, magic):
     assert torch.equal(out.cpu()[0], torch.arange(-128, 128, dtype=torch.float32))
 
 
+def test_int8_conversion_modes_are_validated():
+    from pageserve.kernels._util import interpreting
+    from pageserve.kernels.gemv import magic_code
+
+    assert magic_code(False) == magic_code("cvt") == 0 and magic_code("ops") == 1
+    assert magic_code(True) == (1 if interpreting() else 2)  # PTX wherever kernels are compiled
+    with pytest.raises(ValueError, match="magic"):
+        magic_code("fast")
+    if interpreting():
+        with pytest.raises(ValueError, match="interpreter"):
+            magic_code("ptx")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("magic", [True, False], ids=["magic", "cvt"])
+@pytest.mark.parametrize("magic", [True, "ops", False], ids=["magic", "ops", "cvt"])
 def test_int8_tensor_core_paths_convert_every_byte_value_exactly(dtype, magic):
     # as above on the tl.dot paths (the GEMV's 16-column tiles at M = 2, the GEMM): fp16 has its
     # own exponent trick, bf16 goes through fp32's; every value -128..127 exactly representable

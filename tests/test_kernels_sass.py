@@ -1,5 +1,6 @@
 """The M = 1 GEMV's K loop, compiled for sm_90 on this machine (no GPU needed): no shared-memory
-shuffle and no barrier in it, int8 weights included (scripts/gemv_sass.py says why it matters)."""
+shuffle and no barrier in it, int8 weights included (scripts/gemv_sass.py says why it matters), and
+the int8 conversion in PTX costs fewer instructions than the same arithmetic in Triton ops."""
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ def test_gemv_k_loop_has_no_barrier_or_shared_memory_for_bf16_and_int8_weights()
                        text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = [ln for ln in p.stdout.splitlines() if "instructions a loop trip" in ln]
-    assert len(lines) == 5 and all("BAR 0, STS 0, LDS 0" in ln for ln in lines), p.stdout
+    # bf16 once, each int8 case with the PTX and the Triton-ops conversion (--check: PTX has fewer)
+    assert len(lines) == 9 and all("BAR 0, STS 0, LDS 0" in ln for ln in lines), p.stdout
 
 
 def test_int8_gemv_reads_the_same_values_in_either_vector_width():

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, mma, next_pow2,
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, interpreting, mma, next_pow2,
                     pdl_args, pdl_enter, sm_count_for)
 
 linear_reference = reference.linear
@@ -153,14 +153,41 @@ def _int8_to(w, like, UPCAST: tl.constexpr, MAGIC: tl.constexpr):
 
 
 @triton.jit
+def _int8x4_to_f32_ptx(w):
+    """``_int8_to_f32``'s exponent trick in PTX, four weights at a time: one XOR flips the four
+    bytes of a 32-bit word to q + 128, and a byte permute (PRMT) per weight places its byte under
+    0x4B000000's exponent, giving the float 2^23 + q + 128 (bits returned as uint32). Per weight
+    that is 1.25 instructions where the compiler's version of the same arithmetic emits a PRMT to
+    extract the byte and a LOP3 to flip and OR it (2.25): scripts/gemv_sass.py counts both.
+    Compiled code only (the CPU interpreter runs no PTX)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 t;
+        xor.b32 t, $4, 0x80808080;
+        prmt.b32 $0, t, 0x4B000000, 0x7540;
+        prmt.b32 $1, t, 0x4B000000, 0x7541;
+        prmt.b32 $2, t, 0x4B000000, 0x7542;
+        prmt.b32 $3, t, 0x4B000000, 0x7543;
+        }""",
+        constraints="=r,=r,=r,=r,r",
+        args=[w],
+        dtype=tl.uint32,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def _int8_to_f32(w, MAGIC: tl.constexpr):
-    """An int8 tile as exact fp32 values. MAGIC: without the int-to-float conversion (I2F), whose
-    rate is a fraction of the FMA's (16 a clock per SM on recent GPUs, as we read NVIDIA's
-    throughput table; to be confirmed by 06b's A/B): the byte b = q mod 256, flipped to q + 128
-    and ORed under the exponent of 2^23, is the float 2^23 + q + 128 exactly; one subtraction
-    leaves q. A logic op and an FADD a weight instead of an I2F, for a GEMV that must turn ~4.4 G
-    weights a ms into floats to stream int8 at the read bandwidth. Otherwise the plain conversion."""
-    if MAGIC:
+    """An int8 tile as exact fp32 values. MAGIC 0: the int-to-float conversion (I2F), whose rate
+    is a fraction of the FMA's (16 a clock per SM on recent GPUs, as we read NVIDIA's throughput
+    table). MAGIC 1: the byte b = q mod 256, flipped to q + 128 and ORed under the exponent of
+    2^23, is the float 2^23 + q + 128 exactly; one subtraction leaves q: a logic op and an FADD a
+    weight instead of an I2F, for a GEMV that must turn ~4.4 G weights a ms into floats to stream
+    int8 at the read bandwidth. MAGIC 2: the same floats built by ``_int8x4_to_f32_ptx`` (GPU only)."""
+    if MAGIC == 2:
+        return _int8x4_to_f32_ptx(w).to(tl.float32, bitcast=True) - 8388736.0
+    if MAGIC == 1:
         b = w.to(tl.uint8, bitcast=True).to(tl.uint32)
         return ((b ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
     return w.to(tl.float32)
@@ -359,12 +386,31 @@ def weight_vector(x_elem_size: int, quant: bool, match_x: bool = True) -> int:
     return 16 // x_elem_size if quant and match_x else 0
 
 
+MAGIC_MODES = {"cvt": 0, "ops": 1, "ptx": 2}
+
+
+def magic_code(magic: bool | str) -> int:
+    """The kernels' MAGIC for an int8 to fp32 conversion mode (``_int8_to_f32``): "cvt" (or
+    False) the conversion unit, "ops" the exponent trick in Triton ops, "ptx" the same values by
+    ``_int8x4_to_f32_ptx`` (compiled code only); True, the default: "ptx", or "ops" on the CPU
+    interpreter, which runs no PTX."""
+    if magic is True:
+        magic = "ops" if interpreting() else "ptx"
+    elif magic is False:
+        magic = "cvt"
+    if magic not in MAGIC_MODES:
+        raise ValueError(f"magic must be True, False or one of {sorted(MAGIC_MODES)}, got {magic!r}")
+    if magic == "ptx" and interpreting():
+        raise ValueError("magic='ptx' needs compiled kernels (the CPU interpreter runs no PTX)")
+    return MAGIC_MODES[magic]
+
+
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                 out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
-                magic: bool = True, match_x: bool = True) -> torch.Tensor:
+                magic: bool | str = True, match_x: bool = True) -> torch.Tensor:
     """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
     (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``; ``magic``: its int8 to
-    fp32 conversion by ``_int8_to_f32``'s exponent trick, else the plain conversion; ``match_x``:
+    fp32 conversion, ``magic_code``; ``match_x``:
     int8 read in x's vector width at M = 1, ``weight_vector``)."""
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
@@ -380,7 +426,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         x, weight, anything if scale is None else scale, bias if bias is not None else anything, out, part,
         M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, QUANT=scale is not None,
-        MAGIC=magic and scale is not None, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        MAGIC=magic_code(magic) if scale is not None else 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if M == 1 else 0,

@@ -43,7 +43,7 @@ import triton.language as tl
 from . import reference
 from ._util import (KERNEL_DTYPES, cdiv, check, check_device, dot_precision, dot_upcast, grouped_tile, mma, next_pow2,
                     pdl_args, pdl_enter, sm_count_for)
-from .gemv import SPLIT_K_MODES, GemvConfig, _int8_to, device_config_path, launch_gemv, reduce_splits
+from .gemv import SPLIT_K_MODES, GemvConfig, _int8_to, device_config_path, launch_gemv, magic_code, reduce_splits
 
 linear_int8_reference = reference.linear_int8
 silu_mul_linear_int8_reference = reference.silu_mul_linear_int8
@@ -203,12 +203,13 @@ def _launch_gemv(x, qweight, scale, bias, out, config, split_k, configs, pdl, si
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
-              configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool = True,
+              configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool | str = True,
               match_x: bool = True) -> torch.Tensor:
     """x: [M, K] (M small), qweight: [N, K] int8, scale: [N] and bias: [N] or None in x's dtype -> [M, N].
     ``config`` / ``configs`` / ``split_k`` / ``pdl`` as ``gemv.gemv`` (configs keyed by ``int8_config_key``).
     ``magic``: int8 to fp32 on the CUDA cores by an exponent trick instead of the conversion unit
-    (``gemv._int8_to_f32``; the same values exactly); False: the plain conversion, for comparison.
+    (``gemv._int8_to_f32``; the same values exactly): True (in PTX where compiled), "ops" (in
+    Triton ops), False (the plain conversion): ``gemv.magic_code``.
     ``match_x``: at M = 1 the int8 tile is read in x's vector width (``gemv.weight_vector``);
     False: in its own 16-byte vectors, for comparison."""
     M, N, K = _check_linear_int8(x, qweight, scale, bias)
@@ -220,7 +221,7 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
 
 def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                        config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
-                       configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool = True,
+                       configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool | str = True,
                        match_x: bool = True) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), qweight: [N, I] int8, scale: [N] ->
     (SiLU(gate) * up) @ (q * scale)^T: [M, N], in one pass (plus the reduce when split); ``magic`` and
@@ -296,7 +297,7 @@ def gemm_int8_config(M: int, N: int, K: int, configs: Int8Configs | None = None,
 
 def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               config: Int8GemmConfig | None = None, out: torch.Tensor | None = None,
-              configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool = True) -> torch.Tensor:
+              configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool | str = True) -> torch.Tensor:
     """x: [M, K] (any M), qweight: [N, K] int8, scale / bias: [N] in x's dtype -> [M, N]; int8
     tiles dequantized in registers, fp32 accumulation, scale and bias in the epilogue. ``magic``
     as ``gemv_int8`` (the tile's conversion without the int-to-float unit)."""
@@ -314,7 +315,7 @@ def gemm_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
         x, qweight, scale, b, out, part, M, N, K, k_per_split, x.stride(0), qweight.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, SPLIT=splits > 1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, MAGIC=magic, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, MAGIC=magic_code(magic), **launch,
     )
     if splits > 1:
         reduce_splits(part, scale, bias, out, launch)

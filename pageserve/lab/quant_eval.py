@@ -109,9 +109,8 @@ def int8_gemv_bench(shapes: dict[str, tuple[int, int]], num_layers: int, M: int 
     layer stack (``num_layers`` x the four shapes): ``int8_gemv_stack_ms``, ``bf16_gemv_stack_ms``,
     ``int8_gemv_stack_gbps``; and the int8 GEMV with the plain int8 -> fp32 conversion instead of
     the exponent trick (``magic=False``): ``int8_gemv_<shape>_m<M>_cvt_us``, ``int8_gemv_stack_m<M>_cvt_ms``;
-    and with the int8 tile read in its own 16-byte vectors rather than x's (``match_x=False``, the
-    layout that cost a shared-memory shuffle a K-loop trip until session 7): ``..._wide_us``,
-    ``int8_gemv_stack_m<M>_wide_ms``."""
+    and with the exponent trick in Triton ops instead of PTX (``magic="ops"``, the default until
+    session 13): ``..._ops_us``, ``int8_gemv_stack_m<M>_ops_ms``."""
     from .kernel_bench.timing import gbps, graph_ms
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -125,7 +124,7 @@ def int8_gemv_bench(shapes: dict[str, tuple[int, int]], num_layers: int, M: int 
         t_q = graph_ms(lambda i: gemv_int8(x, *qs[i % len(qs)], out=out, configs=configs), max(8, len(qs)))
         t_c = graph_ms(lambda i: gemv_int8(x, *qs[i % len(qs)], out=out, configs=configs, magic=False),
                        max(8, len(qs)))
-        t_w = graph_ms(lambda i: gemv_int8(x, *qs[i % len(qs)], out=out, configs=configs, match_x=False),
+        t_w = graph_ms(lambda i: gemv_int8(x, *qs[i % len(qs)], out=out, configs=configs, magic="ops"),
                        max(8, len(qs)))
         del qs
         ws = _float_copies(N, K, dtype, g, min_bytes)
@@ -135,7 +134,7 @@ def int8_gemv_bench(shapes: dict[str, tuple[int, int]], num_layers: int, M: int 
         fbytes = (N * K + M * K + M * N) * es
         r[f"int8_gemv_{name}_m{M}_us"], r[f"int8_gemv_{name}_m{M}_gbps"] = 1e3 * t_q, gbps(qbytes, t_q)
         r[f"int8_gemv_{name}_m{M}_cvt_us"] = 1e3 * t_c
-        r[f"int8_gemv_{name}_m{M}_wide_us"] = 1e3 * t_w
+        r[f"int8_gemv_{name}_m{M}_ops_us"] = 1e3 * t_w
         r[f"bf16_gemv_{name}_m{M}_us"], r[f"bf16_gemv_{name}_m{M}_gbps"] = 1e3 * t_f, gbps(fbytes, t_f)
         r[f"int8_gemv_{name}_m{M}_config"] = repr(gemv_int8_config(M, N, K, _sms(), configs=configs))
         stack_q, stack_f, stack_c, stack_bytes = stack_q + t_q, stack_f + t_f, stack_c + t_c, stack_bytes + qbytes
@@ -144,7 +143,7 @@ def int8_gemv_bench(shapes: dict[str, tuple[int, int]], num_layers: int, M: int 
     r[f"bf16_gemv_stack_m{M}_ms"] = num_layers * stack_f
     r[f"int8_gemv_stack_m{M}_gbps"] = gbps(stack_bytes, stack_q)
     r[f"int8_gemv_stack_m{M}_cvt_ms"] = num_layers * stack_c
-    r[f"int8_gemv_stack_m{M}_wide_ms"] = num_layers * stack_w
+    r[f"int8_gemv_stack_m{M}_ops_ms"] = num_layers * stack_w
     return r
 
 
