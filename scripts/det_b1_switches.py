@@ -9,7 +9,8 @@ mode's GEMV serves one row and the det mode's PDL stops at 4 rows (variants *_8_
 Each variant is an engine of its own at the Qwen2.5-3B shape (random weights, bf16): the default mode,
 with the GEMV at one or up to 8 rows, with PDL at one row only; the deterministic mode as it ships, with
 PDL up to 1, 4 or 8 rows, without PDL, and the earlier switches (SiLU·mul always in its own kernel, the
-generic matmul compile in the graphs). Per variant and batch: the step's wall time over consecutive
+generic matmul compile in the graphs); and (session 13) the default mode and int8 weights with the
+split GEMVs' reduce kernel instead of the sum in their last program. Per variant and batch: the step's wall time over consecutive
 ``engine.step()`` calls (what 09 reports) and its graph's GPU time alone (replays).
 
     python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
@@ -43,6 +44,10 @@ VARIANTS = {
     "det_silu_kernel": (True, {"silu_in_gate_up_max_rows": 0}),
     "det_generic_in_graphs": (True, {"matmul_specialize": False}),
     "det_all_three_off": (True, {"pdl": False, "silu_in_gate_up_max_rows": 0, "matmul_specialize": False}),
+    # session 13: the split GEMVs' partials summed by their last program vs the reduce kernel, bf16 and int8
+    "default_reduce_kernel": (False, {"gemv_fused_reduce": False}),
+    "int8": (False, {}, "int8"),
+    "int8_reduce_kernel": (False, {"gemv_fused_reduce": False}, "int8"),
 }
 
 
@@ -60,9 +65,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rec = {**provenance(), "model": "qwen2.5-3b", "context": args.context, "variants": {}}
     for name in args.variants.split(","):
-        det, options = VARIANTS[name]
+        det, options, *quant = VARIANTS[name]
         llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
-                  cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options)
+                  cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
+                  quantization=quant[0] if quant else None)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         row = {"options": options}
         for b in batches:

@@ -31,7 +31,7 @@ import importlib  # noqa: E402
 
 gemv_mod = importlib.import_module("pageserve.kernels.gemv")  # the module (the package exports a function of that name)
 
-ARGS = ["x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "part_ptr", "M", "N", "K", "K_PER_SPLIT",
+ARGS = ["x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "part_ptr", "cnt_ptr", "M", "N", "K", "K_PER_SPLIT",
         "stride_xm", "stride_wn", "stride_om"]
 # (label, int8 weights, BLOCK_N, BLOCK_K, warps): the shapes the H200's tuned configs use at M = 1
 CASES = [("bf16 2x1024", False, 2, 1024, 4), ("int8 2x1024", True, 2, 1024, 4), ("int8 2x2048", True, 2, 2048, 4),
@@ -46,12 +46,13 @@ def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: b
     k = gemv_mod._gemv_kernel
     sig = {n: "i32" for n in ARGS}
     sig.update(x_ptr="*bf16", w_ptr="*i8" if quant else "*bf16", scale_ptr="*bf16", bias_ptr="*bf16",
-               out_ptr="*bf16", part_ptr="*fp32")
+               out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
     dot = block_m > 1
     const = dict(HAS_BIAS=False, SPLIT=dot, SILU_MUL=False, QUANT=quant, MAGIC=gemv_mod.MAGIC_MODES[magic] if quant else 0,
                  BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, DEFER_REDUCE=not dot, PREC="ieee", UPCAST=False,
-                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab)
+                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab,
+                 FUSED_REDUCE=False)
     sig.update({n: "constexpr" for n in const})
     names = list(k.arg_names)
     aligned = [["tt.divisibility", 16]]
