@@ -45,9 +45,10 @@ VARIANTS = {
     "det_generic_in_graphs": (True, {"matmul_specialize": False}),
     "det_all_three_off": (True, {"pdl": False, "silu_in_gate_up_max_rows": 0, "matmul_specialize": False}),
     # session 13: the split GEMVs' partials summed by their last program vs the reduce kernel, bf16 and int8
-    "default_reduce_kernel": (False, {"gemv_fused_reduce": False}),
+    # (at 635d5e3 the sum in the last program was the default and these ran as *_reduce_kernel)
+    "default_fused_reduce": (False, {"gemv_fused_reduce": True}),
     "int8": (False, {}, "int8"),
-    "int8_reduce_kernel": (False, {"gemv_fused_reduce": False}, "int8"),
+    "int8_fused_reduce": (False, {"gemv_fused_reduce": True}, "int8"),
 }
 
 

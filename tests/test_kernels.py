@@ -220,8 +220,8 @@ def test_split_gemv_summed_by_its_last_program_equals_the_reduce_kernel_bitwise(
     # (the reduce kernel's path is checked against the reference: test_gemv_matches_linear_...)
 
 
-def test_triton_ops_fuse_the_split_reduce_by_default_and_can_be_told_not_to(gen):
-    ops, plain = TritonOps(tuned_configs=False), TritonOps(tuned_configs=False, gemv_fused_reduce=False)
+def test_triton_ops_fuse_the_split_reduce_only_when_asked(gen):
+    ops, plain = TritonOps(tuned_configs=False, gemv_fused_reduce=True), TritonOps(tuned_configs=False)
     x = torch.randn(1, 64, generator=gen).to(DEVICE)
     assert ops.counters_for(x) is not None and plain.counters_for(x) is None
     assert ops.counters_for(x) is ops.counters_for(x)  # one buffer per ops object, made once

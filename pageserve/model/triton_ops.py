@@ -40,7 +40,11 @@ class TritonOps(TorchOps):
     always runs one kernel with narrower row tiles. ``gemv_fused_reduce``: a split GEMV sums its
     partials in the last of each column tile's programs to finish (``gemv.launch_gemv``'s
     ``counters``, held by this object: its kernels run on one stream) rather than in a reduce
-    kernel after it: one launch a split GEMV fewer, the same values.
+    kernel after it: one launch a split GEMV fewer, the same values. Off by default: on the H200
+    (3B shape, graphed batch-1 step) it was 45 µs slower in bf16 (2.19 vs 2.15 ms, three pairs) and
+    15 µs faster with int8 weights (one pair): under PDL the reduce kernel's launch is already
+    hidden, while the count and the partials' read-back sit at the GEMV's tail
+    (diagnostics/det_b1_switches_635d5e3*).
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
@@ -82,7 +86,7 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
-                 pdl_max_rows: int = PDL_MAX_TOKENS, gemv_fused_reduce: bool = True) -> None:
+                 pdl_max_rows: int = PDL_MAX_TOKENS, gemv_fused_reduce: bool = False) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
