@@ -49,7 +49,25 @@ VARIANTS = {
     "default_fused_reduce": (False, {"gemv_fused_reduce": True}),
     "int8": (False, {}, "int8"),
     "int8_fused_reduce": (False, {"gemv_fused_reduce": True}, "int8"),
+    # int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as bf16's GEMV
+    # was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and the CUDA-core tiles at 2-8 rows
+    "int8_pdl_1_row": (False, {"pdl_max_rows": 1}, "int8"),
+    "int8_cuda_cores": (False, {"int8_tuned_configs": "cuda_cores_2_8"}, "int8"),
 }
+
+
+def int8_cuda_core_configs() -> dict:
+    """This GPU's tuned int8 configs plus, for 2, 4 and 8 rows at the 3B shapes, CUDA-core tiles (block_n < 16:
+    each int8 weight converted once for every row of the batch) instead of the heuristic's tl.dot tiles."""
+    from pageserve.kernels.gemv import GemvConfig
+    from pageserve.kernels.gemv_int8 import int8_config_key, load_int8_device_configs
+
+    configs = dict(load_int8_device_configs(torch.cuda.get_device_name()))
+    for M in (2, 4, 8):
+        for N, K in ((2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)):
+            configs[int8_config_key(M, N, K)] = GemvConfig(block_n=2 if M <= 4 else 1, block_k=512, split_k=1)
+        configs[int8_config_key(M, 2048, 11008, "silu_mul")] = GemvConfig(block_n=8, block_k=512, split_k=3)
+    return configs
 
 
 def main() -> None:
@@ -67,11 +85,13 @@ def main() -> None:
     rec = {**provenance(), "model": "qwen2.5-3b", "context": args.context, "variants": {}}
     for name in args.variants.split(","):
         det, options, *quant = VARIANTS[name]
+        if options.get("int8_tuned_configs") == "cuda_cores_2_8":
+            options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
         llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
                   cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
                   quantization=quant[0] if quant else None)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
-        row = {"options": options}
+        row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()}}
         for b in batches:
             row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
             row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)
