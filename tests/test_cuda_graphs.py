@@ -87,6 +87,16 @@ def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
         select_ops(True, torch.device("cpu"), {"no_such_switch": 1})
 
 
+def test_int8_engines_keep_pdl_to_one_row_unless_told_otherwise():
+    from pageserve.engine.model_runner import INT8_PDL_MAX_ROWS, select_ops
+    from pageserve.kernels._util import PDL_MAX_TOKENS
+
+    cpu = torch.device("cpu")
+    assert select_ops(True, cpu).pdl_max_rows == PDL_MAX_TOKENS  # float weights: up to 8 rows
+    assert select_ops(True, cpu, quantization="int8").pdl_max_rows == INT8_PDL_MAX_ROWS == 1
+    assert select_ops(True, cpu, {"pdl_max_rows": 8}, quantization="int8").pdl_max_rows == 8  # asked: kept
+
+
 def test_programmatic_dependent_launch_is_off_where_unsupported():
     from pageserve.kernels._util import use_pdl
 

@@ -28,12 +28,22 @@ logger = logging.getLogger(__name__)
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not given
 
 
+# int8 weights: programmatic dependent launch at one row only. From 2 to 8 rows the int8 GEMV runs
+# tl.dot tiles, which under PDL made the graphed 3B step 4.09 ms at batch 2 and 4.15 at 8, against
+# 3.57 and 3.61 with PDL at one row (batch 1 1.79-1.80 either way; H200,
+# results/h200/diagnostics/det_b1_switches_0ef56d1.*); a TritonOps option given explicitly wins
+INT8_PDL_MAX_ROWS = 1
+
+
 def select_ops(use_triton: bool | None, device: torch.device, options: dict | None = None,
-               deterministic: bool = False):
+               deterministic: bool = False, quantization: str | None = None):
     """Triton kernels when asked (or by default on CUDA), else the PyTorch reference.
     ``options``: keywords of ``TritonOps`` (its fusion switches). ``deterministic``: the
-    batch-invariant variant of either (``model.deterministic_ops``)."""
+    batch-invariant variant of either (``model.deterministic_ops``). ``quantization`` "int8":
+    ``INT8_PDL_MAX_ROWS`` unless ``options`` sets ``pdl_max_rows``."""
     want = use_triton if use_triton is not None else device.type == "cuda"
+    if quantization == "int8" and not deterministic:
+        options = {"pdl_max_rows": INT8_PDL_MAX_ROWS, **(options or {})}
     if deterministic:
         from ..model.deterministic_ops import DeterministicOps, DeterministicTorchOps
 
@@ -119,7 +129,8 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = config.block_size
-        self.ops = select_ops(config.use_triton, self.device, config.triton_options, config.deterministic)
+        self.ops = select_ops(config.use_triton, self.device, config.triton_options, config.deterministic,
+                              config.quantization)
         model.set_ops(self.ops)
         model.eval()
         self.num_blocks = config.num_blocks or self._num_blocks_from_memory()
