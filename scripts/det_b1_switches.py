@@ -10,8 +10,9 @@ Each variant is an engine of its own at the Qwen2.5-3B shape (random weights, bf
 with the GEMV at one or up to 8 rows, with PDL at one row only; the deterministic mode as it ships, with
 PDL up to 1, 4 or 8 rows, without PDL, and the earlier switches (SiLU·mul always in its own kernel, the
 generic matmul compile in the graphs); and (session 13) the default mode and int8 weights with the
-split GEMVs' reduce kernel instead of the sum in their last program. Per variant and batch: the step's wall time over consecutive
-``engine.step()`` calls (what 09 reports) and its graph's GPU time alone (replays).
+split GEMVs' partials summed in their last program, int8 with PDL at one row or with CUDA-core tiles
+at 2-8 rows. Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
+(what 09 reports) and its graph's GPU time alone (replays).
 
     python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
 

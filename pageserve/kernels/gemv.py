@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, interpreting, mma, next_pow2,
-                    pdl_args, pdl_enter, sm_count_for)
+from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, interpreting,
+                    mma, next_pow2, pdl_args, pdl_enter, sm_count_for)
 
 linear_reference = reference.linear
 silu_mul_linear_reference = reference.silu_mul_linear

@@ -172,7 +172,8 @@ class TritonOps(TorchOps):
             return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
         if self.fuse_silu_down and self._gemv_fits(gate_up):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
-                                 pdl=self.pdl_for(gate_up.shape[0]), counters=self.counters_for(gate_up))
+                                 pdl=self.pdl_for(gate_up.shape[0]),
+                                 counters=self.counters_for(gate_up))
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
