@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a K loop has a barrier or shared-memory access")
     ap.add_argument("--old", action="store_true", help="also show the int8 tiles in their own vector width (match_x=False)")
-    ap.add_argument("--magic", default="ptx,ops", help="int8 conversions to compile (gemv.MAGIC_MODES; default ptx,ops)")
+    ap.add_argument("--magic", default="ptx,ops", help="int8 conversions (gemv.MAGIC_MODES)")
     ap.add_argument("--dot", action="store_true",
                     help="also the tl.dot tiles at M = 64 (64 x 128 x 64, 4 warps, 4 stages), plain and swap_ab")
     args = ap.parse_args(argv)
