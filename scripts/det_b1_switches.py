@@ -9,9 +9,8 @@ mode's GEMV serves one row and the det mode's PDL stops at 4 rows (variants *_8_
 Each variant is an engine of its own at the Qwen2.5-3B shape (random weights, bf16): the default mode,
 with the GEMV at one or up to 8 rows, with PDL at one row only; the deterministic mode as it ships, with
 PDL up to 1, 4 or 8 rows, without PDL, and the earlier switches (SiLU·mul always in its own kernel, the
-generic matmul compile in the graphs); and (session 13) the default mode and int8 weights with the
-split GEMVs' partials summed in their last program, int8 with PDL at one row or with CUDA-core tiles
-at 2-8 rows. Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
+generic matmul compile in the graphs); and (session 13) int8 weights as they ship (PDL at one row),
+with PDL to 8 rows, or with CUDA-core tiles at 2-8 rows. Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
 (what 09 reports) and its graph's GPU time alone (replays).
 
     python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
@@ -45,14 +44,11 @@ VARIANTS = {
     "det_silu_kernel": (True, {"silu_in_gate_up_max_rows": 0}),
     "det_generic_in_graphs": (True, {"matmul_specialize": False}),
     "det_all_three_off": (True, {"pdl": False, "silu_in_gate_up_max_rows": 0, "matmul_specialize": False}),
-    # session 13: the split GEMVs' partials summed by their last program vs the reduce kernel, bf16 and int8
-    # (at 635d5e3 the sum in the last program was the default and these ran as *_reduce_kernel)
-    "default_fused_reduce": (False, {"gemv_fused_reduce": True}),
+    # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
+    # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
+    # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.
     "int8": (False, {}, "int8"),
-    "int8_fused_reduce": (False, {"gemv_fused_reduce": True}, "int8"),
-    # int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as bf16's GEMV
-    # was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and the CUDA-core tiles at 2-8 rows
-    "int8_pdl_1_row": (False, {"pdl_max_rows": 1}, "int8"),
+    "int8_pdl_8_rows": (False, {"pdl_max_rows": 8}, "int8"),
     "int8_cuda_cores": (False, {"int8_tuned_configs": "cuda_cores_2_8"}, "int8"),
 }
 

@@ -31,7 +31,7 @@ import importlib  # noqa: E402
 
 gemv_mod = importlib.import_module("pageserve.kernels.gemv")  # the module (the package exports a function of that name)
 
-ARGS = ["x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "part_ptr", "cnt_ptr", "M", "N", "K", "K_PER_SPLIT",
+ARGS = ["x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "out_ptr", "part_ptr", "M", "N", "K", "K_PER_SPLIT",
         "stride_xm", "stride_wn", "stride_om"]
 # (label, int8 weights, BLOCK_N, BLOCK_K, warps): the shapes the H200's tuned configs use at M = 1
 CASES = [("bf16 2x1024", False, 2, 1024, 4), ("int8 2x1024", True, 2, 1024, 4), ("int8 2x2048", True, 2, 2048, 4),
@@ -46,13 +46,12 @@ def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: b
     k = gemv_mod._gemv_kernel
     sig = {n: "i32" for n in ARGS}
     sig.update(x_ptr="*bf16", w_ptr="*i8" if quant else "*bf16", scale_ptr="*bf16", bias_ptr="*bf16",
-               out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")
+               out_ptr="*bf16", part_ptr="*fp32")
     dot = block_m > 1
     const = dict(HAS_BIAS=False, SPLIT=dot, SILU_MUL=False, QUANT=quant,
                  MAGIC=gemv_mod.MAGIC_MODES[magic] if quant else 0, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, DEFER_REDUCE=not dot, PREC="ieee", UPCAST=False,
-                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab,
-                 FUSED_REDUCE=False)
+                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab)
     sig.update({n: "constexpr" for n in const})
     names = list(k.arg_names)
     aligned = [["tt.divisibility", 16]]
@@ -87,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if a K loop has a barrier or shared-memory access")
     ap.add_argument("--old", action="store_true", help="also show the int8 tiles in their own vector width (match_x=False)")
-    ap.add_argument("--magic", default="ptx,ops", help="int8 conversions (gemv.MAGIC_MODES)")
+    ap.add_argument("--magic", default="ptx,ops", help="int8 conversions to compile, of gemv.MAGIC_MODES (default ptx,ops)")
     ap.add_argument("--dot", action="store_true",
                     help="also the tl.dot tiles at M = 64 (64 x 128 x 64, 4 warps, 4 stages), plain and swap_ab")
     args = ap.parse_args(argv)

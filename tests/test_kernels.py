@@ -191,42 +191,6 @@ def test_gemv_matches_linear_with_and_without_split_k(M, N, K, dtype, config, ge
     _ok(checks.check_gemv(M, N, K, dtype, DEVICE, gen, bias=(N % 2 == 0), config=config), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.bfloat16])  # the interpreter: one dtype (slow)
-@pytest.mark.parametrize("M,config", [(1, GemvConfig(block_n=16, block_k=64, split_k=3)),
-                                      (1, GemvConfig(block_n=2, block_k=64, split_k=4, defer_reduce=True)),
-                                      (5, GemvConfig(block_n=4, block_k=32, split_k=3)),
-                                      (16, GemvConfig(block_n=16, block_k=64, split_k=2))],
-                         ids=["m1", "m1-defer", "m5-cuda-cores", "m16-dot"])
-def test_split_gemv_summed_by_its_last_program_equals_the_reduce_kernel_bitwise(M, config, dtype, gen):
-    # with counters the partials are summed in split order by the last program of each column tile:
-    # the reduce kernel's arithmetic, so the same bits (float and int8 weights, bias and scale
-    # included), the counts back at zero after each launch, so the same buffer serves the next one
-    from pageserve.kernels.gemv import gemv, silu_mul_gemv, split_counters
-    from pageserve.kernels.gemv_int8 import gemv_int8
-    from pageserve.kernels.reference import quantize_int8
-
-    N, K = 100, 200  # neither a multiple of the tiles: masked columns and a short last split
-    x = torch.randn(M, K, generator=gen).to(DEVICE, dtype)
-    w = (torch.randn(N, K, generator=gen) * K**-0.5).to(DEVICE, dtype)
-    b = torch.randn(N, generator=gen).to(DEVICE, dtype)
-    q, s = quantize_int8(w)
-    cnt = split_counters(DEVICE)
-    for _ in range(2):  # twice: the first launch must leave the counts as it found them
-        assert torch.equal(gemv(x, w, b, config=config, counters=cnt), gemv(x, w, b, config=config))
-        assert torch.equal(gemv_int8(x, q, s, b, config=config, counters=cnt), gemv_int8(x, q, s, b, config=config))
-        assert int(cnt.count_nonzero()) == 0
-    gate_up = torch.randn(M, 2 * K, generator=gen).to(DEVICE, dtype)
-    assert torch.equal(silu_mul_gemv(gate_up, w, config=config, counters=cnt), silu_mul_gemv(gate_up, w, config=config))
-    # (the reduce kernel's path is checked against the reference: test_gemv_matches_linear_...)
-
-
-def test_triton_ops_fuse_the_split_reduce_only_when_asked(gen):
-    ops, plain = TritonOps(tuned_configs=False, gemv_fused_reduce=True), TritonOps(tuned_configs=False)
-    x = torch.randn(1, 64, generator=gen).to(DEVICE)
-    assert ops.counters_for(x) is not None and plain.counters_for(x) is None
-    assert ops.counters_for(x) is ops.counters_for(x)  # one buffer per ops object, made once
-
-
 @pytest.mark.parametrize("M", [33, 64])
 @pytest.mark.parametrize("config", [GemvConfig(block_n=128, block_k=64, split_k=2, num_warps=8, num_stages=4),
                                     GemvConfig(block_n=256, block_k=128, split_k=1, num_warps=8),

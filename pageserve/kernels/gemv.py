@@ -195,13 +195,13 @@ def _int8_to_f32(w, MAGIC: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, QUANT: tl.constexpr,
     MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, W_VEC: tl.constexpr = 0,
-    SWAP_AB: tl.constexpr = False, FUSED_REDUCE: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
     scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
@@ -274,32 +274,14 @@ def _gemv_kernel(
         acc2 = acc
     omask = mmask[:, None] & nmask[None, :]
     if SPLIT:  # unscaled partials: the reduce kernel scales (QUANT) and biases their sum
-        part = part_ptr + m[:, None].to(tl.int64) * N + n[None, :]
-        tl.store(part + pid_k * M * N, acc2, mask=omask)
-        if FUSED_REDUCE:
-            # the column tile's last split to arrive (an atomic count) sums the partials in split
-            # order, as the reduce kernel does, and zeroes the count for the next launch
-            tl.debug_barrier()  # every thread's partial written before the count says so
-            done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if done == tl.num_programs(1) - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s in range(0, tl.num_programs(1)):
-                    total += tl.load(part + s * M * N, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-                _gemv_epilogue(total, scale_ptr, bias_ptr, out_ptr, m, n, nmask, omask, stride_om, HAS_BIAS, QUANT)
+        part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
+        tl.store(part, acc2, mask=omask)
     else:
-        _gemv_epilogue(acc2, scale_ptr, bias_ptr, out_ptr, m, n, nmask, omask, stride_om, HAS_BIAS, QUANT)
-
-
-@triton.jit
-def _gemv_epilogue(acc, scale_ptr, bias_ptr, out_ptr, m, n, nmask, omask, stride_om, HAS_BIAS: tl.constexpr,
-                   QUANT: tl.constexpr):
-    """out = acc [* scale] [+ bias], rounded once to out's dtype (the reduce kernel's arithmetic)."""
-    if QUANT:
-        acc = acc * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+        if QUANT:
+            acc2 = acc2 * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if HAS_BIAS:
+            acc2 += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc2.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -423,26 +405,12 @@ def magic_code(magic: bool | str) -> int:
     return MAGIC_MODES[magic]
 
 
-COUNTER_SLOTS = 1 << 16  # column tiles a fused split-K launch may count (more: the reduce kernel)
-
-
-def split_counters(device: torch.device | str) -> torch.Tensor:
-    """Arrival counts for ``launch_gemv(counters=...)``: int32 zeros, which every launch leaves at
-    zero. Make them outside a CUDA-graph capture (inside one the zeros would exist only once the
-    graph replays) and give each stream of GEMVs its own: two split-K launches running at once on
-    one buffer would count each other's programs."""
-    return torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
-
-
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                 out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
-                magic: bool | str = True, match_x: bool = True,
-                counters: torch.Tensor | None = None) -> torch.Tensor:
+                magic: bool | str = True, match_x: bool = True) -> torch.Tensor:
     """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
     (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``; ``magic``: its int8 to
-    fp32 conversion, ``magic_code``; ``counters`` (``split_counters``): a split-K launch sums its
-    partials in the last program of each column tile to finish, in split order as the reduce kernel
-    does (the same values), instead of a second kernel; ``match_x``:
+    fp32 conversion, ``magic_code``; ``match_x``:
     int8 read in x's vector width at M = 1, ``weight_vector``)."""
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
@@ -454,31 +422,30 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     anything = weight if scale is None else scale  # unused pointers point at something valid
     launch = pdl_args(x, M, pdl)
-    fused = splits > 1 and counters is not None and cdiv(N, cfg.block_n) <= counters.numel()
     _gemv_kernel[(cdiv(N, cfg.block_n), splits)](
         x, weight, anything if scale is None else scale, bias if bias is not None else anything, out, part,
-        counters if fused else part, M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
+        M, N, K, k_per_split, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, QUANT=scale is not None,
         MAGIC=magic_code(magic) if scale is not None else 0, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if M == 1 else 0,
-        SWAP_AB=cfg.swap_ab and use_dot, FUSED_REDUCE=fused,
+        SWAP_AB=cfg.swap_ab and use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
-    if splits > 1 and not fused:
+    if splits > 1:
         reduce_splits(part, scale, bias, out, launch)
     return out
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: GemvConfig | None, split_k: str, configs: GemvConfigs | None, pdl: bool | None,
-            silu_mul: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
+            silu_mul: bool = False) -> torch.Tensor:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul, counters=counters)
+    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul)
 
 
 def _check_out(out, M, N, x) -> torch.Tensor:
@@ -489,24 +456,23 @@ def _check_out(out, M, N, x) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
-         configs: GemvConfigs | None = None, pdl: bool | None = None,
-         counters: torch.Tensor | None = None) -> torch.Tensor:
+         configs: GemvConfigs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] (M small), weight: [N, K] row-major, bias: [N] or None -> [M, N].
     ``config``: this launch's tiles; without it the entry of ``configs`` (tuned, keyed by
     ``config_key``) for this shape, else the ``split_k`` ("auto" | "never") heuristic.
-    ``pdl``: see ``_util.use_pdl``. ``counters``: see ``launch_gemv``."""
+    ``pdl``: see ``_util.use_pdl``."""
     M, N, K = check_linear(x, weight, bias)
     if M > 64:
         raise ValueError(f"gemv is for small M (got M={M}); use torch.nn.functional.linear")
-    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl, counters=counters)
+    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
                   out: torch.Tensor | None = None, split_k: str = "auto", configs: GemvConfigs | None = None,
-                  pdl: bool | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+                  pdl: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), weight: [N, I] -> SiLU(gate) * up @ weight^T: [M, N],
     in one pass (plus the split-K reduce when the config splits). ``config`` / ``configs`` /
-    ``split_k`` / ``pdl`` / ``counters`` as ``gemv`` (its own ``config_key(..., silu_mul=True)`` entry first)."""
+    ``split_k`` / ``pdl`` as ``gemv`` (its own ``config_key(..., silu_mul=True)`` entry first)."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -516,4 +482,4 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
     if M > 64:
         raise ValueError(f"silu_mul_gemv is for small M (got M={M})")
     return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k, configs,
-                   pdl, silu_mul=True, counters=counters)
+                   pdl, silu_mul=True)

@@ -193,21 +193,20 @@ def _out(out: torch.Tensor | None, M: int, N: int, x: torch.Tensor) -> torch.Ten
 
 
 def _launch_gemv(x, qweight, scale, bias, out, config, split_k, configs, pdl, silu_mul=False,
-                 magic=True, match_x=True, counters=None) -> torch.Tensor:
+                 magic=True, match_x=True) -> torch.Tensor:
     M, N, K = x.shape[0], qweight.shape[0], qweight.shape[1]
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_int8_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    return launch_gemv(x, qweight, scale, bias, out, cfg, pdl, silu_mul, magic, match_x, counters)
+    return launch_gemv(x, qweight, scale, bias, out, cfg, pdl, silu_mul, magic, match_x)
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
               config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
               configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool | str = True,
-              match_x: bool = True, counters: torch.Tensor | None = None) -> torch.Tensor:
+              match_x: bool = True) -> torch.Tensor:
     """x: [M, K] (M small), qweight: [N, K] int8, scale: [N] and bias: [N] or None in x's dtype -> [M, N].
-    ``config`` / ``configs`` / ``split_k`` / ``pdl`` / ``counters`` as ``gemv.gemv`` (configs keyed by
-    ``int8_config_key``).
+    ``config`` / ``configs`` / ``split_k`` / ``pdl`` as ``gemv.gemv`` (configs keyed by ``int8_config_key``).
     ``magic``: int8 to fp32 on the CUDA cores by an exponent trick instead of the conversion unit
     (``gemv._int8_to_f32``; the same values exactly): True (in PTX where compiled), "ops" (in
     Triton ops), False (the plain conversion): ``gemv.magic_code``.
@@ -217,16 +216,16 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     if M > 64:
         raise ValueError(f"gemv_int8 is for small M (got M={M}); use gemm_int8 or dequantize_int8 + linear")
     return _launch_gemv(x, qweight, scale, bias, _out(out, M, N, x), config, split_k, configs, pdl, magic=magic,
-                        match_x=match_x, counters=counters)
+                        match_x=match_x)
 
 
 def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                        config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
                        configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool | str = True,
-                       match_x: bool = True, counters: torch.Tensor | None = None) -> torch.Tensor:
+                       match_x: bool = True) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), qweight: [N, I] int8, scale: [N] ->
-    (SiLU(gate) * up) @ (q * scale)^T: [M, N], in one pass (plus the reduce when split); ``magic``,
-    ``match_x`` and ``counters`` as ``gemv_int8``."""
+    (SiLU(gate) * up) @ (q * scale)^T: [M, N], in one pass (plus the reduce when split); ``magic`` and
+    ``match_x`` as ``gemv_int8``."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -236,7 +235,7 @@ def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torc
     if M > 64:
         raise ValueError(f"silu_mul_gemv_int8 is for small M (got M={M})")
     return _launch_gemv(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, split_k, configs, pdl,
-                        silu_mul=True, magic=magic, match_x=match_x, counters=counters)
+                        silu_mul=True, magic=magic, match_x=match_x)
 
 
 # ---------------------------------------------------------------------------- larger M: the GEMM

@@ -14,7 +14,6 @@ import torch
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, paged_decode_attention,
                        paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
                        write_kv)
-from ..kernels.gemv import split_counters
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS
 from .attention import AttentionMetadata
@@ -36,15 +35,8 @@ class TritonOps(TorchOps):
     H200 the graphed 3B decode step took 4.51 ms at batch 2 with the GEMV up to 8 rows against
     2.73 with cuBLAS from 2 rows (2.16 at batch 1 either way; diagnostics/det_b1_switches_6bad32f.*).
     Int8 weights keep their GEMV (and the fused SiLU·down) up to ``INT8_GEMV_ROWS`` (8) rows.
-    ``gemv_split_k``: ``"auto"`` splits K where rows alone give too few programs; ``"never"``
-    always runs one kernel with narrower row tiles. ``gemv_fused_reduce``: a split GEMV sums its
-    partials in the last of each column tile's programs to finish (``gemv.launch_gemv``'s
-    ``counters``, held by this object: its kernels run on one stream) rather than in a reduce
-    kernel after it: one launch a split GEMV fewer, the same values. Off by default: on the H200
-    (3B shape, graphed batch-1 step) it was 45 µs slower in bf16 (2.19 vs 2.15 ms, three pairs) and
-    15 µs faster with int8 weights (one pair): under PDL the reduce kernel's launch is already
-    hidden, while the count and the partials' read-back sit at the GEMV's tail
-    (diagnostics/det_b1_switches_635d5e3*).
+    ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
+    few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
@@ -86,7 +78,7 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
-                 pdl_max_rows: int = PDL_MAX_TOKENS, gemv_fused_reduce: bool = False) -> None:
+                 pdl_max_rows: int = PDL_MAX_TOKENS) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -118,24 +110,10 @@ class TritonOps(TorchOps):
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         self.pdl = pdl
         self.pdl_max_rows = pdl_max_rows
-        self.gemv_fused_reduce = gemv_fused_reduce
-        self._split_counters: torch.Tensor | None = None
 
     def pdl_for(self, rows: int) -> bool | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
         return False if rows > self.pdl_max_rows else self.pdl
-
-    def counters_for(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The split GEMVs' arrival counts on x's device (``gemv_fused_reduce``), made on first use
-        outside a graph capture; None (the reduce kernel) until then and when the option is off."""
-        if not self.gemv_fused_reduce:
-            return None
-        c = self._split_counters
-        if c is None or c.device != x.device:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return None
-            c = self._split_counters = split_counters(x.device)
-        return c
 
     def _gemv_fits(self, x: torch.Tensor, max_m: int | None = None) -> bool:
         max_m = self.gemv_max_m if max_m is None else max_m
@@ -146,18 +124,17 @@ class TritonOps(TorchOps):
             return self._linear_int8(x, weight, bias)
         if self._gemv_fits(x):
             return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs,
-                        pdl=self.pdl_for(x.shape[0]), counters=self.counters_for(x))
+                        pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self._gemv_fits(x, INT8_GEMV_ROWS):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
-                             pdl=self.pdl_for(x.shape[0]), counters=self.counters_for(x))
+                             pdl=self.pdl_for(x.shape[0]))
         x = x if x.stride(-1) == 1 else x.contiguous()
         if self.int8_gemm == "auto" and self.use_gemv and x.dim() == 2 and x.shape[0] <= self.int8_gemv_max_m:
             # decode batches: a split-K skinny GEMM over the int8 weight; no PDL above 8 rows (_util)
-            return gemv_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]),
-                             counters=self.counters_for(x))
+            return gemv_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         if self.int8_gemm == "triton" or (self.int8_gemm == "auto" and x.shape[0] <= self.int8_gemm_max_m):
             return gemm_int8(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
@@ -167,13 +144,11 @@ class TritonOps(TorchOps):
         if isinstance(weight, QuantizedWeight):
             if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
-                                          configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]),
-                                          counters=self.counters_for(gate_up))
+                                          configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
             return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
         if self.fuse_silu_down and self._gemv_fits(gate_up):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
-                                 pdl=self.pdl_for(gate_up.shape[0]),
-                                 counters=self.counters_for(gate_up))
+                                 pdl=self.pdl_for(gate_up.shape[0]))
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
