@@ -10,7 +10,8 @@ Each variant is an engine of its own at the Qwen2.5-3B shape (random weights, bf
 with the GEMV at one or up to 8 rows, with PDL at one row only; the deterministic mode as it ships, with
 PDL up to 1, 4 or 8 rows, without PDL, and the earlier switches (SiLU·mul always in its own kernel, the
 generic matmul compile in the graphs); and (session 13) int8 weights as they ship (PDL at one row),
-with PDL to 8 rows, or with CUDA-core tiles at 2-8 rows. Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
+with PDL to 8 rows, or with CUDA-core tiles at 2-8 rows; (session 14) any of these with the graph
+runner's copy-in and greedy argmax as before (``*_torch_copy_in``). Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
 (what 09 reports) and its graph's GPU time alone (replays).
 
     python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
@@ -21,6 +22,7 @@ of scripts/h200_run.sh.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -51,6 +53,30 @@ VARIANTS = {
     "int8_pdl_8_rows": (False, {"pdl_max_rows": 8}, "int8"),
     "int8_cuda_cores": (False, {"int8_tuned_configs": "cuda_cores_2_8"}, "int8"),
 }
+# session 14: the graph runner's copy-in as PyTorch copies (5 launches, more when padded) and the greedy
+# argmax outside the graph, as before the staging kernel and the in-graph argmax: "<variant>_torch_copy_in"
+# for every variant above. A name may end in "#n" to run a variant again (engine order moved batch-2 times).
+TORCH_COPY_IN = "_torch_copy_in"
+
+
+@contextlib.contextmanager
+def torch_copy_in(enabled: bool):
+    """While building an engine: its graphs capture no argmax; after: ``old_copy_in(runner)``."""
+    from pageserve.engine import cuda_graphs
+
+    saved = cuda_graphs.GREEDY_IN_GRAPH_MAX_BS
+    if enabled:
+        cuda_graphs.GREEDY_IN_GRAPH_MAX_BS = 0
+    try:
+        yield
+    finally:
+        cuda_graphs.GREEDY_IN_GRAPH_MAX_BS = saved
+
+
+def old_copy_in(runner) -> None:
+    from pageserve.kernels.reference import stage_decode_inputs
+
+    runner.graphs._stage = stage_decode_inputs
 
 
 def int8_cuda_core_configs() -> dict:
@@ -81,12 +107,17 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rec = {**provenance(), "model": "qwen2.5-3b", "context": args.context, "variants": {}}
     for name in args.variants.split(","):
-        det, options, *quant = VARIANTS[name]
+        base = name.split("#")[0]
+        old = base.endswith(TORCH_COPY_IN)
+        det, options, *quant = VARIANTS[base.removesuffix(TORCH_COPY_IN)]
         if options.get("int8_tuned_configs") == "cuda_cores_2_8":
             options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
-        llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
-                  cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
-                  quantization=quant[0] if quant else None)
+        with torch_copy_in(old):
+            llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048,
+                      max_num_seqs=64, cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
+                      quantization=quant[0] if quant else None)
+        if old:
+            old_copy_in(llm.engine.runner)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()}}
         for b in batches:

@@ -78,6 +78,83 @@ def test_padding_rows_write_no_kv(tiny_llm):
     assert flat == [8, 17, 26]
 
 
+def _static_buffers(max_bs: int, max_blocks: int, fill: int = 7):
+    i32, i64 = torch.int32, torch.int64
+    return (torch.full((max_bs,), fill, dtype=i64, device=DEVICE), torch.full((max_bs,), fill, dtype=i64, device=DEVICE),
+            torch.full((max_bs,), fill, dtype=i64, device=DEVICE), torch.full((max_bs,), fill, dtype=i32, device=DEVICE),
+            torch.full((max_bs, max_blocks), fill, dtype=i32, device=DEVICE))
+
+
+@pytest.mark.parametrize("bs,padded,nb", [(1, 1, 1), (3, 4, 5), (5, 8, 300), (8, 8, 2), (2, 16, 129)])
+def test_staging_kernel_fills_the_static_buffers_like_the_torch_copies(bs, padded, nb):
+    # the sources are int64 views at odd offsets of one packed buffer, as to_device makes them;
+    # rows past bs become padding, table columns past nb keep what they held
+    from pageserve.kernels.step_inputs import stage_decode_inputs, stage_decode_inputs_reference
+
+    g = torch.Generator().manual_seed(bs * 1000 + nb)
+    packed = torch.randint(0, 1 << 30, (1 + 4 * bs + bs * nb,), generator=g).to(DEVICE)
+    _, ids, pos, slots, lens, bt = torch.split(packed, [1, bs, bs, bs, bs, bs * nb])
+    got, want = _static_buffers(16, 300), _static_buffers(16, 300)
+    stage_decode_inputs(ids, pos, slots, lens, bt.view(bs, nb), got, padded)
+    stage_decode_inputs_reference(ids, pos, slots, lens, bt.view(bs, nb), want, padded)
+    for name, a, b in zip(("ids", "positions", "slots", "seq_lens", "block_tables"), got, want):
+        assert torch.equal(a, b), name
+    assert (got[2][bs:padded] == -1).all() and (got[3][bs:padded] == 0).all()
+    assert (got[4][:, nb:] == 7).all() and (got[0][padded:] == 7).all()  # nothing past the step's reach
+
+
+def test_staging_kernel_rejects_a_batch_its_buffers_cannot_hold():
+    from pageserve.kernels.step_inputs import stage_decode_inputs
+
+    one = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):
+        stage_decode_inputs(one, one, one, one, one.view(4, 1), _static_buffers(2, 4), 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        stage_decode_inputs(one[:1], one[:1], one[:1], one[:1], torch.zeros(1, 9, dtype=torch.int64, device=DEVICE),
+                            _static_buffers(2, 4), 1)
+
+
+def test_graph_runner_with_the_staging_kernel_decodes_like_eager(tiny_qwen2_config):
+    # the Triton copy-in (the GPU default; on the CPU the interpreter) behind the same decode
+    # loop as test_graphed_decode_loop_matches_eager_token_for_token: same tokens and logits
+    from pageserve.engine.cuda_graphs import CUDAGraphRunner
+
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=3, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                         max_num_seqs=24, max_model_len=256, enforce_eager=True)
+    runner = llm.engine.runner
+    runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, 24, runner.max_blocks_per_seq(),
+                                    capture=DEVICE == "cuda", stage_kernel=True)
+    runner.graphs.capture()
+    check = graph_vs_eager(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
+    assert check.graphed_steps > 20
+    assert check.identical, f"{check.identical_requests}/{check.num_requests} requests identical"
+    assert check.max_logit_rel_err < 1e-5
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the in-graph argmax needs captured graphs")
+def test_greedy_steps_take_the_graphs_argmax_and_it_is_the_logits_argmax(tiny_llm):
+    from pageserve.engine.cuda_graphs import GREEDY_IN_GRAPH_MAX_BS
+    from pageserve.engine.sampling_params import SamplingParams
+
+    runner = tiny_llm.engine.runner
+    assert runner.graphs.greedy and max(runner.graphs.greedy) <= GREEDY_IN_GRAPH_MAX_BS
+    used, sample = [], runner.sampler.sample
+
+    def recording_sample(logits, *args, greedy_ids=None, **kwargs):
+        if greedy_ids is not None:
+            used.append(torch.equal(greedy_ids, logits.argmax(dim=-1)))
+        return sample(logits, *args, greedy_ids=greedy_ids, **kwargs)
+
+    runner.sampler.sample = recording_sample
+    try:
+        tiny_llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finally:
+        del runner.sampler.sample
+    assert len(used) >= 6 and all(used)
+
+
 def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
     from pageserve.engine.model_runner import select_ops
 

@@ -194,13 +194,16 @@ def test_gemv_matches_linear_with_and_without_split_k(M, N, K, dtype, config, ge
 @pytest.mark.parametrize("M", [33, 64])
 @pytest.mark.parametrize("config", [GemvConfig(block_n=128, block_k=64, split_k=2, num_warps=8, num_stages=4),
                                     GemvConfig(block_n=256, block_k=128, split_k=1, num_warps=8),
-                                    GemvConfig(block_n=128, block_k=64, split_k=2, swap_ab=True)],
-                         ids=["n128-k64-split2-s4", "n256-k128", "n128-k64-split2-swap"])
+                                    GemvConfig(block_n=128, block_k=64, split_k=2, swap_ab=True),
+                                    GemvConfig(block_n=128, block_k=64, split_k=2, num_stages=1)],
+                         ids=["n128-k64-split2-s4", "n256-k128", "n128-k64-split2-swap", "n128-k64-split2-s1"])
 def test_gemv_skinny_tiles_the_bench_sweeps_above_8_rows_match_linear(M, config, gen):
-    # gemv_candidates' wide weight tiles for M = 9..64 (the skinny GEMM against cuBLAS): odd N, K not a tile multiple
+    # gemv_candidates' wide weight tiles for M = 9..64 (the skinny GEMM against cuBLAS): odd N, K not a tile
+    # multiple; int8 with both conversions the bench times there
     dtype = torch.bfloat16 if CUDA else torch.float32
     _ok(checks.check_gemv(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config), dtype)
-    _ok(checks.check_gemv_int8(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config), dtype)
+    for magic in (True, "cvt"):
+        _ok(checks.check_gemv_int8(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config, magic=magic), dtype)
 
 
 def test_wrappers_reject_bad_arguments_with_named_errors():

@@ -178,6 +178,9 @@ def test_bench_gemv_int8_times_the_int8_gemv_against_float_cublas_and_keeps_its_
     for name, (N, K) in shapes.items():
         assert r[f"int8gemv_{name}_m16_ms"] > 0 and r[f"cublas_{name}_m16_ms"] > 0
         assert parse_config(r[f"int8gemv_{name}_m16_config"]) == tuned[int8_config_key(16, N, K)]
+        # above 8 rows both tl.dot conversions are timed and the faster one named
+        times = {m: r[f"int8gemv_{name}_m16_{m}_ms"] for m in ("default", "cvt")}
+        assert min(times.values()) > 0 and r[f"int8gemv_{name}_m16_magic"] == min(times, key=times.get)
     assert "gemv_stack_m16_ms" not in r and r["int8gemv_stack_m16_vs_cublas"] > 0
 
 
@@ -206,6 +209,9 @@ def test_gemv_candidates_above_8_rows_reach_wide_weight_tiles_and_stay_in_budget
     skinny = sweeps.gemv_candidates(64, 2048, 11008, 132)
     assert {c.block_n for c in skinny} >= {128, 256} and max(c.block_n * c.block_k for c in skinny) <= 32768
     assert any(c.num_stages == 4 for c in skinny) and len(skinny) <= 32  # ~0.5 s of compile each on the H200
+    int8 = sweeps.gemv_candidates(64, 2048, 11008, 132, quant=True)
+    assert any(c.num_stages == 1 for c in int8) and not any(c.num_stages == 1 for c in skinny)
+    assert all(c.num_warps == 4 for c in int8) and len(int8) <= 24  # timed twice: both int8 conversions
     small = sweeps.gemv_candidates(8, 2048, 11008, 132)
     assert max(c.block_n for c in small) <= 64 and all(c.num_stages == 3 for c in small if c.block_n > 16)
     for c in skinny + small:

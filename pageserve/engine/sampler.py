@@ -166,6 +166,7 @@ class Sampler:
         output_token_ids: list[list[int]],
         seeds: list[int | None],
         num_outputs: list[int] | None = None,
+        greedy_ids: Tensor | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: [B, >= vocab_size] on the device.
 
@@ -174,12 +175,15 @@ class Sampler:
         number of output tokens so far: ``num_outputs[i]``, by default
         ``len(output_token_ids[i])`` (an async engine counts tokens still in flight; the
         ids themselves are only read for penalties, which need them all).
+
+        ``greedy_ids``: ``logits[:, :vocab_size].argmax(-1)`` already computed (a decode
+        graph's); taken as the tokens when every row is plain greedy.
         """
         logits = logits[:, : self.vocab_size]
         if num_outputs is None:
             num_outputs = [len(o) for o in output_token_ids]
         if self._all_plain_greedy(params, num_outputs):
-            return SamplerOutput(logits.argmax(dim=-1))
+            return SamplerOutput(logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
 
         penalised, probs, greedy_rows = self._process(
             logits, params, prompt_token_ids, output_token_ids, num_outputs

@@ -270,14 +270,14 @@ def _int8_reference(x, q, s, b):
     return out + b.double() if b is not None else out
 
 
-def check_gemv_int8(M, N, K, dtype, device, gen, bias=True, config=None, split_k="auto") -> float:
+def check_gemv_int8(M, N, K, dtype, device, gen, bias=True, config=None, split_k="auto", magic=True) -> float:
     from ..kernels.gemv_int8 import gemv_int8
 
     x = _rand((M, K), dtype, device, gen)
     q, s = _int8_weight(N, K, dtype, device, gen)
     b = _rand((N,), dtype, device, gen) if bias else None
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    gemv_int8(x, q, s, b, config=config, out=out, split_k=split_k)
+    gemv_int8(x, q, s, b, config=config, out=out, split_k=split_k, magic=magic)
     return rel_err(out, _int8_reference(x, q, s, b))
 
 

@@ -108,10 +108,11 @@ def bench_decode_attention(batch=64, ctx=2048, dtype=torch.bfloat16, block_size=
     return r
 
 
-def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
+def gemv_candidates(M: int, N: int, K: int, sms: int, quant: bool = False) -> list[GemvConfig]:
     """The configs ``bench_gemv`` times at batch M. Above 8 rows (the tl.dot tiles of a skinny
     GEMM: every program re-reads the [M, BLOCK_K] activations for its BLOCK_N weight rows, so at
-    M = 64 wide weight tiles matter) it goes up to 256-row weight tiles and 4 stages."""
+    M = 64 wide weight tiles matter) it goes up to 256-row weight tiles and 4 stages; for int8
+    weights (``quant``) also 1 stage, at 4 warps only (every int8 best at 64 rows had 4)."""
     base = gemv_config(M, N, K, sms)
     cands = {base}
     skinny = M > 8
@@ -119,11 +120,14 @@ def gemv_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
         for bk in (256, 512) if M == 1 else (64, 128):
             if bn * bk > (32768 if skinny else 16384):  # [64, 512] tiles spill registers at M = 1
                 continue
-            for nw in (4, 8):
+            for nw in (4,) if quant and skinny else (4, 8):
                 rows = triton.cdiv(N, bn)
                 for mult in ((2, 4, 8) if M == 1 else (4,)):
                     split = max(1, min(triton.cdiv(mult * sms, rows), K // (2 * bk)))
-                    for stages in (3, 4) if skinny and bk == 64 else (3,):
+                    stages_list = (3, 4) if skinny and bk == 64 else (3,)
+                    if quant and skinny:  # 1 stage: the int8 tile goes global -> registers once, no
+                        stages_list = (1,) + stages_list  # cp.async ring to read back (sm_90 SASS)
+                    for stages in stages_list:
                         cands.add(GemvConfig(bn, bk, split, nw, stages))
                     if skinny and bn == 128 and nw == 4:  # the weights as the MMA's A side (swap_ab)
                         cands.add(GemvConfig(bn, bk, split, nw, 3, swap_ab=True))
@@ -138,7 +142,10 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
     back to back in a CUDA graph (``timed_ms``), each call on the next of ``weight_copies``
     so the weights stream from HBM as they do in a decode step. ``quant``: the int8 GEMV
     (``gemv_int8`` on per-channel int8 copies of the weights, figures ``int8gemv_*``, bests under
-    ``int8_config_key``) against cuBLAS on the float weights, the speed an int8 step must beat."""
+    ``int8_config_key``) against cuBLAS on the float weights, the speed an int8 step must beat.
+    Above 8 rows the int8 tiles are timed with both conversions the tl.dot path can use (``magic``
+    "default", the PTX one on a GPU, and "cvt": fewer instructions a weight there in sm_90 SASS):
+    figures ``{key}_default_ms``, ``{key}_cvt_ms`` and ``{key}_magic`` (the faster)."""
     from ...kernels.gemv_int8 import gemv_int8, int8_config_key
     from ...kernels.reference import quantize_int8
 
@@ -159,29 +166,36 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
         nbytes = (N * K + M * K + M * N + (N if b is not None else 0)) * es
         qbytes = N * K + (N + M * K + M * N + (N if b is not None else 0)) * es
 
-        def run(cfg):
-            if quant:
-                return lambda i: gemv_int8(x, *qs[i % len(qs)], b, config=cfg, out=out)
+        def run(cfg, magic="default"):
+            if quant:  # "default": the PTX conversion where compiled, Triton ops on the interpreter
+                m = True if magic == "default" else magic
+                return lambda i: gemv_int8(x, *qs[i % len(qs)], b, config=cfg, out=out, magic=m)
             return lambda i: gemv(x, ws[i % len(ws)], b, config=cfg, out=out)
 
         t_cublas = timed_ms(r, f"cublas_{name}_m{M}",
                             lambda i: torch.nn.functional.linear(x, ws[i % len(ws)], b), calls)
         heuristic = gemv_config(M, N, K, sms)
+        magics = ("default", "cvt") if quant and M > 8 else ("default",)
         timed = {}
-        for cfg in gemv_candidates(M, N, K, sms) if tune else [heuristic]:
-            try:
-                timed[cfg] = graph_ms(run(cfg), calls, replays=10)
-            except Exception as e:  # a config that does not compile (or capture) is skipped
-                r[f"{key}_cfg_error"] = f"{cfg}: {type(e).__name__}: {e}"[:500]
+        for cfg in gemv_candidates(M, N, K, sms, quant) if tune else [heuristic]:
+            for magic in magics:
+                try:
+                    timed[cfg, magic] = graph_ms(run(cfg, magic), calls, replays=10)
+                except Exception as e:  # a config that does not compile (or capture) is skipped
+                    r[f"{key}_cfg_error"] = f"{cfg} {magic}: {type(e).__name__}: {e}"[:500]
         if not timed:
             raise RuntimeError(f"{key}: no GEMV config ran (last error: {r.get(f'{key}_cfg_error')})")
-        best_cfg = min(timed, key=timed.get)
+        best_cfg, best_magic = min(timed, key=timed.get)
         if tuned is not None:
             tuned[int8_config_key(M, N, K) if quant else config_key(M, N, K)] = best_cfg
-        t_gemv = timed_ms(r, key, run(best_cfg), calls)
+        if len(magics) > 1:
+            r[f"{key}_magic"] = best_magic
+            for magic in magics:
+                r[f"{key}_{magic}_ms"] = min(t for (c, m), t in timed.items() if m == magic)
+        t_gemv = timed_ms(r, key, run(best_cfg, best_magic), calls)
         r[f"{key}_ms"], r[f"{key}_gbps"] = t_gemv, gbps(qbytes if quant else nbytes, t_gemv)
-        if heuristic in timed:
-            r[f"{key}_heuristic_ms"] = timed[heuristic]
+        if (heuristic, "default") in timed:
+            r[f"{key}_heuristic_ms"] = timed[heuristic, "default"]
         r[f"cublas_{name}_m{M}_ms"], r[f"cublas_{name}_m{M}_gbps"] = t_cublas, gbps(nbytes, t_cublas)
         r[f"{key}_vs_cublas"] = t_cublas / t_gemv  # > 1: the GEMV is faster
         r[f"{key}_config"] = repr(best_cfg)
