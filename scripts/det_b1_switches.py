@@ -10,8 +10,8 @@ Each variant is an engine of its own at the Qwen2.5-3B shape (random weights, bf
 with the GEMV at one or up to 8 rows, with PDL at one row only; the deterministic mode as it ships, with
 PDL up to 1, 4 or 8 rows, without PDL, and the earlier switches (SiLU·mul always in its own kernel, the
 generic matmul compile in the graphs); and (session 13) int8 weights as they ship (PDL at one row),
-with PDL to 8 rows, or with CUDA-core tiles at 2-8 rows; (session 14) any of these with the graph
-runner's copy-in and greedy argmax as before (``*_torch_copy_in``). Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
+with PDL to 8 rows, or with CUDA-core tiles at 2-8 rows; (session 14) any of these with the step's
+copy-in and the sampler's argmax as before (``*_torch_copy_in``) or only the argmax (``*_torch_argmax``). Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
 (what 09 reports) and its graph's GPU time alone (replays).
 
     python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
@@ -22,7 +22,6 @@ of scripts/h200_run.sh.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 from pathlib import Path
 
@@ -53,30 +52,21 @@ VARIANTS = {
     "int8_pdl_8_rows": (False, {"pdl_max_rows": 8}, "int8"),
     "int8_cuda_cores": (False, {"int8_tuned_configs": "cuda_cores_2_8"}, "int8"),
 }
-# session 14: the graph runner's copy-in as PyTorch copies (5 launches, more when padded) and the greedy
-# argmax outside the graph, as before the staging kernel and the in-graph argmax: "<variant>_torch_copy_in"
-# for every variant above. A name may end in "#n" to run a variant again (engine order moved batch-2 times).
-TORCH_COPY_IN = "_torch_copy_in"
+# session 14: the step's copy-in as PyTorch copies (5 launches, more when padded) and torch.argmax in the
+# sampler, as before kernels/step_inputs.py and kernels/argmax.py: "<variant>_torch_copy_in" (both as
+# before) or "<variant>_torch_argmax" (only the argmax) for every variant above. A name may end in "#n" to
+# run a variant again (the engine's order in the process moved batch-2 times before).
+OLD_PATHS = {"_torch_copy_in": ("copy_in", "argmax"), "_torch_argmax": ("argmax",)}
 
 
-@contextlib.contextmanager
-def torch_copy_in(enabled: bool):
-    """While building an engine: its graphs capture no argmax; after: ``old_copy_in(runner)``."""
-    from pageserve.engine import cuda_graphs
-
-    saved = cuda_graphs.GREEDY_IN_GRAPH_MAX_BS
-    if enabled:
-        cuda_graphs.GREEDY_IN_GRAPH_MAX_BS = 0
-    try:
-        yield
-    finally:
-        cuda_graphs.GREEDY_IN_GRAPH_MAX_BS = saved
-
-
-def old_copy_in(runner) -> None:
+def use_old_paths(runner, paths) -> None:
+    from pageserve.engine import sampler
     from pageserve.kernels.reference import stage_decode_inputs
 
-    runner.graphs._stage = stage_decode_inputs
+    if "copy_in" in paths:
+        runner.graphs._stage = stage_decode_inputs
+    if "argmax" in paths:
+        runner.sampler._argmax = sampler._torch_argmax
 
 
 def int8_cuda_core_configs() -> dict:
@@ -107,17 +97,17 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     rec = {**provenance(), "model": "qwen2.5-3b", "context": args.context, "variants": {}}
     for name in args.variants.split(","):
-        base = name.split("#")[0]
-        old = base.endswith(TORCH_COPY_IN)
-        det, options, *quant = VARIANTS[base.removesuffix(TORCH_COPY_IN)]
+        base, old = name.split("#")[0], ()
+        for suffix, paths in OLD_PATHS.items():
+            if base.endswith(suffix):
+                base, old = base.removesuffix(suffix), paths
+        det, options, *quant = VARIANTS[base]
         if options.get("int8_tuned_configs") == "cuda_cores_2_8":
             options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
-        with torch_copy_in(old):
-            llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048,
-                      max_num_seqs=64, cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
-                      quantization=quant[0] if quant else None)
-        if old:
-            old_copy_in(llm.engine.runner)
+        llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
+                  cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
+                  quantization=quant[0] if quant else None)
+        use_old_paths(llm.engine.runner, old)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()}}
         for b in batches:

@@ -206,6 +206,38 @@ def test_gemv_skinny_tiles_the_bench_sweeps_above_8_rows_match_linear(M, config,
         _ok(checks.check_gemv_int8(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config, magic=magic), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,V", [(1, 151936 if CUDA else 5000), (3, 2048), (5, 2049), (2, 7), (4, 4097)])
+def test_argmax_rows_matches_torch_argmax_first_maximum_included(B, V, dtype, gen):
+    from pageserve.kernels.argmax import argmax_rows
+
+    x = torch.randn(B, V, generator=gen).to(DEVICE, dtype)
+    torch.testing.assert_close(argmax_rows(x), x.argmax(dim=-1), rtol=0, atol=0)
+    # ties: the row's maximum planted twice, in two different blocks and inside one block; torch
+    # (and the sampler) take the first
+    x[:, V // 3] = x[:, -1] = x[:, max(V // 3 - 1, 0)] = 100.0
+    torch.testing.assert_close(argmax_rows(x), x.argmax(dim=-1), rtol=0, atol=0)
+    # -inf everywhere but one column (a vocabulary mask), NaN counts as the largest, rows strided
+    x.fill_(float("-inf"))
+    x[0, V - 1] = 0.0
+    if B > 1:
+        x[1, V // 2] = float("nan")
+        x[1, V - 1] = 1.0
+    torch.testing.assert_close(argmax_rows(x), x.argmax(dim=-1), rtol=0, atol=0)
+    wide = torch.randn(B, V + 40, generator=gen).to(DEVICE, dtype)
+    torch.testing.assert_close(argmax_rows(wide[:, :V]), wide[:, :V].argmax(dim=-1), rtol=0, atol=0)
+
+
+def test_argmax_rows_rejects_what_it_cannot_reduce():
+    from pageserve.kernels.argmax import argmax_rows
+
+    with pytest.raises(ValueError, match="at least one column"):
+        argmax_rows(torch.zeros(2, 0, device=DEVICE))
+    with pytest.raises(ValueError, match="x"):
+        argmax_rows(torch.zeros(4, device=DEVICE))
+    assert argmax_rows(torch.zeros(0, 8, device=DEVICE)).shape == (0,)
+
+
 def test_wrappers_reject_bad_arguments_with_named_errors():
     from pageserve.kernels import gemv, rms_norm, write_kv
 

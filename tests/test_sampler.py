@@ -348,3 +348,18 @@ def test_cuda_sampler_matches_cpu_for_seeded_and_greedy_rows():
     assert gpu.token_ids == cpu.token_ids
     assert gpu.token_ids_gpu.is_cuda
     assert gpu.logprobs == pytest.approx(cpu.logprobs, abs=1e-4)
+
+
+def test_the_sampler_takes_its_argmax_from_the_triton_kernel_on_cuda_only():
+    from pageserve.engine import sampler as sampler_mod
+
+    assert Sampler(V, "cpu")._argmax is sampler_mod._torch_argmax
+    if torch.cuda.is_available():
+        from pageserve.kernels.argmax import argmax_rows
+
+        assert Sampler(V, "cuda")._argmax is argmax_rows
+        # a greedy batch over a vocabulary-sized row: the kernel's tokens are torch's
+        logits = torch.randn(3, 151936, device="cuda")
+        out = Sampler(151936, "cuda").sample(logits, [SamplingParams(temperature=0)] * 3, [[1]] * 3, [[]] * 3,
+                                             [None] * 3)
+        assert out.token_ids == logits.argmax(dim=-1).tolist()

@@ -2,7 +2,7 @@
 
 One graph per batch-size bucket (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, … up to ``max_bs``),
 all sharing one memory pool, captured largest first. Every per-step input lives in a static
-device buffer that is refreshed with ``copy_`` before replay:
+device buffer that is refreshed before replay:
 
     input_ids, positions, slot_mapping   [max_bs]
     seq_lens                             [max_bs]
@@ -10,15 +10,13 @@ device buffer that is refreshed with ``copy_`` before replay:
     query_start_loc                      [max_bs + 1]  (= arange: one token per sequence)
 
 Each graph ends with the output head, so a replay yields the fp32 logits of every row
-(in a decode step every sequence samples); graphs of up to ``GREEDY_IN_GRAPH_MAX_BS`` rows
-also take each row's argmax, which the sampler uses when every row is plain greedy (the
-same ``torch.argmax``, so the same token as eagerly, one launch fewer a step). A batch of
-``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V is not
-written) and seq_len 0 (attention writes zeros for them), so they touch nothing real.
-Prefill and batches larger than ``max_bs`` run eagerly.
+(in a decode step every sequence samples). A batch of ``bs`` decodes is padded to the next
+bucket: padded rows get slot -1 (their K/V is not written) and seq_len 0 (attention writes
+zeros for them), so they touch nothing real. Prefill and batches larger than ``max_bs`` run
+eagerly.
 
 On CUDA the copy-in is one Triton launch (``kernels.step_inputs``) instead of five to nine
-PyTorch copies: at batch 1 each of those is a launch on the stream ahead of the replay.
+PyTorch copies, each a launch on the stream ahead of the replay.
 
 Where graphs are unavailable (the CPU) ``capture=False`` keeps the same static buffers and
 padding but runs the model eagerly on them: CI checks the bookkeeping with the same code.
@@ -30,12 +28,6 @@ import bisect
 import torch
 
 from ..model.attention import AttentionMetadata, PagedAttention
-
-
-# Buckets up to this many rows end with the argmax of their logits: a launch saved for greedy
-# steps at small batch, where launches show; above it the argmax's read of [bs, V] fp32 would
-# cost sampled steps more than the launch it saves greedy ones.
-GREEDY_IN_GRAPH_MAX_BS = 64
 
 
 def bucket_sizes(max_bs: int) -> list[int]:
@@ -52,11 +44,9 @@ class CUDAGraphRunner:
         max_bs: int,
         max_blocks_per_seq: int,
         capture: bool | None = None,
-        vocab_size: int | None = None,
         stage_kernel: bool | None = None,
     ) -> None:
-        """``vocab_size``: the columns the in-graph argmax looks at (the sampler's; default the
-        model's). ``stage_kernel``: copy inputs in with the Triton kernel (default: on CUDA)."""
+        """``stage_kernel``: copy inputs in with the Triton kernel (default: on CUDA)."""
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
@@ -67,7 +57,6 @@ class CUDAGraphRunner:
         else:
             from ..kernels.reference import stage_decode_inputs
         self._stage = stage_decode_inputs
-        self.vocab_size = vocab_size or model.cfg.vocab_size
         self.max_bs = max_bs
         self.buckets = bucket_sizes(max_bs)
         dev, i32, i64 = self.device, torch.int32, torch.int64
@@ -81,8 +70,6 @@ class CUDAGraphRunner:
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> its graph's output [bucket, V] fp32
-        self.greedy: dict[int, torch.Tensor] = {}  # bucket -> its graph's argmax [bucket] int64
-        self.last_greedy: torch.Tensor | None = None  # the last run's argmax rows, when its graph has them
         self.pool = None
 
     def _context(self, bs: int) -> PagedAttention:
@@ -100,9 +87,6 @@ class CUDAGraphRunner:
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
         return self.model.compute_logits(self.hidden[:bs])  # [bs, V] fp32
 
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits[:, : self.vocab_size].argmax(dim=-1)  # [bs] int64, as the sampler's
-
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool."""
@@ -115,8 +99,6 @@ class CUDAGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[bs] = self._forward(bs)
-                if bs <= GREEDY_IN_GRAPH_MAX_BS:
-                    self.greedy[bs] = self._greedy(self.logits[bs])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
@@ -133,8 +115,7 @@ class CUDAGraphRunner:
             torch.cuda.synchronize(self.device)
         for g in self.graphs.values():
             g.reset()
-        self.graphs, self.logits, self.greedy, self.pool = {}, {}, {}, None
-        self.last_greedy = None
+        self.graphs, self.logits, self.pool = {}, {}, None
 
     def _reset_padding(self, upto: int) -> None:
         self.slot_mapping[:upto].fill_(-1)
@@ -154,17 +135,13 @@ class CUDAGraphRunner:
     ) -> torch.Tensor:
         """One decode step for bs sequences (one token each) -> logits [bs, V] fp32 (a view
         of a graph's output buffer: read it before the next call). Inputs may be int64; the
-        copy into the static buffers converts. ``last_greedy`` then holds the rows' argmax
-        (a view of the graph's buffer, same lifetime) or None where the graph has none."""
+        copy into the static buffers converts."""
         bs = input_ids.shape[0]
         padded = self.buckets[bisect.bisect_left(self.buckets, bs)]
         self._copy_in(input_ids, positions, slot_mapping, seq_lens, block_tables, padded)
         if padded in self.graphs:
             self.graphs[padded].replay()
-            greedy = self.greedy.get(padded)
-            self.last_greedy = None if greedy is None else greedy[:bs]
             return self.logits[padded][:bs]
-        self.last_greedy = None
         return self._forward(padded)[:bs]
 
     def _copy_in(self, input_ids, positions, slot_mapping, seq_lens, block_tables, padded: int) -> None:

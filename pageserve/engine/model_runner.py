@@ -149,7 +149,6 @@ class ModelRunner:
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps
-        self.graph_greedy: torch.Tensor | None = None  # the last step's argmax rows from its graph, if any
         if self.device.type == "cuda" and not config.enforce_eager:
             if getattr(self.ops, "graph_safe", False):
                 try:
@@ -171,8 +170,7 @@ class ModelRunner:
         from .cuda_graphs import CUDAGraphRunner
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
-        self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture,
-                                      vocab_size=getattr(self.sampler, "vocab_size", None))
+        self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture)
         self.graphs.capture()
 
     # ------------------------------------------------------------------ KV pool size
@@ -322,7 +320,6 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [s.seed for s in seqs],
             [s.num_output_tokens for s in seqs],
-            greedy_ids=self.graph_greedy,
         )
 
     @torch.inference_mode()
@@ -334,13 +331,10 @@ class ModelRunner:
         B = x.seq_lens.shape[0]
         input_ids = self.step_input_ids(x, d, prev_tokens)
         S = x.logits_indices.shape[0]
-        self.graph_greedy = None
         if self.graphs is not None and x.max_query_len == 1 and S == B and self.graphs.can_run(B, x.num_tokens == B):
             # one token per sequence and every one samples (not so when a prompt's chunk is a
             # single token short of its end): the graph ends with the output head over all B rows
-            logits = self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
-            self.graph_greedy = self.graphs.last_greedy
-            return logits
+            return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
         hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
         if x.logits_indices.shape[0] == 0:
             return None

@@ -180,3 +180,8 @@ def stage_decode_inputs(
     pos[bs:padded].zero_()
     slots[bs:padded].fill_(-1)
     lens[bs:padded].zero_()
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [B, V] -> [B] int64: each row's first maximal index (NaN counts as the largest)."""
+    return x.argmax(dim=-1)
