@@ -1,0 +1,73 @@
+"""The sampler's argmax, Triton kernel against torch.argmax, in one engine (session 14).
+
+At 39690c1 ``det_b1_switches`` saw the default engine (Triton argmax) 16-20 µs faster at batch 1
+than the same engine built with torch.argmax, as predicted, but also ~110-140 µs faster at batches
+2 and 8 *in its graph's replay time*, where nothing in the graph differs. Separate engines were built
+per variant, so this script keeps one engine and alternates only ``sampler._argmax``, and checks
+that both give the same greedy tokens (a wrong token stream could change the step's cost through
+the data it feeds the GPU).
+
+    python scripts/argmax_ab.py --out DIR [--batches 1,2,8] [--rounds 2]
+
+Writes DIR/argmax_ab.json (with the commit). Qwen2.5-3B shape, random weights, bf16, graphs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from pageserve.engine import sampler as sampler_mod
+from pageserve.engine.llm import LLM
+from pageserve.kernels.argmax import argmax_rows
+from pageserve.lab import bench
+from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
+from pageserve.lab.results import provenance
+
+ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batches", default="1,2,8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("argmax_ab times CUDA-graphed engine steps: it needs a GPU")
+    batches = [int(b) for b in args.batches.split(",")]
+    out = Path(args.out) / "argmax_ab.json"
+    llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
+              cuda_graph_max_bs=max(batches))
+    vocab = bench.prompt_vocab_size(llm)
+    bench.warmup(llm, vocab)
+    sampler = llm.engine.runner.sampler
+    rec = {**provenance(), "model": "qwen2.5-3b", "context": args.context, "rounds": [], "tokens_equal": {}}
+    prompts = bench.random_workload(8, 64, 1, vocab, seed=7).prompts
+    for b in batches:  # same prompts, greedy, 48 tokens: both argmaxes must produce the same text
+        toks = {}
+        for name, fn in ARGMAX.items():
+            sampler._argmax = fn
+            outs = llm.generate(prompts[:b], bench.greedy_params(48), use_tqdm=False)
+            toks[name] = [o.outputs[0].token_ids for o in outs]
+        rec["tokens_equal"][f"b{b}"] = toks["triton"] == toks["torch"]
+    for r in range(args.rounds):
+        for name, fn in ARGMAX.items():
+            sampler._argmax = fn
+            row = {"round": r, "argmax": name}
+            for b in batches:
+                row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
+                row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)
+            rec["rounds"].append(row)
+            print(row, flush=True)
+            out.write_text(json.dumps(rec, indent=1))
+    print("tokens equal:", rec["tokens_equal"], flush=True)
+    out.write_text(json.dumps(rec, indent=1))
+
+
+if __name__ == "__main__":
+    main()
