@@ -14,6 +14,7 @@ Writes DIR/argmax_ab.json (with the commit). Qwen2.5-3B shape, random weights, b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.lab.results import provenance
 
-ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax}
+ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax,
+          "triton_no_pdl": functools.partial(argmax_rows, pdl=False)}  # is the batch-2/8 effect PDL's?
 
 
 def main() -> None:
@@ -54,7 +56,7 @@ def main() -> None:
             sampler._argmax = fn
             outs = llm.generate(prompts[:b], bench.greedy_params(48), use_tqdm=False)
             toks[name] = [o.outputs[0].token_ids for o in outs]
-        rec["tokens_equal"][f"b{b}"] = toks["triton"] == toks["torch"]
+        rec["tokens_equal"][f"b{b}"] = all(t == toks["torch"] for t in toks.values())
     for r in range(args.rounds):
         for name, fn in ARGMAX.items():
             sampler._argmax = fn
