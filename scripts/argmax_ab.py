@@ -27,8 +27,26 @@ from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.lab.results import provenance
 
+def argmax_pdl_any_rows(x: torch.Tensor) -> torch.Tensor:
+    """``argmax_rows`` launched under PDL whatever the row count (the wrapper stops at 8 rows, as
+    every decode kernel does): does the batch-2/8 effect reach larger batches?"""
+    from pageserve.kernels import argmax as am
+
+    B, V = x.shape
+    parts = -(-V // am.BLOCK)
+    out = torch.empty(B, dtype=torch.int64, device=x.device)
+    vals = torch.empty(B, parts, dtype=torch.float32, device=x.device)
+    idxs = torch.empty(B, parts, dtype=torch.int32, device=x.device)
+    kw = {"USE_PDL": True, "launch_pdl": True}
+    am._argmax_partial_kernel[(B, parts)](x, vals, idxs, V, x.stride(0), parts, BLOCK=am.BLOCK, num_warps=4, **kw)
+    am._argmax_reduce_kernel[(B,)](vals, idxs, out, V, parts, BLOCK_P=max(16, 1 << (parts - 1).bit_length()),
+                                   num_warps=4, **kw)
+    return out
+
+
 ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax,
-          "triton_no_pdl": functools.partial(argmax_rows, pdl=False)}  # is the batch-2/8 effect PDL's?
+          "triton_no_pdl": functools.partial(argmax_rows, pdl=False),  # is the batch-2/8 effect PDL's?
+          "triton_pdl_any_rows": argmax_pdl_any_rows}
 
 
 def main() -> None:
@@ -36,6 +54,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", default="1,2,8")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default=",".join(ARGMAX))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args()
@@ -58,8 +77,8 @@ def main() -> None:
             toks[name] = [o.outputs[0].token_ids for o in outs]
         rec["tokens_equal"][f"b{b}"] = all(t == toks["torch"] for t in toks.values())
     for r in range(args.rounds):
-        for name, fn in ARGMAX.items():
-            sampler._argmax = fn
+        for name in args.variants.split(","):
+            sampler._argmax = ARGMAX[name]
             row = {"round": r, "argmax": name}
             for b in batches:
                 row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
