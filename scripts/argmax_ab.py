@@ -27,26 +27,11 @@ from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.lab.results import provenance
 
-def argmax_pdl_any_rows(x: torch.Tensor) -> torch.Tensor:
-    """``argmax_rows`` launched under PDL whatever the row count (the wrapper stops at 8 rows, as
-    every decode kernel does): does the batch-2/8 effect reach larger batches?"""
-    from pageserve.kernels import argmax as am
-
-    B, V = x.shape
-    parts = -(-V // am.BLOCK)
-    out = torch.empty(B, dtype=torch.int64, device=x.device)
-    vals = torch.empty(B, parts, dtype=torch.float32, device=x.device)
-    idxs = torch.empty(B, parts, dtype=torch.int32, device=x.device)
-    kw = {"USE_PDL": True, "launch_pdl": True}
-    am._argmax_partial_kernel[(B, parts)](x, vals, idxs, V, x.stride(0), parts, BLOCK=am.BLOCK, num_warps=4, **kw)
-    am._argmax_reduce_kernel[(B,)](vals, idxs, out, V, parts, BLOCK_P=max(16, 1 << (parts - 1).bit_length()),
-                                   num_warps=4, **kw)
-    return out
-
-
+# "triton" launches under PDL at any row count since b694991; at c6f794a it stopped at 8 rows like every
+# decode kernel, and the record's "triton_pdl_any_rows" variant (a copy of the wrapper's launch, removed
+# once it became the default) is today's "triton"
 ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax,
-          "triton_no_pdl": functools.partial(argmax_rows, pdl=False),  # is the batch-2/8 effect PDL's?
-          "triton_pdl_any_rows": argmax_pdl_any_rows}
+          "triton_no_pdl": functools.partial(argmax_rows, pdl=False)}  # is the batch-2/8 effect PDL's?
 
 
 def main() -> None:
