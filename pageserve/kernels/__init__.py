@@ -12,6 +12,7 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``gemv``          GEMV / skinny GEMM for M <= 8, split-K or not (large M stays on cuBLAS);
                     also the down projection fused with SiLU(gate) * up
 - ``step_inputs``   a decode step's inputs into the CUDA graphs' static buffers in one launch
+- ``argmax``        each row's first maximal index over the vocabulary (the sampler's pick)
 - ``gemv_int8``     int8 weight-only (W8A16) linears: the decode GEMV (and its SiLU·mul form),
                     a GEMM for larger M, and a dequantize kernel for dequantize-then-cuBLAS
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from . import reference  # noqa: F401
 from .activation import silu_and_mul
+from .argmax import argmax_rows
 from ._util import interpreting
 from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
 from .gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, silu_mul_gemv_int8
@@ -42,6 +44,6 @@ from .step_inputs import stage_decode_inputs
 __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
     "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
-    "rotary", "rotary_write_kv", "stage_decode_inputs", "paged_decode_attention", "paged_prefill_attention",
+    "rotary", "rotary_write_kv", "stage_decode_inputs", "argmax_rows", "paged_decode_attention", "paged_prefill_attention",
     "matmul_invariant", "paged_attention_invariant",  # batch-invariant (deterministic mode, issue 15)
 ]
