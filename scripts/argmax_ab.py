@@ -23,6 +23,7 @@ import torch
 from pageserve.engine import sampler as sampler_mod
 from pageserve.engine.llm import LLM
 from pageserve.kernels.argmax import argmax_rows
+from pageserve.kernels.step_inputs import stage_decode_inputs
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.lab.results import provenance
@@ -31,7 +32,8 @@ from pageserve.lab.results import provenance
 # decode kernel, and the record's "triton_pdl_any_rows" variant (a copy of the wrapper's launch, removed
 # once it became the default) is today's "triton"
 ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax,
-          "triton_no_pdl": functools.partial(argmax_rows, pdl=False)}  # is the batch-2/8 effect PDL's?
+          "triton_no_pdl": functools.partial(argmax_rows, pdl=False),  # is the batch-2/8 effect PDL's?
+          "triton_stage_pdl": argmax_rows}  # and the copy-in before the replay under PDL too (session 15)
 
 
 def main() -> None:
@@ -64,6 +66,8 @@ def main() -> None:
     for r in range(args.rounds):
         for name in args.variants.split(","):
             sampler._argmax = ARGMAX[name]
+            graphs = llm.engine.runner.graphs
+            graphs._stage = functools.partial(stage_decode_inputs, pdl=None if name.endswith("stage_pdl") else False)
             row = {"round": r, "argmax": name}
             for b in batches:
                 row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .reference import stage_decode_inputs as stage_decode_inputs_reference
-from ._util import check, check_device
+from ._util import check, check_device, pdl_args, pdl_enter
 
 __all__ = ["stage_decode_inputs", "stage_decode_inputs_reference"]
 
@@ -32,8 +32,9 @@ def _stage_decode_kernel(
     ids_src, pos_src, slot_src, lens_src, bt_src,
     ids_dst, pos_dst, slot_dst, lens_dst, bt_dst,
     bs, nb, stride_src, stride_dst,
-    BLOCK_NB: tl.constexpr,
+    BLOCK_NB: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     if r < bs:
         tl.store(ids_dst + r, tl.load(ids_src + r).to(ids_dst.dtype.element_ty))
@@ -54,12 +55,14 @@ def _stage_decode_kernel(
 
 def stage_decode_inputs(
     input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, dst: tuple[torch.Tensor, ...], padded: int,
+    block_tables: torch.Tensor, dst: tuple[torch.Tensor, ...], padded: int, pdl: bool | None = False,
 ) -> None:
     """Copy bs rows of decode inputs into the static buffers ``dst`` = (input_ids [max_bs],
     positions [max_bs], slot_mapping [max_bs], seq_lens [max_bs], block_tables [max_bs,
     max_blocks]) and mark rows bs..padded-1 as padding. Sources: [bs] and [bs, nb] integer
-    tensors (any integer dtype the destination can hold; not range-checked)."""
+    tensors (any integer dtype the destination can hold; not range-checked). ``pdl``: off by
+    default (as measured so far); None/True: ``_util.use_pdl`` at any batch size, for the A/B
+    that asks whether a PDL launch before a replay helps as one after it does (kernels/NOTES.md)."""
     ids_d, pos_d, slot_d, lens_d, bt_d = dst
     bs = input_ids.shape[0]
     check("block_tables", block_tables, ndim=2, dtype=_INT_DTYPES)
@@ -81,5 +84,5 @@ def stage_decode_inputs(
         input_ids, positions, slot_mapping, seq_lens, block_tables,
         ids_d, pos_d, slot_d, lens_d, bt_d,
         bs, nb, block_tables.stride(0), bt_d.stride(0),
-        BLOCK_NB=_BLOCK_NB, num_warps=1,
+        BLOCK_NB=_BLOCK_NB, num_warps=1, **pdl_args(ids_d, 1, pdl),
     )
