@@ -12,7 +12,12 @@ engine (after a W1-shaped warm-up), the engine's defaults.
 Each events pass also lists the Triton kernels compiled during it (a compile stalls the host
 mid-step; the GPU's wait shows inside that step's events).
 
-    python scripts/w1_profile.py --out DIR [--requests 500] [--top 40] [--modes default,deterministic] [--no-cprofile]
+    python scripts/w1_profile.py --out DIR [--workload w1|nanovllm|chat] [--requests N] [--top 40]
+                                 [--modes default,deterministic] [--no-cprofile]
+
+``--workload``: another of the benchmark workloads through the same two passes (issue 14's nano-vllm
+convention, the chat-like one), with its own default size unless ``--requests`` is given; the record is
+then DIR/<workload>_profile.json.
 
 Writes DIR/w1_profile.json (with the commit; with --modes, the events pass of each mode, one
 engine at a time, under ``modes``, a list of passes) and prints a summary. GPU only.
@@ -33,7 +38,6 @@ from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
 from pageserve.lab.results import provenance
-from pageserve.lab.workloads import w1_workload
 
 
 def idle_split(marks: list[tuple]) -> dict:
@@ -143,11 +147,18 @@ def cprofile_pass(llm, workload, top: int) -> dict:
     return {"wall_s_under_profiler": wall, "top": rows}
 
 
+def build_workload(name: str, vocab: int, requests: int | None, seed: int = 0):
+    """The benchmark workload ``name`` (``lab.workloads.WORKLOADS``), ``requests`` long if given."""
+    kwargs = {"seed": seed} if requests is None else {"seed": seed, "num_requests": requests}
+    return WorkloadSpec(name, kwargs).build(vocab)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="qwen2.5-3b")
-    ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--workload", default="w1", choices=["w1", "nanovllm", "chat"])
+    ap.add_argument("--requests", type=int, default=None, help="default: the workload's own (W1 500)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--modes", default=None, help="e.g. default,deterministic: the events pass of each (no cProfile)")
     ap.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True)
@@ -157,17 +168,17 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     vocab = workload_vocab(args.model)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / "w1_profile.json"
+    path = Path(args.out) / f"{args.workload}_profile.json"
     if args.modes:
-        rec = {**provenance(), "model": args.model, "requests": args.requests, "modes": {}}
+        rec = {**provenance(), "model": args.model, "workload": args.workload, "requests": args.requests, "modes": {}}
         rec["max_model_len"] = args.max_model_len
         for mode in args.modes.split(","):
             kw = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
             llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, deterministic=mode == "deterministic", **kw)
-            bench.run_pageserve(llm, warmup_workload(WorkloadSpec("w1", {}), vocab, num_requests=32))
+            bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
             rec["modes"][mode] = []
             for i in range(args.passes):
-                e = events_pass(llm, w1_workload(vocab, num_requests=args.requests, seed=i))
+                e = events_pass(llm, build_workload(args.workload, vocab, args.requests, seed=i))
                 rec["modes"][mode].append(e)
                 _print(f"{mode} pass {i + 1}", e)
                 path.write_text(json.dumps(rec, indent=1))
@@ -176,14 +187,14 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.empty_cache()
         return
     llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0)
-    bench.run_pageserve(llm, warmup_workload(WorkloadSpec("w1", {}), vocab, num_requests=32))
-    w = w1_workload(vocab, num_requests=args.requests)
-    rec = {**provenance(), "model": args.model, "requests": args.requests,
+    bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
+    w = build_workload(args.workload, vocab, args.requests)
+    rec = {**provenance(), "model": args.model, "workload": args.workload, "requests": len(w.requests),
            "max_num_seqs": llm.engine.config.max_num_seqs, "events": events_pass(llm, w)}
     _print("default", rec["events"])
     path.write_text(json.dumps(rec, indent=1))
     if args.cprofile:
-        rec["cprofile"] = cprofile_pass(llm, w1_workload(vocab, num_requests=args.requests, seed=1), args.top)
+        rec["cprofile"] = cprofile_pass(llm, build_workload(args.workload, vocab, args.requests, seed=1), args.top)
         print("\n".join(rec["cprofile"]["top"]["tottime"][:45]), flush=True)
         path.write_text(json.dumps(rec, indent=1))
 
