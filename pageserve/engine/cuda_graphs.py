@@ -66,6 +66,7 @@ class CUDAGraphRunner:
         self.seq_lens = torch.zeros(max_bs, dtype=i32, device=dev)
         self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=i32, device=dev)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=dev)
+        self._static_inputs = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
         self.hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=kv_cache.dtype, device=dev)
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -145,8 +146,7 @@ class CUDAGraphRunner:
         return self._forward(padded)[:bs]
 
     def _copy_in(self, input_ids, positions, slot_mapping, seq_lens, block_tables, padded: int) -> None:
-        dst = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
-        self._stage(input_ids, positions, slot_mapping, seq_lens, block_tables, dst, padded)
+        self._stage(input_ids, positions, slot_mapping, seq_lens, block_tables, self._static_inputs, padded)
 
     @torch.inference_mode()
     def eager_logits(self, bs: int) -> torch.Tensor:

@@ -164,12 +164,11 @@ def all_reduce_sum(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def stage_decode_inputs(
     input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
-    block_tables: torch.Tensor, dst: tuple[torch.Tensor, ...], padded: int, pdl: bool | None = None,
+    block_tables: torch.Tensor, dst: tuple[torch.Tensor, ...], padded: int,
 ) -> None:
     """A decode step's [bs] / [bs, nb] inputs into static [max_bs] / [max_bs, max_blocks]
     buffers (converting dtypes); rows bs..padded-1 become padding: id 0, position 0, slot -1
-    (no KV write), length 0 (no attention). Table columns past nb are left alone. ``pdl``: the
-    kernel's launch option, unused here."""
+    (no KV write), length 0 (no attention). Table columns past nb are left alone."""
     ids, pos, slots, lens, tables = dst
     bs, nb = block_tables.shape
     ids[:bs].copy_(input_ids)
