@@ -3,8 +3,9 @@ engine (after a W1-shaped warm-up), the engine's defaults.
 
 1. CUDA events around every ``runner.execute`` (its input copies, forward, sampler): per step
    its GPU time and the GPU's idle time before it (no engine work queued: the host was late),
-   split by step kind (graphed decode / eager mixed or prefill). W1's wall time = the steps'
-   GPU time + the idle.
+   split by step kind (graphed decode / eager mixed or prefill), and the graphed decode steps by
+   their number of rows (with their mean context). W1's wall time = the steps' GPU time + the idle.
+   (Counting a step's rows and context costs the host ~10-40 µs a step, inside the timed pass.)
 2. cProfile over the whole W1 (host hot spots; the profiler slows the host, so this pass's
    wall time is not W1's): the functions with the most own time and the most cumulative time.
    A host sync inside a launch shows up as a C function (``synchronize``, ``item``, ``tolist``,
@@ -41,17 +42,36 @@ from pageserve.lab.results import provenance
 
 
 def idle_split(marks: list[tuple]) -> dict:
-    """``marks``: per step (start event, end event, graphed) in launch order, completed.
+    """``marks``: per step (start event, end event, graphed, ...) in launch order, completed.
     Returns per kind ("decode" graphed, "eager" otherwise): steps, GPU ms of the steps, and
     idle ms before them (the first step's idle is not counted)."""
     out = {k: {"steps": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0} for k in ("decode", "eager")}
-    for i, (s, e, graphed) in enumerate(marks):
+    for i, (s, e, graphed, *_) in enumerate(marks):
         row = out["decode" if graphed else "eager"]
         row["steps"] += 1
         row["gpu_ms"] += s.elapsed_time(e)
         if i:
             row["idle_before_ms"] += marks[i - 1][1].elapsed_time(s)
     return out
+
+
+DECODE_BANDS = (1, 8, 32, 64, 128, 256, 512, 1 << 30)
+
+
+def decode_bands(marks: list[tuple]) -> list[dict]:
+    """The graphed decode steps grouped by their number of sequences (``DECODE_BANDS``: rows in
+    (lo, hi]): per band steps, GPU ms in all, ms a step, and the mean context a sequence (the KV
+    each row's attention reads), so a workload's decode time can be set against where it goes."""
+    rows = []
+    for lo, hi in zip((0,) + DECODE_BANDS[:-1], DECODE_BANDS):
+        sel = [(s.elapsed_time(e), b, ctx) for s, e, graphed, b, ctx in marks if graphed and lo < b <= hi]
+        if sel:
+            ms = sum(t for t, _, _ in sel)
+            rows.append({"rows": (f"{hi}" if hi == lo + 1 else f"{lo + 1}-{hi}") if hi < 1 << 30 else f">{lo}", "steps": len(sel),
+                         "gpu_ms": ms, "ms_per_step": ms / len(sel),
+                         "mean_rows": sum(b for _, b, _ in sel) / len(sel),
+                         "mean_context": sum(c for _, _, c in sel) / len(sel)})
+    return rows
 
 
 class CompileLog:
@@ -98,11 +118,13 @@ def events_pass(llm, workload) -> dict:
         e.record()
         return e
 
-    def timed_execute(*a, **k):
+    def timed_execute(batch, *a, **k):
         graphed[0] = False
+        rows = len(batch)
+        ctx = sum(s.num_computed_tokens for s in batch.seqs) / max(rows, 1)
         start = ev()
-        out = execute(*a, **k)
-        marks.append([start, ev(), graphed[0]])
+        out = execute(batch, *a, **k)
+        marks.append([start, ev(), graphed[0], rows, ctx])
         return out
 
     run = graphs.run if graphs is not None else None
@@ -128,7 +150,8 @@ def events_pass(llm, workload) -> dict:
     split = idle_split(marks)
     return {"wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
             "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
-            "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary()}
+            "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary(),
+            "decode_by_rows": decode_bands(marks)}
 
 
 def cprofile_pass(llm, workload, top: int) -> dict:
@@ -205,6 +228,9 @@ def _print(mode: str, e: dict) -> None:
     for kind, v in e["kinds"].items():
         print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms",
               flush=True)
+    for b in e.get("decode_by_rows", []):
+        print(f"  decode {b['rows']:>8} rows: {b['steps']:4d} steps, GPU {b['gpu_ms']:7.0f} ms, {b['ms_per_step']:.3f} ms a step"
+              f" (mean {b['mean_rows']:.0f} rows, context {b['mean_context']:.0f})", flush=True)
     print(f"  Triton compiles inside the pass: {e['jit']}", flush=True)
 
 

@@ -155,3 +155,26 @@ def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
     split = w1_profile.idle_split(marks)
     assert split["eager"] == {"steps": 1, "gpu_ms": 80, "idle_before_ms": 0.0}
     assert split["decode"] == {"steps": 2, "gpu_ms": 18, "idle_before_ms": 6}
+
+
+def test_w1_profile_groups_decode_steps_by_rows():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import w1_profile
+
+    class Ev:
+        def __init__(self, t):
+            self.t = t
+
+        def elapsed_time(self, later):
+            return later.t - self.t
+
+    # (start, end, graphed, rows, mean context): one row, two steps of 60/64 rows, an eager step that is not counted
+    marks = [(Ev(0), Ev(2), True, 1, 500), (Ev(2), Ev(5), True, 64, 700), (Ev(5), Ev(20), False, 100, 300),
+             (Ev(20), Ev(25), True, 60, 900)]
+    bands = w1_profile.decode_bands(marks)
+    assert [b["rows"] for b in bands] == ["1", "33-64"]
+    assert bands[1]["steps"] == 2 and bands[1]["gpu_ms"] == 8 and bands[1]["ms_per_step"] == 4
+    assert bands[1]["mean_rows"] == 62 and bands[1]["mean_context"] == 800
