@@ -7,6 +7,9 @@ per variant, so this script keeps one engine and alternates only ``sampler._argm
 that both give the same greedy tokens (a wrong token stream could change the step's cost through
 the data it feeds the GPU).
 
+Each batch's timings also log the SM clock (``ClockLog``, session 15): whether a variant that runs
+faster runs at another clock.
+
     python scripts/argmax_ab.py --out DIR [--batches 1,2,8] [--rounds 2]
 
 Writes DIR/argmax_ab.json (with the commit). Qwen2.5-3B shape, random weights, bf16, graphs.
@@ -16,6 +19,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -36,6 +41,45 @@ ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax,
           "triton_stage_pdl": argmax_rows}  # and the copy-in before the replay under PDL too (session 15)
 
 
+class ClockLog:
+    """The GPU's SM clock (MHz) polled every ``period`` s while active (NVML through pynvml when
+    importable, else ``nvidia-smi``): is a variant's speed the GPU running at another clock?"""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period, self.mhz = period, []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self._read = lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+        except Exception:  # no pynvml: one nvidia-smi call a sample (~20-50 ms each)
+            self._read = lambda: int(subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i",
+                 str(torch.cuda.current_device())], capture_output=True, text=True, timeout=5).stdout.split()[0])
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.mhz.append(self._read())
+            except Exception:
+                return
+
+    def __enter__(self) -> "ClockLog":
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        m = self.mhz
+        return {"samples": len(m), "mean_mhz": sum(m) / len(m) if m else None, "min_mhz": min(m, default=None),
+                "max_mhz": max(m, default=None)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -49,7 +93,7 @@ def main() -> None:
         raise SystemExit("argmax_ab times CUDA-graphed engine steps: it needs a GPU")
     batches = [int(b) for b in args.batches.split(",")]
     out = Path(args.out) / "argmax_ab.json"
-    llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
+    llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(64, *batches),
               cuda_graph_max_bs=max(batches))
     vocab = bench.prompt_vocab_size(llm)
     bench.warmup(llm, vocab)
@@ -70,8 +114,10 @@ def main() -> None:
             graphs._stage = functools.partial(stage_decode_inputs, pdl=None if name.endswith("stage_pdl") else False)
             row = {"round": r, "argmax": name}
             for b in batches:
-                row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
-                row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)
+                with ClockLog() as clocks:
+                    row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
+                    row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)
+                row[f"b{b}_sm_clock"] = clocks.summary()
             rec["rounds"].append(row)
             print(row, flush=True)
             out.write_text(json.dumps(rec, indent=1))

@@ -4,12 +4,15 @@ On the CPU the runner keeps the same static buffers, bucket padding (slot -1, se
 and copy-in as on the GPU, but runs the model eagerly on them instead of replaying a graph;
 on CUDA the same tests capture and replay real graphs.
 """
+import dataclasses
+
 import pytest
 import torch
 
 from pageserve.engine.cuda_graphs import bucket_sizes
 from pageserve.lab.decode_bench import capture_logits, graph_vs_eager, staggered_decode_workload
 from pageserve.engine.llm import LLM
+from pageserve.engine.sampling_params import SamplingParams
 from pageserve.model.decoder import Decoder
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,3 +228,35 @@ def test_a_one_token_prompt_chunk_that_does_not_sample_keeps_the_step_off_the_gr
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
     assert (2, 1, 1) in shapes  # the step in question ran: 2 sequences, 1 sampling
     assert all(rows == samplers for _, samplers, rows in shapes), shapes  # one logits row per sampling sequence
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's JIT compiles only on the GPU (the CPU interpreter compiles nothing)")
+def test_new_prompt_lengths_compile_no_attention_or_rope_variant_after_a_warm_up(tiny_qwen2_config):
+    # Triton specialises a launch on each pointer's 16-byte alignment and on integer arguments
+    # equal to 1 or divisible by 16; a step's inputs at offsets that follow its token count, or
+    # the block-table width as a specialised stride, made the nano-vllm workload compile
+    # `_rope_kv_kernel` and `_prefill_kernel` again mid-run on the H200 (c9b266a), ~1 s of stall
+    triton = pytest.importorskip("triton")
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if knobs is None or not hasattr(knobs, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    cfg = dataclasses.replace(tiny_qwen2_config, head_dim=32, hidden_size=128)  # variants of its own
+    model = Decoder(cfg).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="bfloat16", block_size=8, num_blocks=512,
+                         max_num_seqs=8, max_model_len=256, max_num_batched_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([[5] * 16], params, use_tqdm=False)  # one 16-token chunk: an even count, a 2-block table
+    compiled, prev = [], knobs.jit_post_compile_hook
+
+    def hook(*, fn=None, **_):
+        compiled.append(getattr(fn, "name", str(fn)))
+
+    knobs.jit_post_compile_hook = hook
+    try:  # odd and even chunks, tables 1 to 25 blocks wide (16 among them), decodes mixed in
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 7, 9, 121, 17, 128, 200, 1, 45)]
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        knobs.jit_post_compile_hook = prev
+    assert not [n for n in compiled if n in ("_prefill_kernel", "_rope_kv_kernel")], compiled

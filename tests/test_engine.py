@@ -118,6 +118,35 @@ def test_tiny_model_batched_matches_naive_loop(tiny, tiny_prompts, tiny_expected
         assert engine.get_stats()["num_preemptions"] > 0
 
 
+def test_step_inputs_on_the_device_start_16_byte_aligned_and_hold_the_host_arrays(tiny, tiny_prompts, tiny_expected):
+    # odd token counts, odd batch sizes and a tight chunk budget: packed back to back, the parts
+    # would start wherever the previous ones ended, and Triton compiles a variant per alignment
+    import numpy as np
+
+    engine = tiny_engine(tiny, max_num_batched_tokens=13, max_num_seqs=5)
+    runner, seen = engine.runner, []
+    to_device = runner.to_device
+
+    def checked(x):
+        d = to_device(x)
+        parts = {"input_ids": x.input_ids, "positions": x.positions, "slot_mapping": x.slot_mapping,
+                 "query_start_loc": x.query_start_loc, "seq_lens": x.seq_lens, "logits_indices": x.logits_indices,
+                 "block_tables": x.block_tables}
+        for name, want in parts.items():
+            got = getattr(d, name)
+            assert got.data_ptr() % 16 == 0 or got.numel() == 0, name
+            assert np.array_equal(got.cpu().numpy(), want), name
+        if x.fill_rows is not None:
+            assert np.array_equal(d.fill_rows.cpu().numpy(), x.fill_rows)
+            assert np.array_equal(d.fill_src.cpu().numpy(), x.fill_src)
+        seen.append((x.num_tokens, len(x.seq_lens)))
+        return d
+
+    runner.to_device = checked
+    assert run_engine(engine, tiny_prompts, GREEDY20) == tiny_expected
+    assert {t % 2 for t, _ in seen} == {0, 1} and {b % 2 for _, b in seen} == {0, 1}
+
+
 def test_bad_requests_are_rejected_and_engine_goes_on(tiny, tiny_prompts, tiny_expected):
     engine = tiny_engine(tiny, num_blocks=8)  # 128 token slots: max_model_len is capped to 128
     assert engine.max_model_len == 128

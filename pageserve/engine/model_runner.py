@@ -89,6 +89,26 @@ class StepInputs:
         return self.input_ids.shape[0]
 
 
+PART_ALIGN = 2  # int64 elements: 16 bytes
+
+
+def aligned_concat(parts: list[np.ndarray]) -> tuple[np.ndarray, list[int]]:
+    """``parts`` (int64) in one array, each starting at a multiple of ``PART_ALIGN`` elements
+    (zeros between them), and where each starts. A step's device inputs are views into one
+    buffer; were they packed back to back, a part's address would follow the previous parts'
+    lengths, and Triton, which specialises a kernel on whether each pointer is 16-byte aligned,
+    would compile a new variant mid-run whenever a step's token count changed parity (seen on
+    the H200: the nano-vllm workload's first odd-length steps compiled `_rope_kv_kernel` again)."""
+    offsets, n = [], 0
+    for p in parts:
+        offsets.append(n)
+        n += -(-p.size // PART_ALIGN) * PART_ALIGN
+    flat = np.zeros(n, dtype=np.int64)
+    for o, p in zip(offsets, parts):
+        flat[o:o + p.size] = p.reshape(-1)
+    return flat, offsets
+
+
 @dataclass
 class DeviceInputs:
     """A step's inputs on the device: int64 views into one buffer copied in one go."""
@@ -273,13 +293,14 @@ class ModelRunner:
 
     def to_device(self, x: StepInputs) -> "DeviceInputs":
         """One host->device copy of every per-step input (int64, sliced on the device)."""
-        T, B, S = x.num_tokens, x.seq_lens.shape[0], x.logits_indices.shape[0]
+        B = x.seq_lens.shape[0]
         F = 0 if x.fill_rows is None else x.fill_rows.shape[0]
         parts = [x.input_ids, x.positions, x.slot_mapping, x.query_start_loc, x.seq_lens, x.logits_indices,
                  x.block_tables.reshape(-1)]
         if F:
             parts += [x.fill_rows, x.fill_src]
-        host = torch.from_numpy(np.concatenate(parts))
+        flat, offsets = aligned_concat(parts)
+        host = torch.from_numpy(flat)
         if self.device.type == "cuda":
             if self._pinned is None or self._pinned.numel() < host.numel():
                 if self._copy_done is not None:
@@ -294,8 +315,9 @@ class ModelRunner:
             self._copy_done.record()
         else:
             dev = host
-        sizes = [T, T, T, B + 1, B, S, x.block_tables.size, F, F]
-        ids, pos, slots, qsl, lens, li, bt, fill_rows, fill_src = torch.split(dev, sizes)
+        views = [dev[o:o + p.size] for o, p in zip(offsets, parts)]
+        ids, pos, slots, qsl, lens, li, bt = views[:7]
+        fill_rows, fill_src = views[7:] if F else (dev[:0], dev[:0])
         return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x, fill_rows, fill_src)
 
     @torch.inference_mode()

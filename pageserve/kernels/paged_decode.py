@@ -40,7 +40,8 @@ def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return per, s * per
 
 
-@triton.jit
+# stride_bt is the step's block-table width: unspecialised, so a new width never compiles a variant
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,

@@ -28,7 +28,8 @@ __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# stride_bt is the step's block-table width: unspecialised, so a new width never compiles a variant
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
