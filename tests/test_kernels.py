@@ -136,6 +136,28 @@ def test_prefill_attention_tuning_keywords_change_the_schedule_not_the_answer(co
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_from_the_tile_map_gives_the_full_grids_bits(dtype, gen):
+    # the engine's launch (one program per real query tile, from query_tile_map) against the grid
+    # over max_query_len's tiles for every sequence: decodes beside chunks that span several query
+    # blocks, an empty sequence, padding rows; every row written, the same bits
+    from pageserve.kernels.paged_prefill import paged_prefill_attention
+
+    Hq, Hkv, D, bs = 16, 2, 64, 16
+    q_lens, ctx = [1, 70, 1, 0, 17, 1, 9], [40, 100, 3, 0, 17, 90, 30]
+    q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, pad_tokens=3)
+    scale = D ** -0.5
+    outs = []
+    for tile_map in (True, False):
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(q, kc, vc, meta, scale, out=out, tile_map=tile_map)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+    assert meta.scratch, "the map is kept for the step's other layers"
+    _ok(checks.rel_err(outs[0], checks.attention_reference(q, kc, vc, meta, scale)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hkv,d,bs", [(2, 128, 16), (1, 64, 32), (4, 64, 16)])
 def test_write_kv_stores_every_token_and_skips_padding_slots(hkv, d, bs, dtype, gen):
     assert checks.check_write_kv([5, 1, 2 * bs + 1], [5, bs + 3, 2 * bs + 1], hkv, d, bs, dtype, DEVICE, gen) == 0.0

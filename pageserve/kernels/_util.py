@@ -103,6 +103,56 @@ def check_paged_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return page, Hkv, B
 
 
+_DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all", short_len: int = 0) -> torch.Tensor:
+    """[2, n_tiles] int32: the step's query tiles, (sequence b, tile mb of its chunk), one program
+    each (the default prefill kernel and the batch-invariant attention launch from it). A decode
+    batch (max_query_len 1) has one tile per sequence: a constant map per batch size, so a graph's
+    launch is fixed by shapes. A chunked step's map comes from the host copy
+    of ``query_start_loc`` (read once, a sync where the meta has none: tests and the lab), is
+    exact — no programs for the tiles a short sequence does not have, which a (max tiles x B)
+    grid launched and exited (results/h200/diagnostics/profile_steps at 33a95d3b: a mixed step's
+    attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
+    the step's other layers. ``part``: "all" sequences, only the "short" ones (at most
+    ``short_len`` new tokens: decodes) or only the "long" ones (chunks), for launches with
+    different tile heights. Which program computes a tile does not change a row's bits."""
+    scratch = getattr(meta, "scratch", None)
+    if meta.max_query_len <= 1:
+        key = (B, device)
+        if key in _DECODE_TILES:
+            return _DECODE_TILES[key]
+        if scratch is not None and key in scratch:
+            return scratch[key]
+        tiles = torch.stack([torch.arange(B, dtype=torch.int32, device=device),
+                             torch.zeros(B, dtype=torch.int32, device=device)])
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made inside a graph capture: its values exist only once the graph replays, so it
+            # stays with this graph's metadata and never serves an eager step
+            if scratch is not None:
+                scratch[key] = tiles
+        else:
+            _DECODE_TILES[key] = tiles
+        return tiles
+    key = ("query_tiles", q_tok, part, short_len if part != "all" else 0)  # the merge reuses "all"
+    if scratch is not None and key in scratch:
+        return scratch[key]
+    qsl = meta.query_start_loc_cpu
+    qsl = torch.tensor(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=torch.int32)
+    q_len = qsl[1:] - qsl[:-1]
+    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host
+    if part != "all":
+        n = torch.where((q_len <= short_len) == (part == "short"), n, 0)
+    seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), n)
+    first = torch.repeat_interleave(torch.cumsum(n, 0, dtype=torch.int32) - n, n)  # each tile's sequence's first
+    tiles = torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int32) - first])
+    tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
+    if scratch is not None:
+        scratch[key] = tiles
+    return tiles
+
+
 def check_paged_qkv(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
     """Shared checks of the paged-attention wrappers: q [N, Hq, D] and caches
     [num_blocks, block_size, Hkv, D] of q's dtype, Hq a multiple of Hkv. Returns (block_size, Hkv)."""

@@ -13,7 +13,7 @@ head_dim, group, page) must be used for every step of a run; the bits are a func
 Work layout. The batch is flattened as in ``paged_prefill``: sequence b owns query rows
 ``query_start_loc[b]:query_start_loc[b+1]``, its last q_len positions. Its chunk is cut into
 tiles of ``Q_TOK = BLOCK_M // group`` query tokens; the step's tiles are listed in a tile map
-(``_tile_map``: (b, mb) per tile) and program (t, p*Hkv+h) takes tile t times the group of
+(``query_tile_map``: (b, mb) per tile) and program (t, p*Hkv+h) takes tile t times the group of
 query heads sharing KV head h (row = token * group + head), and the keys of splits p, p + P,
 ... (P programs per tile and head, from the grid's size): split s covers absolute positions
 ``[s * kv_split, (s + 1) * kv_split)``, each split computed from scratch (a program that takes all of
@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
-                    online_softmax_step, pdl_args, pdl_enter, sm_count_for)
+                    online_softmax_step, pdl_args, pdl_enter, query_tile_map, sm_count_for)
 
 __all__ = ["paged_attention_invariant", "invariant_block_m", "KV_SPLIT", "BLOCK_N"]
 
@@ -263,55 +263,6 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=amask)
 
 
-_DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all", short_len: int = 0) -> torch.Tensor:
-    """[2, n_tiles] int32: the step's query tiles, (sequence b, tile mb of its chunk), one program
-    each. A decode batch (max_query_len 1) has one tile per sequence: a constant map per batch
-    size, so a graph's launch is fixed by shapes. A chunked step's map comes from the host copy
-    of ``query_start_loc`` (read once, a sync where the meta has none: tests and the lab), is
-    exact — no programs for the tiles a short sequence does not have, which a (max tiles x B)
-    grid launched and exited (results/h200/diagnostics/profile_steps at 33a95d3b: a mixed step's
-    attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
-    the step's other layers. ``part``: "all" sequences, only the "short" ones (at most
-    ``short_len`` new tokens: decodes) or only the "long" ones (chunks), for launches with
-    different tile heights. Which program computes a tile does not change a row's bits."""
-    scratch = getattr(meta, "scratch", None)
-    if meta.max_query_len <= 1:
-        key = (B, device)
-        if key in _DECODE_TILES:
-            return _DECODE_TILES[key]
-        if scratch is not None and key in scratch:
-            return scratch[key]
-        tiles = torch.stack([torch.arange(B, dtype=torch.int32, device=device),
-                             torch.zeros(B, dtype=torch.int32, device=device)])
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # made inside a graph capture: its values exist only once the graph replays, so it
-            # stays with this graph's metadata and never serves an eager step
-            if scratch is not None:
-                scratch[key] = tiles
-        else:
-            _DECODE_TILES[key] = tiles
-        return tiles
-    key = ("paged_invariant_tiles", q_tok, part, short_len if part != "all" else 0)  # the merge reuses "all"
-    if scratch is not None and key in scratch:
-        return scratch[key]
-    qsl = meta.query_start_loc_cpu
-    qsl = torch.tensor(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=torch.int32)
-    q_len = qsl[1:] - qsl[:-1]
-    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host
-    if part != "all":
-        n = torch.where((q_len <= short_len) == (part == "short"), n, 0)
-    seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), n)
-    first = torch.repeat_interleave(torch.cumsum(n, 0, dtype=torch.int32) - n, n)  # each tile's sequence's first
-    tiles = torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int32) - first])
-    tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
-    if scratch is not None:
-        scratch[key] = tiles
-    return tiles
-
-
 def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
@@ -381,7 +332,7 @@ def paged_attention_invariant(
     short_len = small_m // group
     parts = [(small_m, "all")] if tall_m is None else [(small_m, "short"), (tall_m, "long")]
     for bm, part in parts:
-        tiles = _tile_map(meta, bm // group, B, q.device, part, short_len)
+        tiles = query_tile_map(meta, bm // group, B, q.device, part, short_len)
         n_tiles = tiles.shape[1]
         if n_tiles == 0:
             continue
@@ -407,7 +358,7 @@ def paged_attention_invariant(
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
         # tiles always (128-row merge tiles took 1.6 ms a prefill step against 1.0 at 16 rows)
-        tiles = _tile_map(meta, small_m // group, B, q.device)
+        tiles = query_tile_map(meta, small_m // group, B, q.device)
         _merge_kernel[(tiles.shape[1], Hkv)](
             part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, tiles, out.stride(0), out.stride(1), S,
             tiles.shape[1], T * Hq, Q_TOK=small_m // group, BLOCK_M=small_m,

@@ -7,10 +7,13 @@ its last ``q_len`` positions, so query j of the chunk sits at position ``seq_len
 and sees keys ``0..that position`` (causal in the chunk, full over the prefix). K/V are read
 straight from the paged cache through the block table; nothing is gathered.
 
-Program (m, b, h) takes BLOCK_M rows of sequence b: ``Q_TOK = BLOCK_M // group`` query tokens
+A program takes BLOCK_M rows of one sequence b: ``Q_TOK = BLOCK_M // group`` query tokens
 times the ``group`` query heads that share KV head h, flattened as row = token * group + head.
 One K/V tile thus serves the whole group. Key tiles stop at the last position the block
-needs. The grid depends on ``max_query_len`` (this kernel runs eagerly, outside CUDA graphs).
+needs. The grid is one program per (query tile, KV head) from the step's tile map
+(``_util.query_tile_map``, built once a step on the host); without the host copy of
+``query_start_loc``, (tile mb, sequence b, KV head h) over ``max_query_len``'s tiles, the
+programs past a chunk's end exiting at once. This kernel runs eagerly, outside CUDA graphs.
 A decode is a chunk of length 1, so mixed batches need no special case.
 """
 from __future__ import annotations
@@ -21,27 +24,34 @@ import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
 from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
-                    online_softmax_step)
+                    online_softmax_step, query_tile_map)
 
 __all__ = ["paged_prefill_attention", "paged_attention_reference"]
 
 LOG2E = 1.4426950408889634
 
 
-# stride_bt is the step's block-table width: unspecialised, so a new width never compiles a variant
-@triton.jit(do_not_specialize=["stride_bt"])
+# stride_bt (the step's block-table width) and n_tiles follow the step: unspecialised, so a new
+# width or tile count never compiles a variant
+@triton.jit(do_not_specialize=["stride_bt", "n_tiles"])
 def _prefill_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_bt, qk_scale,
+    stride_bt, qk_scale, n_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, Q_TOK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, TILE_MAP: tl.constexpr,
 ):
-    mb = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    h = tl.program_id(2)
+    if TILE_MAP:  # program (t, h): the step's t-th query tile, (sequence, tile of its chunk) from the map
+        t = tl.program_id(0)
+        b = tl.load(tiles_ptr + t).to(tl.int64)
+        mb = tl.load(tiles_ptr + n_tiles + t)
+        h = tl.program_id(1)
+    else:  # program (mb, b, h) over every sequence's max_query_len: tiles past a chunk exit at once
+        mb = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        h = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b).to(tl.int64)
     q_len = (tl.load(qsl_ptr + b + 1) - q_start).to(tl.int32)
     first_tok = mb * Q_TOK
@@ -89,13 +99,18 @@ def prefill_block_m(group: int) -> int:
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None, num_stages: int = 2,
+    num_warps: int | None = None, num_stages: int = 2, tile_map: bool | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
     ``meta.query_start_loc_cpu`` is present, as in the reference. ``block_m`` / ``block_n`` /
     ``num_warps`` / ``num_stages`` are tuning knobs (scripts/prefill_attn_sweep.py); the defaults
-    are what the engine runs."""
+    are what the engine runs. ``tile_map`` (default: whenever ``meta.query_start_loc_cpu`` is
+    there, i.e. on the engine's path) launches one program per real query tile from
+    ``query_tile_map`` instead of ``max_query_len``'s tiles for every sequence: the same tiles
+    with the same arithmetic, so the same bits, without the programs that only exit (a step of
+    512 decodes beside a 1,000-token chunk launched 125 x 513 x Hkv programs for ~615 x Hkv
+    tiles)."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -110,16 +125,26 @@ def paged_prefill_attention(
         raise ValueError(f"block_m {BLOCK_M} smaller than the GQA group {group}")
     q_tok = BLOCK_M // group
     BLOCK_N = block_n or 64
-    grid = (cdiv(meta.max_query_len, q_tok), B, Hkv)
+    if tile_map is None:
+        tile_map = meta.query_start_loc_cpu is not None
+    if tile_map:  # one program per real query tile (and KV head)
+        tiles = query_tile_map(meta, q_tok, B, q.device)
+        n_tiles = tiles.shape[1]
+        grid = (n_tiles, Hkv)
+    else:
+        tiles, n_tiles = meta.query_start_loc, 0  # unread
+        grid = (cdiv(meta.max_query_len, q_tok), B, Hkv)
+    if grid[0] == 0:
+        return out
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0), float(scale) * LOG2E,
+        meta.block_tables.stride(0), float(scale) * LOG2E, n_tiles,
         GROUP=group, HEAD_DIM=D, PAGE=page, Q_TOK=q_tok,
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), TILE_MAP=bool(tile_map),
         num_warps=num_warps or (4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8), num_stages=num_stages,
     )
     return out
