@@ -72,7 +72,9 @@ from pageserve.lab.profiling import (by_category, decode_bytes, decode_gaps, gpu
                                      mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
 from pageserve.lab.results import provenance
 
-MODES = {"default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"}}
+MODES = {"default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"},
+         # the default prefill kernel over its old grid (max_query_len's tiles for every sequence; session 15)
+         "default_full_grid": {"triton_options": {"prefill_tile_map": False}}}
 
 
 def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None) -> str:

@@ -78,7 +78,7 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
-                 pdl_max_rows: int = PDL_MAX_TOKENS) -> None:
+                 pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -110,6 +110,8 @@ class TritonOps(TorchOps):
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         self.pdl = pdl
         self.pdl_max_rows = pdl_max_rows
+        # False: the prefill kernel's old grid (every sequence gets max_query_len's tiles), for A/Bs
+        self.prefill_tile_map = prefill_tile_map
 
     def pdl_for(self, rows: int) -> bool | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
@@ -176,4 +178,4 @@ class TritonOps(TorchOps):
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]))
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=None if self.prefill_tile_map else False)
