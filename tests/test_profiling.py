@@ -9,14 +9,28 @@ from pageserve.lab.profiling import (CATEGORIES, KernelRow, by_category, decode_
 from pageserve.model.config import ModelConfig
 
 
+def _script(name: str):
+    """A module of scripts/ (not a package), imported by name."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    path = str(Path(__file__).resolve().parents[1] / "scripts")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)
+
+
 @pytest.mark.parametrize("name, category", [
     ("nvjet_sm90_tst_168x64_64x7_2x1_v_bz_TNN", "gemm"),
     ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
     ("_gemv_kernel", "gemm"), ("_matmul_invariant_kernel", "gemm"), ("_gemm_int8_kernel", "gemm"),
     ("_decode_split_kernel", "attention"), ("_decode_merge_kernel", "attention"),
     ("_paged_prefill_kernel", "attention"), ("_paged_invariant_kernel", "attention"),
+    ("_prefill_kernel", "attention"), ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
     ("_rms_norm_kernel", "norm"), ("_add_rms_norm_kernel", "norm"),
-    ("_rope_kv_kernel", "rope_kv"), ("_kv_write_kernel", "rope_kv"),
+    ("_rope_kv_kernel", "rope_kv"), ("_kv_write_kernel", "rope_kv"), ("_write_kv_kernel", "rope_kv"),
+    ("_dequant_kernel", "gemm"),
     ("_silu_and_mul_kernel", "activation"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "sampling"),
     ("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>", "sampling"),
@@ -24,6 +38,7 @@ from pageserve.model.config import ModelConfig
     ("memcpy32_post", "copy"), ("Memset (Unknown)", "copy"),
     ("some_new_kernel", "other"),
 ])
+
 def test_kernel_names_fall_into_their_phase(name, category):
     assert kernel_category(name) == category
 
@@ -92,11 +107,8 @@ def test_mean_step_timing_averages_the_engines_step_timings_in_microseconds():
 def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
     # the CPU has no kernels to count: this catches the script's own mistakes before a GPU session
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import profile_steps
+    profile_steps = _script("profile_steps")
 
     profile_steps.main(["--out", str(tmp_path), "--device", "cpu", "--model", "smollm2-135m", "--modes",
                         "default,int8,deterministic", "--batches", "1", "--context", "4", "--prefill-prompts", "1",
@@ -115,19 +127,18 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
         assert mixed["step_ms"] > 0 and mixed["host"]["steps"] == 2
 
 
+class Ev:
+    """A completed CUDA event at time t (ms), for the scripts' GPU-clock arithmetic."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def elapsed_time(self, later):
+        return later.t - self.t
+
+
 def test_step_timeline_splits_each_step_and_the_idle_between_steps_on_the_gpu_clock():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import step_timeline
-
-    class Ev:  # a completed CUDA event at time t (ms)
-        def __init__(self, t):
-            self.t = t
-
-        def elapsed_time(self, later):
-            return later.t - self.t
+    step_timeline = _script("step_timeline")
 
     # step 1: copies 0.1 ms, replay 6.8, sampler 0.1; the GPU then waits 2.2 ms for step 2
     marks = [(Ev(0.0), Ev(0.1), Ev(6.9), Ev(7.0)), (Ev(9.2), Ev(9.25), Ev(16.05), Ev(16.1))]
@@ -137,18 +148,7 @@ def test_step_timeline_splits_each_step_and_the_idle_between_steps_on_the_gpu_cl
 
 
 def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import w1_profile
-
-    class Ev:
-        def __init__(self, t):
-            self.t = t
-
-        def elapsed_time(self, later):
-            return later.t - self.t
+    w1_profile = _script("w1_profile")
 
     # an eager mixed step (80 ms), the GPU idle 6 ms, a graphed decode (9 ms), idle 0, another decode
     marks = [(Ev(0), Ev(80), False), (Ev(86), Ev(95), True), (Ev(95), Ev(104), True)]
@@ -158,18 +158,7 @@ def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
 
 
 def test_w1_profile_groups_decode_steps_by_rows():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import w1_profile
-
-    class Ev:
-        def __init__(self, t):
-            self.t = t
-
-        def elapsed_time(self, later):
-            return later.t - self.t
+    w1_profile = _script("w1_profile")
 
     # (start, end, graphed, rows, mean context): one row, two steps of 60/64 rows, an eager step that is not counted
     marks = [(Ev(0), Ev(2), True, 1, 500), (Ev(2), Ev(5), True, 64, 700), (Ev(5), Ev(20), False, 100, 300),

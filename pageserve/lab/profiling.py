@@ -29,13 +29,16 @@ import torch
 
 # (category, substrings of a kernel's name, lower case); the first match wins
 CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("paged", "decode_split", "decode_merge", "prefill_attn", "attention", "flash", "fmha")),
+    # this repository's own attention kernels by name: "_prefill_kernel" would otherwise land in "copy"
+    # (it holds "fill"), as it did in the profile_steps records before session 15
+    ("attention", ("paged", "decode_split", "decode_merge", "prefill_attn", "attention", "flash", "fmha",
+                   "_prefill_kernel", "_split_kernel", "_merge_kernel")),
     ("norm", ("rms_norm", "rmsnorm", "layer_norm")),
-    ("rope_kv", ("rope", "rotary", "kv_write", "reshape_and_cache")),
+    ("rope_kv", ("rope", "rotary", "kv_write", "write_kv", "reshape_and_cache")),
     ("activation", ("silu", "gelu", "act_and_mul")),
     ("sampling", ("sample", "softmax", "argmax", "topk", "top_k", "top_p", "gumbel", "exponential", "multinomial",
                   "log_softmax", "penalt", "sort")),
-    ("gemm", ("gemv", "gemm", "matmul", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "sm90_", "sm80_",
+    ("gemm", ("gemv", "gemm", "matmul", "dequant", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "sm90_", "sm80_",
               "ampere_", "turing_")),
     ("copy", ("copy", "memcpy", "memset", "gather", "index", "cat_", "fill")),
 )
