@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 
+import numpy as np
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -139,14 +140,14 @@ def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
-    qsl = torch.tensor(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=torch.int32)
-    q_len = qsl[1:] - qsl[:-1]
-    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host
+    qsl = np.asarray(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=np.int32)
+    q_len = np.diff(qsl)
+    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host (numpy: ~10x torch's host time here)
     if part != "all":
-        n = torch.where((q_len <= short_len) == (part == "short"), n, 0)
-    seq = torch.repeat_interleave(torch.arange(B, dtype=torch.int32), n)
-    first = torch.repeat_interleave(torch.cumsum(n, 0, dtype=torch.int32) - n, n)  # each tile's sequence's first
-    tiles = torch.stack([seq, torch.arange(seq.numel(), dtype=torch.int32) - first])
+        n = np.where((q_len <= short_len) == (part == "short"), n, 0)
+    seq = np.repeat(np.arange(B, dtype=np.int32), n)
+    first = np.repeat(np.cumsum(n, dtype=np.int32) - n, n)  # each tile's sequence's first tile
+    tiles = torch.from_numpy(np.stack([seq, np.arange(seq.size, dtype=np.int32) - first]).astype(np.int32))
     tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
     if scratch is not None:
         scratch[key] = tiles

@@ -105,8 +105,8 @@ def paged_prefill_attention(
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
     ``meta.query_start_loc_cpu`` is present, as in the reference. ``block_m`` / ``block_n`` /
     ``num_warps`` / ``num_stages`` are tuning knobs (scripts/prefill_attn_sweep.py); the defaults
-    are what the engine runs. ``tile_map`` (default: whenever ``meta.query_start_loc_cpu`` is
-    there, i.e. on the engine's path) launches one program per real query tile from
+    are what the engine runs. ``tile_map`` (default: on the engine's path, where ``meta.query_start_loc_cpu`` is
+    there, whenever several sequences share a step and one has more than one query tile) launches one program per real query tile from
     ``query_tile_map`` instead of ``max_query_len``'s tiles for every sequence: the same tiles
     with the same arithmetic, so the same bits, without the programs that only exit (a step of
     512 decodes beside a 1,000-token chunk launched 125 x 513 x Hkv programs for ~615 x Hkv
@@ -125,8 +125,8 @@ def paged_prefill_attention(
         raise ValueError(f"block_m {BLOCK_M} smaller than the GQA group {group}")
     q_tok = BLOCK_M // group
     BLOCK_N = block_n or 64
-    if tile_map is None:
-        tile_map = meta.query_start_loc_cpu is not None
+    if tile_map is None:  # the full grid has programs that only exit when some sequence's chunk is shorter
+        tile_map = meta.query_start_loc_cpu is not None and B > 1 and meta.max_query_len > q_tok
     if tile_map:  # one program per real query tile (and KV head)
         tiles = query_tile_map(meta, q_tok, B, q.device)
         n_tiles = tiles.shape[1]
