@@ -93,8 +93,8 @@ def main() -> None:
         raise SystemExit("argmax_ab times CUDA-graphed engine steps: it needs a GPU")
     batches = [int(b) for b in args.batches.split(",")]
     out = Path(args.out) / "argmax_ab.json"
-    llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(64, *batches),
-              cuda_graph_max_bs=max(batches))
+    llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048,
+              max_num_seqs=max(64, *batches), cuda_graph_max_bs=max(batches))
     vocab = bench.prompt_vocab_size(llm)
     bench.warmup(llm, vocab)
     sampler = llm.engine.runner.sampler

@@ -67,7 +67,8 @@ def decode_bands(marks: list[tuple]) -> list[dict]:
         sel = [(s.elapsed_time(e), b, ctx) for s, e, graphed, b, ctx in marks if graphed and lo < b <= hi]
         if sel:
             ms = sum(t for t, _, _ in sel)
-            rows.append({"rows": (f"{hi}" if hi == lo + 1 else f"{lo + 1}-{hi}") if hi < 1 << 30 else f">{lo}", "steps": len(sel),
+            label = (f"{hi}" if hi == lo + 1 else f"{lo + 1}-{hi}") if hi < 1 << 30 else f">{lo}"
+            rows.append({"rows": label, "steps": len(sel),
                          "gpu_ms": ms, "ms_per_step": ms / len(sel),
                          "mean_rows": sum(b for _, b, _ in sel) / len(sel),
                          "mean_context": sum(c for _, _, c in sel) / len(sel)})
@@ -229,7 +230,8 @@ def _print(mode: str, e: dict) -> None:
         print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms",
               flush=True)
     for b in e.get("decode_by_rows", []):
-        print(f"  decode {b['rows']:>8} rows: {b['steps']:4d} steps, GPU {b['gpu_ms']:7.0f} ms, {b['ms_per_step']:.3f} ms a step"
+        print(f"  decode {b['rows']:>8} rows: {b['steps']:4d} steps, GPU {b['gpu_ms']:7.0f} ms, "
+              f"{b['ms_per_step']:.3f} ms a step"
               f" (mean {b['mean_rows']:.0f} rows, context {b['mean_context']:.0f})", flush=True)
     print(f"  Triton compiles inside the pass: {e['jit']}", flush=True)
 

@@ -141,7 +141,8 @@ def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
 
     ops = select_ops(True, torch.device("cpu"), {"fuse_rope_kv": True, "gemv_split_k": "never"})
     assert ops.name == "triton" and ops.fuse_rope_kv and ops.gemv_split_k == "never"
-    assert ops.prefill_tile_map and not select_ops(True, torch.device("cpu"), {"prefill_tile_map": False}).prefill_tile_map
+    assert ops.prefill_tile_map
+    assert not select_ops(True, torch.device("cpu"), {"prefill_tile_map": False}).prefill_tile_map
     with pytest.raises(ValueError, match="triton_options"):
         select_ops(True, torch.device("cpu"), {"no_such_switch": 1})
 

@@ -105,12 +105,12 @@ def paged_prefill_attention(
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
     ``meta.query_start_loc_cpu`` is present, as in the reference. ``block_m`` / ``block_n`` /
     ``num_warps`` / ``num_stages`` are tuning knobs (scripts/prefill_attn_sweep.py); the defaults
-    are what the engine runs. ``tile_map`` (default: on the engine's path, where ``meta.query_start_loc_cpu`` is
-    there, whenever several sequences share a step and one has more than one query tile) launches one program per real query tile from
+    are what the engine runs. ``tile_map`` launches one program per real query tile from
     ``query_tile_map`` instead of ``max_query_len``'s tiles for every sequence: the same tiles
     with the same arithmetic, so the same bits, without the programs that only exit (a step of
     512 decodes beside a 1,000-token chunk launched 125 x 513 x Hkv programs for ~615 x Hkv
-    tiles)."""
+    tiles). Default: on the engine's path (``meta.query_start_loc_cpu`` there) whenever several
+    sequences share the step and one of them has more than one query tile."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out

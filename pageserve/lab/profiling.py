@@ -38,8 +38,8 @@ CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("activation", ("silu", "gelu", "act_and_mul")),
     ("sampling", ("sample", "softmax", "argmax", "topk", "top_k", "top_p", "gumbel", "exponential", "multinomial",
                   "log_softmax", "penalt", "sort")),
-    ("gemm", ("gemv", "gemm", "matmul", "dequant", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "sm90_", "sm80_",
-              "ampere_", "turing_")),
+    ("gemm", ("gemv", "gemm", "matmul", "dequant", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "sm90_",
+              "sm80_", "ampere_", "turing_")),
     ("copy", ("copy", "memcpy", "memset", "gather", "index", "cat_", "fill")),
 )
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)

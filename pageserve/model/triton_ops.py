@@ -178,4 +178,5 @@ class TritonOps(TorchOps):
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]))
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=None if self.prefill_tile_map else False)
+        tile_map = None if self.prefill_tile_map else False
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map)
