@@ -109,8 +109,7 @@ def paged_prefill_attention(
     ``query_tile_map`` instead of ``max_query_len``'s tiles for every sequence: the same tiles
     with the same arithmetic, so the same bits, without the programs that only exit (a step of
     512 decodes beside a 1,000-token chunk launched 125 x 513 x Hkv programs for ~615 x Hkv
-    tiles). Default: on the engine's path (``meta.query_start_loc_cpu`` there) whenever several
-    sequences share the step and one of them has more than one query tile."""
+    tiles). Default: on the engine's path (``meta.query_start_loc_cpu`` there), whatever the step."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -125,8 +124,11 @@ def paged_prefill_attention(
         raise ValueError(f"block_m {BLOCK_M} smaller than the GQA group {group}")
     q_tok = BLOCK_M // group
     BLOCK_N = block_n or 64
-    if tile_map is None:  # the full grid has programs that only exit when some sequence's chunk is shorter
-        tile_map = meta.query_start_loc_cpu is not None and B > 1 and meta.max_query_len > q_tok
+    if tile_map is None:
+        # always on the engine's path, even where the full grid would be exact (one sequence, or
+        # one tile each): a launch whose variant followed the step's shape would compile the other
+        # variant mid-run the first time a step crossed over (a server's first batch after lone prompts)
+        tile_map = meta.query_start_loc_cpu is not None
     if tile_map:  # one program per real query tile (and KV head)
         tiles = query_tile_map(meta, q_tok, B, q.device)
         n_tiles = tiles.shape[1]
