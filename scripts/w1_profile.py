@@ -38,6 +38,7 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
+from pageserve.lab.profiling import CompileLog
 from pageserve.lab.results import provenance
 
 
@@ -73,39 +74,6 @@ def decode_bands(marks: list[tuple]) -> list[dict]:
                          "mean_rows": sum(b for _, b, _ in sel) / len(sel),
                          "mean_context": sum(c for _, _, c in sel) / len(sel)})
     return rows
-
-
-class CompileLog:
-    """Triton JIT compiles while active (``knobs.runtime.jit_post_compile_hook``, Triton >= 3.4;
-    elsewhere it records nothing and says so): which kernels compiled inside a timed pass."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        try:
-            import triton
-            self._knobs = triton.knobs.runtime
-        except (ImportError, AttributeError):
-            self._knobs = None
-
-    def __enter__(self):
-        if self._knobs is not None:
-            self._prev = self._knobs.jit_post_compile_hook
-            self._knobs.jit_post_compile_hook = self._hook
-        return self
-
-    def _hook(self, *, fn=None, **_):
-        self.names.append(getattr(fn, "name", str(fn)))
-        return None
-
-    def __exit__(self, *exc) -> None:
-        if self._knobs is not None:
-            self._knobs.jit_post_compile_hook = self._prev
-
-    def summary(self) -> dict:
-        if self._knobs is None:
-            return {"available": False}
-        return {"available": True, "compiles": len(self.names),
-                "by_kernel": {n: self.names.count(n) for n in sorted(set(self.names))}}
 
 
 def events_pass(llm, workload) -> dict:

@@ -238,9 +238,9 @@ def test_new_prompt_lengths_compile_no_attention_or_rope_variant_after_a_warm_up
     # equal to 1 or divisible by 16; a step's inputs at offsets that follow its token count, or
     # the block-table width as a specialised stride, made the nano-vllm workload compile
     # `_rope_kv_kernel` and `_prefill_kernel` again mid-run on the H200 (c9b266a), ~1 s of stall
-    triton = pytest.importorskip("triton")
-    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if knobs is None or not hasattr(knobs, "jit_post_compile_hook"):
+    from pageserve.lab.profiling import CompileLog
+
+    if not CompileLog().available:
         pytest.skip("this Triton has no jit_post_compile_hook")
     cfg = dataclasses.replace(tiny_qwen2_config, head_dim=32, hidden_size=128)  # variants of its own
     model = Decoder(cfg).to(DEVICE)
@@ -249,16 +249,9 @@ def test_new_prompt_lengths_compile_no_attention_or_rope_variant_after_a_warm_up
                          max_num_seqs=8, max_model_len=256, max_num_batched_tokens=48)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate([[5] * 16], params, use_tqdm=False)  # one 16-token chunk: an even count, a 2-block table
-    compiled, prev = [], knobs.jit_post_compile_hook
-
-    def hook(*, fn=None, **_):
-        compiled.append(getattr(fn, "name", str(fn)))
-
-    knobs.jit_post_compile_hook = hook
-    try:  # odd and even chunks, tables 1 to 25 blocks wide (16 among them), decodes mixed in
+    with CompileLog() as log:  # odd and even chunks, tables 1 to 25 blocks wide (16 among them), decodes mixed in
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 7, 9, 121, 17, 128, 200, 1, 45)]
         llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        knobs.jit_post_compile_hook = prev
+    compiled = log.names
     assert not [n for n in compiled if n in ("_prefill_kernel", "_rope_kv_kernel")], compiled

@@ -167,3 +167,22 @@ def test_w1_profile_groups_decode_steps_by_rows():
     assert [b["rows"] for b in bands] == ["1", "33-64"]
     assert bands[1]["steps"] == 2 and bands[1]["gpu_ms"] == 8 and bands[1]["ms_per_step"] == 4
     assert bands[1]["mean_rows"] == 62 and bands[1]["mean_context"] == 800
+
+
+def test_compile_log_records_triton_compiles_while_active_and_restores_the_hook():
+    from types import SimpleNamespace
+
+    from pageserve.lab.profiling import CompileLog
+
+    log = CompileLog()
+    if not log.available:
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    import triton
+
+    knobs = triton.knobs.runtime
+    before = knobs.jit_post_compile_hook
+    with log:  # what Triton's JIT calls after compiling a kernel
+        knobs.jit_post_compile_hook(fn=SimpleNamespace(name="_prefill_kernel"), key="k", repr="r")
+        knobs.jit_post_compile_hook(fn=SimpleNamespace(name="_prefill_kernel"))
+    assert knobs.jit_post_compile_hook is before
+    assert log.summary() == {"available": True, "compiles": 2, "by_kernel": {"_prefill_kernel": 2}}

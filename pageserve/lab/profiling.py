@@ -191,3 +191,42 @@ def mean_step_timing(timings: Iterable) -> dict[str, float]:
         out[f"{f}_us"] = 1e6 * sum(getattr(t, f"{f}_s") for t in timings) / n
     out["host_busy_us"] = out["total_us"] - out["wait_us"]
     return out
+
+
+class CompileLog:
+    """Triton JIT compiles while active (``knobs.runtime.jit_post_compile_hook``, Triton >= 3.4;
+    elsewhere it records nothing and ``available`` is False): which kernels compiled inside a timed
+    pass (scripts/w1_profile.py), or that a warmed-up engine compiles nothing more (the GPU tests)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        try:
+            import triton
+            self._knobs = triton.knobs.runtime
+            self._knobs.jit_post_compile_hook  # noqa: B018 (older knobs lack it)
+        except (ImportError, AttributeError):
+            self._knobs = None
+
+    @property
+    def available(self) -> bool:
+        return self._knobs is not None
+
+    def __enter__(self):
+        if self._knobs is not None:
+            self._prev = self._knobs.jit_post_compile_hook
+            self._knobs.jit_post_compile_hook = self._hook
+        return self
+
+    def _hook(self, *, fn=None, **_):
+        self.names.append(getattr(fn, "name", str(fn)))
+        return None
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_post_compile_hook = self._prev
+
+    def summary(self) -> dict:
+        if self._knobs is None:
+            return {"available": False}
+        return {"available": True, "compiles": len(self.names),
+                "by_kernel": {n: self.names.count(n) for n in sorted(set(self.names))}}
