@@ -68,14 +68,9 @@ from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, decoding_batch, graph_replay_ms, record_step_timings
 from pageserve.lab.kernel_bench.ceilings import measure_ceilings
 from pageserve.lab.peers import measure_read_gbps
-from pageserve.lab.profiling import (by_category, decode_bytes, decode_gaps, gpu_idle_fraction, idle_us, linear_flops,
-                                     mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
+from pageserve.lab.profiling import (ENGINE_MODES, by_category, decode_bytes, decode_gaps, gpu_idle_fraction, idle_us,
+                                     linear_flops, mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
 from pageserve.lab.results import provenance
-
-MODES = {"default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"},
-         # the default prefill kernel over its old grid (max_query_len's tiles for every sequence; session 15)
-         "default_full_grid": {"triton_options": {"prefill_tile_map": False}}}
-
 
 def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None) -> str:
     lines = [f"\n== {title}: kernels {total_us:.0f} us" + (f", floor {floor_us:.0f} us ({floor_us / total_us:.2f})"
@@ -238,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="qwen2.5-3b")
-    ap.add_argument("--modes", default="default,deterministic,int8")
+    ap.add_argument("--modes", default="default,deterministic,int8", help="of lab.profiling.ENGINE_MODES")
     ap.add_argument("--batches", default="1,64,256,512", help="decode batch sizes (W1 decodes at about 500)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--prefill-prompts", type=int, default=16)
@@ -270,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     for mode in args.modes.split(","):
         llm = LLM(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, seed=0,
                   max_num_seqs=max(max(batches), args.prefill_prompts, mixed_seqs), max_model_len=args.max_model_len,
-                  **MODES[mode])
+                  **ENGINE_MODES[mode])
         _check_capacity(llm, args, max(batches))
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         weights = None

@@ -38,21 +38,25 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
-from pageserve.lab.profiling import CompileLog
+from pageserve.lab.profiling import ENGINE_MODES, CompileLog
 from pageserve.lab.results import provenance
 
 
 def idle_split(marks: list[tuple]) -> dict:
-    """``marks``: per step (start event, end event, graphed, ...) in launch order, completed.
-    Returns per kind ("decode" graphed, "eager" otherwise): steps, GPU ms of the steps, and
-    idle ms before them (the first step's idle is not counted)."""
+    """``marks``: per step (start event, end event, graphed, rows, context, host ms) in launch
+    order, completed (the last three optional). Returns per kind ("decode" graphed, "eager"
+    otherwise): steps, GPU ms of the steps, idle ms before them (the first step's idle is not
+    counted) and, where the marks have it, the host's ms inside ``execute`` (its launches: an
+    eager step whose host ms come near its GPU ms is bound by the host, not the kernels)."""
     out = {k: {"steps": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0} for k in ("decode", "eager")}
-    for i, (s, e, graphed, *_) in enumerate(marks):
+    for i, (s, e, graphed, *rest) in enumerate(marks):
         row = out["decode" if graphed else "eager"]
         row["steps"] += 1
         row["gpu_ms"] += s.elapsed_time(e)
         if i:
             row["idle_before_ms"] += marks[i - 1][1].elapsed_time(s)
+        if len(rest) > 2:
+            row["host_ms"] = row.get("host_ms", 0.0) + rest[2]
     return out
 
 
@@ -65,7 +69,7 @@ def decode_bands(marks: list[tuple]) -> list[dict]:
     each row's attention reads), so a workload's decode time can be set against where it goes."""
     rows = []
     for lo, hi in zip((0,) + DECODE_BANDS[:-1], DECODE_BANDS):
-        sel = [(s.elapsed_time(e), b, ctx) for s, e, graphed, b, ctx in marks if graphed and lo < b <= hi]
+        sel = [(s.elapsed_time(e), b, ctx) for s, e, graphed, b, ctx, *_ in marks if graphed and lo < b <= hi]
         if sel:
             ms = sum(t for t, _, _ in sel)
             label = (f"{hi}" if hi == lo + 1 else f"{lo + 1}-{hi}") if hi < 1 << 30 else f">{lo}"
@@ -92,8 +96,10 @@ def events_pass(llm, workload) -> dict:
         rows = len(batch)
         ctx = sum(s.num_computed_tokens for s in batch.seqs) / max(rows, 1)
         start = ev()
+        t0 = time.perf_counter()
         out = execute(batch, *a, **k)
-        marks.append([start, ev(), graphed[0], rows, ctx])
+        host_ms = (time.perf_counter() - t0) * 1e3
+        marks.append([start, ev(), graphed[0], rows, ctx, host_ms])
         return out
 
     run = graphs.run if graphs is not None else None
@@ -152,7 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workload", default="w1", choices=["w1", "nanovllm", "chat"])
     ap.add_argument("--requests", type=int, default=None, help="default: the workload's own (W1 500)")
     ap.add_argument("--top", type=int, default=40)
-    ap.add_argument("--modes", default=None, help="e.g. default,deterministic: the events pass of each (no cProfile)")
+    ap.add_argument("--modes", default=None, help="of lab.profiling.ENGINE_MODES, e.g. default,deterministic: the "
+                    "events pass of each, one engine at a time in this order (a mode may repeat: A/B/A/B; no cProfile)")
     ap.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--passes", type=int, default=1, help="with --modes: W1 passes per engine (other prompts each; "
                     "a later pass shows what the first paid for compiling kernels)")
@@ -164,15 +171,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.modes:
         rec = {**provenance(), "model": args.model, "workload": args.workload, "requests": args.requests, "modes": {}}
         rec["max_model_len"] = args.max_model_len
-        for mode in args.modes.split(","):
+        for n, mode in enumerate(args.modes.split(",")):
+            name = mode if mode not in rec["modes"] else f"{mode}#{n + 1}"
             kw = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
-            llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, deterministic=mode == "deterministic", **kw)
+            llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, **ENGINE_MODES[mode], **kw)
             bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
-            rec["modes"][mode] = []
+            rec["modes"][name] = []
             for i in range(args.passes):
                 e = events_pass(llm, build_workload(args.workload, vocab, args.requests, seed=i))
-                rec["modes"][mode].append(e)
-                _print(f"{mode} pass {i + 1}", e)
+                rec["modes"][name].append(e)
+                _print(f"{name} pass {i + 1}", e)
                 path.write_text(json.dumps(rec, indent=1))
             llm.shutdown()
             del llm
@@ -195,7 +203,8 @@ def _print(mode: str, e: dict) -> None:
     print(f"{mode}: W1 {e['total_tok_s']:.0f} tok/s, wall {e['wall_s']:.3f} s = GPU {e['gpu_s']:.3f} + idle "
           f"{e['idle_s']:.3f} s", flush=True)
     for kind, v in e["kinds"].items():
-        print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms",
+        host = f", host in execute {v['host_ms']:.0f} ms" if "host_ms" in v else ""
+        print(f"  {kind}: {v['steps']} steps, GPU {v['gpu_ms']:.0f} ms, idle before them {v['idle_before_ms']:.0f} ms{host}",
               flush=True)
     for b in e.get("decode_by_rows", []):
         print(f"  decode {b['rows']:>8} rows: {b['steps']:4d} steps, GPU {b['gpu_ms']:7.0f} ms, "

@@ -143,6 +143,9 @@ def test_triton_options_reach_the_kernels_and_bad_ones_are_rejected():
     assert ops.name == "triton" and ops.fuse_rope_kv and ops.gemv_split_k == "never"
     assert ops.prefill_tile_map
     assert not select_ops(True, torch.device("cpu"), {"prefill_tile_map": False}).prefill_tile_map
+    assert ops.prefill_tile_order == "heavy_first"
+    with pytest.raises(ValueError, match="prefill_tile_order"):
+        select_ops(True, torch.device("cpu"), {"prefill_tile_order": "random"})
     with pytest.raises(ValueError, match="triton_options"):
         select_ops(True, torch.device("cpu"), {"no_such_switch": 1})
 

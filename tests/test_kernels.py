@@ -135,6 +135,25 @@ def test_prefill_attention_tuning_keywords_change_the_schedule_not_the_answer(co
     _ok(err, dtype)
 
 
+def test_query_tile_map_heavy_first_orders_the_same_tiles_by_the_keys_each_walks():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pageserve.kernels._util import query_tile_map
+
+    # q_tok 4: a 10-token chunk over a 30-token prefix (3 tiles: 34, 38, 40 keys), decodes at 50 and 7,
+    # an empty sequence, a 4-token prompt (4 keys)
+    q_lens, ctx = [10, 1, 1, 0, 4], [40, 50, 7, 0, 4]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+    meta = SimpleNamespace(max_query_len=10, query_start_loc_cpu=qsl, seq_lens_cpu=ctx, scratch={})
+    plain = query_tile_map(meta, 4, 5, torch.device("cpu"))
+    heavy = query_tile_map(meta, 4, 5, torch.device("cpu"), heavy_first=True)
+    assert plain.tolist() == [[0, 0, 0, 1, 2, 4], [0, 1, 2, 0, 0, 0]]
+    assert heavy.tolist() == [[1, 0, 0, 0, 2, 4], [0, 2, 1, 0, 0, 0]]  # 50, 40, 38, 34, 7, 4 keys
+    assert len(meta.scratch) == 2, "each order is kept for the step's other layers under its own key"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_from_the_tile_map_gives_the_full_grids_bits(dtype, gen):
     # the engine's launch (one program per real query tile, from query_tile_map) against the grid
@@ -147,12 +166,12 @@ def test_prefill_attention_from_the_tile_map_gives_the_full_grids_bits(dtype, ge
     q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, pad_tokens=3)
     scale = D ** -0.5
     outs = []
-    for tile_map in (True, False):
+    for tile_map, heavy_first in ((True, True), (False, True), (True, False)):
         out = torch.full_like(q, float("nan"))
-        paged_prefill_attention(q, kc, vc, meta, scale, out=out, tile_map=tile_map)
+        paged_prefill_attention(q, kc, vc, meta, scale, out=out, tile_map=tile_map, heavy_first=heavy_first)
         outs.append(out)
     assert not outs[0].isnan().any()
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert meta.scratch, "the map is kept for the step's other layers"
     meta.scratch.clear()  # the default launch on the engine's path (host copy of query_start_loc) takes the map
     assert torch.equal(paged_prefill_attention(q, kc, vc, meta, scale), outs[0]) and meta.scratch

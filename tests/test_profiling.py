@@ -155,6 +155,12 @@ def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
     split = w1_profile.idle_split(marks)
     assert split["eager"] == {"steps": 1, "gpu_ms": 80, "idle_before_ms": 0.0}
     assert split["decode"] == {"steps": 2, "gpu_ms": 18, "idle_before_ms": 6}
+    # with (rows, context, host ms): the host's time inside execute, summed per kind
+    marks = [(Ev(0), Ev(80), False, 300, 500, 75.0), (Ev(86), Ev(95), True, 300, 501, 0.5),
+             (Ev(95), Ev(104), True, 300, 502, 0.25)]
+    split = w1_profile.idle_split(marks)
+    assert split["eager"]["host_ms"] == 75 and split["decode"]["host_ms"] == 0.75
+    assert w1_profile.decode_bands(marks)[0]["steps"] == 2
 
 
 def test_w1_profile_groups_decode_steps_by_rows():

@@ -107,7 +107,8 @@ def check_paged_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 _DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all", short_len: int = 0) -> torch.Tensor:
+def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all", short_len: int = 0,
+                   heavy_first: bool = False) -> torch.Tensor:
     """[2, n_tiles] int32: the step's query tiles, (sequence b, tile mb of its chunk), one program
     each (the default prefill kernel and the batch-invariant attention launch from it). A decode
     batch (max_query_len 1) has one tile per sequence: a constant map per batch size, so a graph's
@@ -118,7 +119,10 @@ def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "
     attention 24 ms against 10 for the same prompts alone) — and is kept in ``meta.scratch`` for
     the step's other layers. ``part``: "all" sequences, only the "short" ones (at most
     ``short_len`` new tokens: decodes) or only the "long" ones (chunks), for launches with
-    different tile heights. Which program computes a tile does not change a row's bits."""
+    different tile heights. ``heavy_first``: the tiles in order of the keys each walks, most first
+    (a chunked step's map only), so the GPU starts the longest programs first and the step does not
+    end on a wave of them started last (a chunk's tiles otherwise come in order, its last tile, which
+    sees the whole chunk, at the end). Which program computes a tile does not change a row's bits."""
     scratch = getattr(meta, "scratch", None)
     if meta.max_query_len <= 1:
         key = (B, device)
@@ -136,7 +140,7 @@ def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "
         else:
             _DECODE_TILES[key] = tiles
         return tiles
-    key = ("query_tiles", q_tok, part, short_len if part != "all" else 0)  # the merge reuses "all"
+    key = ("query_tiles", q_tok, part, short_len if part != "all" else 0, heavy_first)  # the merge reuses "all"
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
@@ -147,7 +151,15 @@ def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "
         n = np.where((q_len <= short_len) == (part == "short"), n, 0)
     seq = np.repeat(np.arange(B, dtype=np.int32), n)
     first = np.repeat(np.cumsum(n, dtype=np.int32) - n, n)  # each tile's sequence's first tile
-    tiles = torch.from_numpy(np.stack([seq, np.arange(seq.size, dtype=np.int32) - first]).astype(np.int32))
+    tile = np.arange(seq.size, dtype=np.int32) - first
+    if heavy_first:
+        lens = meta.seq_lens_cpu
+        lens = np.asarray(lens if lens is not None else meta.seq_lens.tolist(), dtype=np.int64)
+        # keys a tile walks: its sequence's cached prefix plus the chunk up to the tile's last token
+        keys = lens[seq] - q_len[seq] + np.minimum((tile.astype(np.int64) + 1) * q_tok, q_len[seq])
+        order = np.argsort(-keys, kind="stable")
+        seq, tile = seq[order], tile[order]
+    tiles = torch.from_numpy(np.stack([seq, tile]).astype(np.int32))
     tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
     if scratch is not None:
         scratch[key] = tiles

@@ -100,6 +100,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int = 2, tile_map: bool | None = None,
+    heavy_first: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
@@ -109,7 +110,9 @@ def paged_prefill_attention(
     ``query_tile_map`` instead of ``max_query_len``'s tiles for every sequence: the same tiles
     with the same arithmetic, so the same bits, without the programs that only exit (a step of
     512 decodes beside a 1,000-token chunk launched 125 x 513 x Hkv programs for ~615 x Hkv
-    tiles). Default: on the engine's path (``meta.query_start_loc_cpu`` there), whatever the step."""
+    tiles). Default: on the engine's path (``meta.query_start_loc_cpu`` there), whatever the step.
+    ``heavy_first``: the map's tiles launch longest first (``query_tile_map``); False keeps them in
+    sequence order. Either way the same bits."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -130,7 +133,7 @@ def paged_prefill_attention(
         # variant mid-run the first time a step crossed over (a server's first batch after lone prompts)
         tile_map = meta.query_start_loc_cpu is not None
     if tile_map:  # one program per real query tile (and KV head)
-        tiles = query_tile_map(meta, q_tok, B, q.device)
+        tiles = query_tile_map(meta, q_tok, B, q.device, heavy_first=heavy_first)
         n_tiles = tiles.shape[1]
         grid = (n_tiles, Hkv)
     else:

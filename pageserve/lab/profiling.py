@@ -42,6 +42,15 @@ CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
               "sm80_", "ampere_", "turing_")),
     ("copy", ("copy", "memcpy", "memset", "gather", "index", "cat_", "fill")),
 )
+# the engine variants the profiling scripts build by name: LLM keyword arguments of each
+ENGINE_MODES = {
+    "default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"},
+    # the default prefill kernel over its old grid (max_query_len's tiles for every sequence; session 15)
+    "default_full_grid": {"triton_options": {"prefill_tile_map": False}},
+    # the tile map in sequence order instead of longest tiles first (session 16)
+    "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
+}
+
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
 
 

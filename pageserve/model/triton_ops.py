@@ -78,7 +78,8 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
-                 pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True) -> None:
+                 pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
+                 prefill_tile_order: str = "heavy_first") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -112,6 +113,10 @@ class TritonOps(TorchOps):
         self.pdl_max_rows = pdl_max_rows
         # False: the prefill kernel's old grid (every sequence gets max_query_len's tiles), for A/Bs
         self.prefill_tile_map = prefill_tile_map
+        if prefill_tile_order not in ("heavy_first", "sequence"):
+            raise ValueError(f"prefill_tile_order must be 'heavy_first' or 'sequence', got {prefill_tile_order!r}")
+        # the map's tiles longest first, or in sequence order (session 16's A/B)
+        self.prefill_tile_order = prefill_tile_order
 
     def pdl_for(self, rows: int) -> bool | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
@@ -179,4 +184,5 @@ class TritonOps(TorchOps):
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]))
         tile_map = None if self.prefill_tile_map else False
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map,
+                                       heavy_first=self.prefill_tile_order == "heavy_first")
