@@ -80,6 +80,16 @@ def decode_bands(marks: list[tuple]) -> list[dict]:
     return rows
 
 
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+
+def allocator_counts() -> dict:
+    """PyTorch's CUDA caching allocator's counters that mean a sync or a driver call inside a step:
+    allocation retries (cached blocks freed to make room: a device sync), cudaMalloc / cudaFree calls."""
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
+
+
 def events_pass(llm, workload) -> dict:
     runner = llm.engine.runner
     execute, graphs = runner.execute, runner.graphs
@@ -113,6 +123,7 @@ def events_pass(llm, workload) -> dict:
         graphs.run = timed_run
     try:
         bench.synchronize()
+        mem0 = allocator_counts()
         with CompileLog() as compiles:
             t0 = time.perf_counter()
             r = bench.run_pageserve(llm, workload)
@@ -122,8 +133,9 @@ def events_pass(llm, workload) -> dict:
         del runner.execute
         if graphs is not None:
             del graphs.run
+    mem = {k: v - mem0.get(k, 0) for k, v in allocator_counts().items()}
     split = idle_split(marks)
-    return {"wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
+    return {"allocator": mem, "wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
             "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
             "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary(),
             "decode_by_rows": decode_bands(marks)}
@@ -210,7 +222,7 @@ def _print(mode: str, e: dict) -> None:
         print(f"  decode {b['rows']:>8} rows: {b['steps']:4d} steps, GPU {b['gpu_ms']:7.0f} ms, "
               f"{b['ms_per_step']:.3f} ms a step"
               f" (mean {b['mean_rows']:.0f} rows, context {b['mean_context']:.0f})", flush=True)
-    print(f"  Triton compiles inside the pass: {e['jit']}", flush=True)
+    print(f"  Triton compiles inside the pass: {e['jit']}; CUDA allocator during it: {e.get('allocator')}", flush=True)
 
 
 if __name__ == "__main__":
