@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import subprocess
-import threading
 from pathlib import Path
 
 import torch
@@ -31,6 +29,7 @@ from pageserve.kernels.argmax import argmax_rows
 from pageserve.kernels.step_inputs import stage_decode_inputs
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
+from pageserve.lab.profiling import ClockLog
 from pageserve.lab.results import provenance
 
 # "triton" launches under PDL at any row count since b694991; at c6f794a it stopped at 8 rows like every
@@ -39,45 +38,6 @@ from pageserve.lab.results import provenance
 ARGMAX = {"triton": argmax_rows, "torch": sampler_mod._torch_argmax,
           "triton_no_pdl": functools.partial(argmax_rows, pdl=False),  # is the batch-2/8 effect PDL's?
           "triton_stage_pdl": argmax_rows}  # and the copy-in before the replay under PDL too (session 15)
-
-
-class ClockLog:
-    """The GPU's SM clock (MHz) polled every ``period`` s while active (NVML through pynvml when
-    importable, else ``nvidia-smi``): is a variant's speed the GPU running at another clock?"""
-
-    def __init__(self, period: float = 0.02) -> None:
-        self.period, self.mhz = period, []
-        self._stop = threading.Event()
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-            self._read = lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
-        except Exception:  # no pynvml: one nvidia-smi call a sample (~20-50 ms each)
-            self._read = lambda: int(subprocess.run(
-                ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i",
-                 str(torch.cuda.current_device())], capture_output=True, text=True, timeout=5).stdout.split()[0])
-
-    def _poll(self) -> None:
-        while not self._stop.wait(self.period):
-            try:
-                self.mhz.append(self._read())
-            except Exception:
-                return
-
-    def __enter__(self) -> "ClockLog":
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def summary(self) -> dict:
-        m = self.mhz
-        return {"samples": len(m), "mean_mhz": sum(m) / len(m) if m else None, "min_mhz": min(m, default=None),
-                "max_mhz": max(m, default=None)}
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
-from pageserve.lab.profiling import ENGINE_MODES, CompileLog
+from pageserve.lab.profiling import ENGINE_MODES, ClockLog, CompileLog
 from pageserve.lab.results import provenance
 
 
@@ -124,7 +124,7 @@ def events_pass(llm, workload) -> dict:
     try:
         bench.synchronize()
         mem0 = allocator_counts()
-        with CompileLog() as compiles:
+        with CompileLog() as compiles, ClockLog() as clocks:
             t0 = time.perf_counter()
             r = bench.run_pageserve(llm, workload)
             bench.synchronize()
@@ -135,7 +135,7 @@ def events_pass(llm, workload) -> dict:
             del graphs.run
     mem = {k: v - mem0.get(k, 0) for k, v in allocator_counts().items()}
     split = idle_split(marks)
-    return {"allocator": mem, "wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
+    return {"allocator": mem, "sm_clock": clocks.summary(), "wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
             "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
             "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary(),
             "decode_by_rows": decode_bands(marks)}
@@ -222,7 +222,8 @@ def _print(mode: str, e: dict) -> None:
         print(f"  decode {b['rows']:>8} rows: {b['steps']:4d} steps, GPU {b['gpu_ms']:7.0f} ms, "
               f"{b['ms_per_step']:.3f} ms a step"
               f" (mean {b['mean_rows']:.0f} rows, context {b['mean_context']:.0f})", flush=True)
-    print(f"  Triton compiles inside the pass: {e['jit']}; CUDA allocator during it: {e.get('allocator')}", flush=True)
+    print(f"  Triton compiles inside the pass: {e['jit']}; CUDA allocator during it: {e.get('allocator')}; "
+          f"SM clock: {e.get('sm_clock')}", flush=True)
 
 
 if __name__ == "__main__":

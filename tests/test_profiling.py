@@ -192,3 +192,15 @@ def test_compile_log_records_triton_compiles_while_active_and_restores_the_hook(
         knobs.jit_post_compile_hook(fn=SimpleNamespace(name="_prefill_kernel"))
     assert knobs.jit_post_compile_hook is before
     assert log.summary() == {"available": True, "compiles": 2, "by_kernel": {"_prefill_kernel": 2}}
+
+
+def test_clock_log_summarises_the_polled_clock():
+    from pageserve.lab.profiling import ClockLog
+
+    log = ClockLog.__new__(ClockLog)  # no polling: the summary of given samples
+    log.mhz = [1980, 1700, 1230, 1850, 1980, 1980, 1900, 1660, 1980, 1980]
+    s = log.summary()
+    assert s["samples"] == 10 and s["min_mhz"] == 1230 and s["max_mhz"] == 1980 and s["p10_mhz"] == 1660
+    assert s["mean_mhz"] == sum(log.mhz) / 10
+    log.mhz = []
+    assert log.summary()["mean_mhz"] is None

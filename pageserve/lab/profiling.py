@@ -22,6 +22,8 @@ the CPU.
 from __future__ import annotations
 
 import collections
+import subprocess
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -239,3 +241,43 @@ class CompileLog:
             return {"available": False}
         return {"available": True, "compiles": len(self.names),
                 "by_kernel": {n: self.names.count(n) for n in sorted(set(self.names))}}
+
+
+class ClockLog:
+    """The GPU's SM clock (MHz) polled every ``period`` s while active (NVML through pynvml when
+    importable, else ``nvidia-smi``): is a variant's speed the GPU running at another clock?"""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period, self.mhz = period, []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self._read = lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+        except Exception:  # no pynvml: one nvidia-smi call a sample (~20-50 ms each)
+            self._read = lambda: int(subprocess.run(
+                ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i",
+                 str(torch.cuda.current_device())], capture_output=True, text=True, timeout=5).stdout.split()[0])
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.mhz.append(self._read())
+            except Exception:
+                return
+
+    def __enter__(self) -> "ClockLog":
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        m = self.mhz
+        p10 = sorted(m)[len(m) // 10] if m else None
+        return {"samples": len(m), "mean_mhz": sum(m) / len(m) if m else None, "min_mhz": min(m, default=None),
+                "p10_mhz": p10, "max_mhz": max(m, default=None)}
