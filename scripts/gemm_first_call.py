@@ -1,0 +1,66 @@
+"""Does a GEMM's first call at a new row count cost the host (cuBLAS choosing and loading a kernel)?
+
+For each of the Qwen2.5-3B shape's linears (qkv with bias, o, gate_up, down, the LM head), time
+``torch.nn.functional.linear`` at row counts M never seen in this process: the first call's host time
+and GPU time, then the same M again (warm). An eager engine step meets a new M whenever its token
+count is new (every chat step), so a first-call cost shows up as eager steps that get faster the
+longer a process runs (session 16, NOTES.md). GPU only.
+    python scripts/gemm_first_call.py --out DIR [--ms 1000,1003,2047,4001,6007]
+Writes DIR/gemm_first_call.json (with the commit) and prints a line a shape and M.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from pageserve.lab.results import provenance
+
+SHAPES = {"qkv": (2560, 2048, True), "o": (2048, 2048, False), "gate_up": (22016, 2048, False),
+          "down": (2048, 11008, False), "lm_head": (151936, 2048, False)}
+
+
+def timed(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> tuple[float, float]:
+    """(host ms of the call, GPU ms from before it to after it) of one linear."""
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    t0 = time.perf_counter()
+    torch.nn.functional.linear(x, w, b)
+    host = (time.perf_counter() - t0) * 1e3
+    e.record()
+    torch.cuda.synchronize()
+    return host, s.elapsed_time(e)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1000,1003,2047,4001,6007")
+    args = ap.parse_args()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    rows = []
+    for name, (n, k, bias) in SHAPES.items():
+        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        b = torch.randn(n, device=dev, dtype=dt) if bias else None
+        timed(torch.randn(64, k, device=dev, dtype=dt), w, b)  # the shape's first call at all, not counted
+        for m in (int(v) for v in args.ms.split(",")):
+            if name == "lm_head" and m > 1024:
+                m = m // 8  # sampled rows: at most max_num_seqs
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            first = timed(x, w, b)
+            again = timed(x, w, b)
+            rows.append({"shape": name, "m": m, "first_host_ms": first[0], "first_gpu_ms": first[1],
+                         "warm_host_ms": again[0], "warm_gpu_ms": again[1]})
+            print(f"{name:8s} M={m:5d}: first host {first[0]:7.3f} ms GPU {first[1]:7.3f} ms | "
+                  f"warm host {again[0]:7.3f} ms GPU {again[1]:7.3f} ms", flush=True)
+        del w, b
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gemm_first_call.json").write_text(json.dumps({**provenance(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
