@@ -10,8 +10,9 @@ engine (after a W1-shaped warm-up), the engine's defaults.
    wall time is not W1's): the functions with the most own time and the most cumulative time.
    A host sync inside a launch shows up as a C function (``synchronize``, ``item``, ``tolist``,
    a copy) with wall time near the GPU's.
-Each events pass also lists the Triton kernels compiled during it (a compile stalls the host
-mid-step; the GPU's wait shows inside that step's events).
+Each events pass also records the CUDA caching allocator's retries and cudaMalloc/cudaFree calls
+during it and the SM clock over it (``lab.profiling.ClockLog``), and lists the Triton kernels
+compiled during it (a compile stalls the host mid-step; the GPU's wait shows inside that step's events).
 
     python scripts/w1_profile.py --out DIR [--workload w1|nanovllm|chat] [--requests N] [--top 40]
                                  [--modes default,deterministic] [--no-cprofile]
@@ -46,8 +47,9 @@ def idle_split(marks: list[tuple]) -> dict:
     """``marks``: per step (start event, end event, graphed, rows, context, host ms) in launch
     order, completed (the last three optional). Returns per kind ("decode" graphed, "eager"
     otherwise): steps, GPU ms of the steps, idle ms before them (the first step's idle is not
-    counted) and, where the marks have it, the host's ms inside ``execute`` (its launches: an
-    eager step whose host ms come near its GPU ms is bound by the host, not the kernels)."""
+    counted) and, where the marks have it, the host's ms inside ``execute``. That time includes
+    ``to_device``'s wait for the previous step's input copy (async scheduling), so a GPU-bound step
+    also shows host ms near its GPU ms: it bounds the launch work from above, it does not measure it."""
     out = {k: {"steps": 0, "gpu_ms": 0.0, "idle_before_ms": 0.0} for k in ("decode", "eager")}
     for i, (s, e, graphed, *rest) in enumerate(marks):
         row = out["decode" if graphed else "eager"]
@@ -135,8 +137,8 @@ def events_pass(llm, workload) -> dict:
             del graphs.run
     mem = {k: v - mem0.get(k, 0) for k, v in allocator_counts().items()}
     split = idle_split(marks)
-    return {"allocator": mem, "sm_clock": clocks.summary(), "wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
-            "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
+    return {"wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
+            "allocator": mem, "sm_clock": clocks.summary(), "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
             "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary(),
             "decode_by_rows": decode_bands(marks)}
 
