@@ -159,6 +159,27 @@ def cprofile_pass(llm, workload, top: int) -> dict:
     return {"wall_s_under_profiler": wall, "top": rows}
 
 
+def gemm_sweep(max_rows: int) -> float:
+    """Calls ``F.linear`` at every row count 1..max_rows for the qkv (with bias), o, gate_up and down
+    shapes of Qwen2.5-3B in bf16, and the LM head at 1..max_rows // 8: every cuBLAS heuristic query
+    and kernel load an eager step could meet, paid before the engine exists. Returns its seconds."""
+    t0 = time.perf_counter()
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    for n, k, bias, top in ((2560, 2048, True, max_rows), (2048, 2048, False, max_rows),
+                            (22016, 2048, False, max_rows), (2048, 11008, False, max_rows),
+                            (151936, 2048, False, max_rows // 8)):
+        w = torch.zeros(n, k, device=dev, dtype=dt)
+        b = torch.zeros(n, device=dev, dtype=dt) if bias else None
+        x = torch.zeros(top, k, device=dev, dtype=dt)
+        for m in range(1, top + 1):
+            torch.nn.functional.linear(x[:m], w, b)
+        torch.cuda.synchronize()
+        del w, b, x
+    torch.cuda.empty_cache()
+    print(f"GEMM sweep to {max_rows} rows: {time.perf_counter() - t0:.1f} s", flush=True)
+    return time.perf_counter() - t0
+
+
 def build_workload(name: str, vocab: int, requests: int | None, seed: int = 0):
     """The benchmark workload ``name`` (``lab.workloads.WORKLOADS``), ``requests`` long if given."""
     kwargs = {"seed": seed} if requests is None else {"seed": seed, "num_requests": requests}
@@ -178,13 +199,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--passes", type=int, default=1, help="with --modes: W1 passes per engine (other prompts each; "
                     "a later pass shows what the first paid for compiling kernels)")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--gemm-sweep", type=int, default=0, help="diagnostic: before any engine, call each decoder "
+                    "linear of the Qwen2.5-3B shape at every row count 1..N and the LM head at 1..N/8 (cuBLAS's "
+                    "per-row-count first-call cost paid up front; NOTES.md, session 17)")
     args = ap.parse_args(argv)
     vocab = workload_vocab(args.model)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"{args.workload}_profile.json"
+    sweep_s = gemm_sweep(args.gemm_sweep) if args.gemm_sweep else None
     if args.modes:
         rec = {**provenance(), "model": args.model, "workload": args.workload, "requests": args.requests, "modes": {}}
         rec["max_model_len"] = args.max_model_len
+        rec["gemm_sweep"] = {"rows": args.gemm_sweep, "seconds": sweep_s}
         for n, mode in enumerate(args.modes.split(",")):
             name = mode if mode not in rec["modes"] else f"{mode}#{n + 1}"
             kw = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
