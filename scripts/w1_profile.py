@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
             llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, **ENGINE_MODES[mode], **kw)
             bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
             rec["modes"][name] = []
+            rec.setdefault("eager_warm_s", {})[name] = llm.engine.runner.eager_warm_s
+            print(f"{name}: eager row buckets {llm.engine.runner.eager_row_buckets}, "
+                  f"GEMMs warmed in {llm.engine.runner.eager_warm_s} s", flush=True)
             for i in range(args.passes):
                 e = events_pass(llm, build_workload(args.workload, vocab, args.requests, seed=i))
                 rec["modes"][name].append(e)

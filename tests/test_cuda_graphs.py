@@ -258,3 +258,90 @@ def test_new_prompt_lengths_compile_no_attention_or_rope_variant_after_a_warm_up
         llm.generate(prompts, params, use_tqdm=False)
     compiled = log.names
     assert not [n for n in compiled if n in ("_prefill_kernel", "_rope_kv_kernel")], compiled
+
+
+# ---------------------------------------------------------------- eager steps' row buckets
+def test_eager_row_buckets_keep_small_counts_and_pad_larger_ones_by_at_most_one_sixteenth():
+    from pageserve.engine.model_runner import EAGER_ROWS_EXACT, eager_rows_bucket, eager_rows_buckets
+
+    assert [eager_rows_bucket(n) for n in (1, 2, 63, 64)] == [1, 2, 63, 64]
+    assert [eager_rows_bucket(n) for n in (65, 68, 69, 128, 129, 8191, 8192, 8193)] == \
+        [68, 68, 72, 128, 136, 8192, 8192, 8704]
+    prev = 0
+    for n in range(1, 20000):
+        b = eager_rows_bucket(n)
+        assert n <= b <= max(n, EAGER_ROWS_EXACT) * 17 / 16 and b >= prev  # monotone, ≤ 6.25% padding
+        assert eager_rows_bucket(b) == b  # a bucket is its own bucket
+        prev = b
+    buckets = eager_rows_buckets(8192)
+    assert len(buckets) == 64 + 7 * 16 and buckets[-1] == 8192
+    assert set(buckets) == {eager_rows_bucket(n) for n in range(1, 8193)}
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_padded_eager_steps_give_the_logits_and_tokens_of_unpadded_ones(tiny_qwen2_config, monkeypatch, use_triton):
+    # 90 prompts of 3..40 tokens through a budget of 97 tokens: chunked-prefill steps of 65..97
+    # tokens beside decodes, row counts that pad (to 68..100), sampling rows past 64 that pad too;
+    # the padded run must see the same logits in every step and write the same KV (later steps read it)
+    from pageserve.engine import model_runner
+    from pageserve.lab.decode_bench import capture_logits
+
+    if use_triton and DEVICE == "cpu":
+        pytest.importorskip("triton")
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    # Triton's CPU interpreter takes ~5 min over that workload: there 5 prompts of 60..110 tokens
+    # pad the token rows (the kernels' padding: attention's zeroed rows, no KV write), not the sampling rows
+    small = use_triton and DEVICE == "cpu"
+    g = torch.Generator().manual_seed(2)
+    lengths = torch.randint(60, 110, (5,), generator=g) if small else torch.randint(3, 40, (90,), generator=g)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=3 if small else 24, ignore_eos=True)
+    padded_counts = []
+    real_pad = model_runner.pad_step_rows
+
+    def counting_pad(x):
+        out = real_pad(x)
+        padded_counts.append((x.num_tokens, out.num_tokens, x.logits_indices.shape[0], out.logits_indices.shape[0]))
+        return out
+
+    monkeypatch.setattr(model_runner, "pad_step_rows", counting_pad)
+    runs = {}
+    for buckets in (False, True):
+        llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                             max_num_seqs=90, max_num_batched_tokens=97, max_model_len=256, enforce_eager=True,
+                             use_triton=use_triton, eager_row_buckets=buckets)
+        assert llm.engine.runner.eager_row_buckets is buckets
+        with capture_logits(llm.engine.runner) as steps:
+            out = llm.generate(prompts, params)
+        runs[buckets] = ([o.outputs[0].token_ids for o in out], steps.logits)
+    assert any(t != pt for t, pt, _, _ in padded_counts)  # some steps really were padded
+    assert small or any(s != ps for _, _, s, ps in padded_counts)  # and some sampling-row counts
+    (tokens, logits), (tokens_p, logits_p) = runs[False], runs[True]
+    assert tokens == tokens_p
+    assert len(logits) == len(logits_p)
+    for a, b in zip(logits, logits_p):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_warming_the_eager_gemms_calls_every_bucket_of_every_linear(tiny_qwen2_config, monkeypatch, quantization):
+    from pageserve.engine.model_runner import eager_rows_buckets
+
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=64, max_num_seqs=70,
+                         max_num_batched_tokens=150, max_model_len=128, enforce_eager=True, quantization=quantization,
+                         eager_row_buckets=True)
+    runner = llm.engine.runner
+    calls = []
+    real_linear = runner.ops.linear
+    monkeypatch.setattr(runner.ops, "linear", lambda x, w, b: calls.append((x.shape[0], tuple(w.shape))) or real_linear(x, w, b))
+    assert runner.warm_eager_gemms() >= 0
+    cfg = tiny_qwen2_config
+    rows, head_rows = eager_rows_buckets(150), eager_rows_buckets(70)
+    assert rows[-1] == 152 and head_rows[-1] == 72
+    shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), (cfg.hidden_size, cfg.q_size),
+              (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
+    assert calls == [(m, s) for s in shapes for m in rows] + [(m, (cfg.vocab_size, cfg.hidden_size)) for m in head_rows]

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -26,6 +27,47 @@ from .scheduler import ScheduledBatch
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not given
+
+# Eager steps' row buckets (EngineConfig.eager_row_buckets). On the H200, cuBLAS's first call at a
+# row count it has not seen in the process cost the host 0.12-0.46 ms (its heuristic) and, for 30 of
+# 75 new counts, 2.6-3.6 ms (a kernel loaded on first use), while the GPU waited
+# (results/h200/diagnostics/gemm_first_call_24a080e.json); a chat-like workload meets a new token
+# count nearly every eager step. Up to EAGER_ROWS_EXACT rows a step keeps its count (64 values, all
+# warmed at start-up; the int8 kernels switch paths at 64 rows); above it the count rounds up to a
+# multiple of 1/EAGER_ROWS_PER_OCTAVE of its power of two: at most 6.25% padding rows, 113 buckets up to 8,192.
+EAGER_ROWS_EXACT = 64
+EAGER_ROWS_PER_OCTAVE = 16
+
+
+def eager_rows_bucket(n: int) -> int:
+    """The row count an eager step's matrices run at for ``n`` real rows (n itself up to
+    ``EAGER_ROWS_EXACT``)."""
+    if n <= EAGER_ROWS_EXACT:
+        return n
+    step = (1 << (n.bit_length() - 1)) // EAGER_ROWS_PER_OCTAVE
+    return -(-n // step) * step
+
+
+def eager_rows_buckets(max_rows: int) -> list[int]:
+    """Every row count ``eager_rows_bucket`` gives for 1..max_rows real rows, ascending."""
+    return sorted({eager_rows_bucket(n) for n in range(1, max_rows + 1)})
+
+
+def pad_step_rows(x: "StepInputs") -> "StepInputs":
+    """``x`` with its tokens padded to ``eager_rows_bucket`` of their count (id 0, position 0, slot
+    -1: no KV written, no sequence reads them; attention zeroes their rows) and its sampling rows to
+    ``eager_rows_bucket`` of theirs (repeats of the last one; the caller keeps the first S logits)."""
+    T, S = x.num_tokens, x.logits_indices.shape[0]
+    pad_t, pad_s = eager_rows_bucket(T) - T, (eager_rows_bucket(S) - S) if S else 0
+    if not pad_t and not pad_s:
+        return x
+    zeros = np.zeros(pad_t, dtype=np.int64)
+    return replace(
+        x, input_ids=np.concatenate([x.input_ids, zeros]), positions=np.concatenate([x.positions, zeros]),
+        slot_mapping=np.concatenate([x.slot_mapping, np.full(pad_t, -1, dtype=np.int64)]),
+        logits_indices=np.concatenate([x.logits_indices, np.full(pad_s, x.logits_indices[-1] if S else 0,
+                                                                 dtype=np.int64)]),
+    )
 
 
 # int8 weights: programmatic dependent launch at one row only. From 2 to 8 rows the int8 GEMV runs
@@ -166,6 +208,11 @@ class ModelRunner:
 
             sampler = Sampler(cfg.vocab_size, self.device, eos_token_ids=eos_token_ids, seed=config.seed)
         self.sampler = sampler
+        bucket = config.eager_row_buckets
+        self.eager_row_buckets = (self.device.type == "cuda" and self.ops.cublas_linears) if bucket is None else bucket
+        self.eager_warm_s = None  # seconds warm_eager_gemms took at start-up
+        if self.eager_row_buckets and self.device.type == "cuda":
+            self.eager_warm_s = self.warm_eager_gemms()
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps
@@ -192,6 +239,32 @@ class ModelRunner:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
         self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture)
         self.graphs.capture()
+
+    @torch.inference_mode()
+    def warm_eager_gemms(self) -> float:
+        """Call each decoder linear (layer 0's: every layer has the same shapes) at every row bucket
+        an eager step can take, and the output head at every bucket of sampling rows, so that no
+        step pays cuBLAS's first call at a row count (``eager_rows_bucket``). Returns its seconds
+        (~1 s on the H200 at the Qwen2.5-3B shape)."""
+        t0 = time.perf_counter()
+        layer, c = self.model.layers[0], self.config
+        projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        rows = eager_rows_buckets(c.max_num_batched_tokens)
+        for proj in projs:
+            x = torch.zeros(rows[-1], proj.weight.shape[1], dtype=self.dtype, device=self.device)
+            for m in rows:
+                self.ops.linear(x[:m], proj.weight, proj.bias)
+        # the head's local product only (a tensor-parallel shard's compute_logits also gathers)
+        head = self.model.embed_tokens.weight if self.model.lm_head is None else self.model.lm_head.weight
+        x = torch.zeros(rows[-1], head.shape[1], dtype=self.dtype, device=self.device)
+        for m in eager_rows_buckets(min(c.max_num_seqs, c.max_num_batched_tokens)):
+            self.ops.linear(x[:m], head, None)
+        del x
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - t0
+        logger.info("eager row buckets: %d, GEMMs warmed in %.2f s", len(rows), seconds)
+        return seconds
 
     # ------------------------------------------------------------------ KV pool size
     @property
@@ -349,20 +422,22 @@ class ModelRunner:
         """The step's forward from its host inputs: fp32 logits [S, V] of the sampling rows,
         or None when no row samples. (Under tensor parallelism every rank runs this with the
         same ``x``; see ``tensor_parallel.py``.)"""
+        B, T, S = x.seq_lens.shape[0], x.num_tokens, x.logits_indices.shape[0]
+        # one token per sequence and every one samples (not so when a prompt's chunk is a single
+        # token short of its end): the graph ends with the output head over all B rows
+        graphed = self.graphs is not None and x.max_query_len == 1 and S == B and self.graphs.can_run(B, T == B)
+        if not graphed and self.eager_row_buckets and x.max_query_len > 1:
+            x = pad_step_rows(x)  # T and S stay the real counts
         d = self.to_device(x)
-        B = x.seq_lens.shape[0]
         input_ids = self.step_input_ids(x, d, prev_tokens)
-        S = x.logits_indices.shape[0]
-        if self.graphs is not None and x.max_query_len == 1 and S == B and self.graphs.can_run(B, x.num_tokens == B):
-            # one token per sequence and every one samples (not so when a prompt's chunk is a
-            # single token short of its end): the graph ends with the output head over all B rows
+        if graphed:
             return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
         hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
-        if x.logits_indices.shape[0] == 0:
+        if S == 0:
             return None
-        if x.logits_indices.shape[0] < x.num_tokens:
-            hidden = hidden[d.logits_indices]  # [S, H]
-        return self.model.compute_logits(hidden)  # [S, V] fp32
+        if S < T:
+            hidden = hidden[d.logits_indices]  # [S, H] (padded: the sampling rows' bucket)
+        return self.model.compute_logits(hidden)[:S]  # [S, V] fp32
 
     def step_input_ids(self, x: StepInputs, d: DeviceInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The step's input ids on the device: tokens the previous step sampled (async
@@ -372,7 +447,7 @@ class ModelRunner:
             if prev_tokens is None:
                 raise RuntimeError("a scheduled token is still pending but no previous step's tokens were given")
             F, B = x.fill_rows.shape[0], x.seq_lens.shape[0]
-            if F == B == prev_tokens.shape[0] and (x.fill_rows == x.fill_src).all() and x.fill_rows[-1] == F - 1:
+            if F == B == x.num_tokens == prev_tokens.shape[0] and (x.fill_rows == x.fill_src).all() and x.fill_rows[-1] == F - 1:
                 input_ids = prev_tokens  # steady decode: the same rows in the same order, no gather
             else:
                 input_ids[d.fill_rows] = prev_tokens[d.fill_src]

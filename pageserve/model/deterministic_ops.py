@@ -52,6 +52,7 @@ class DeterministicOps(TritonOps):
     they are there to time the batch-1 step with and without each (scripts/det_b1_switches.py)."""
 
     name = "deterministic"
+    cublas_linears = False  # every linear is kernels.matmul_invariant
 
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,

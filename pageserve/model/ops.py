@@ -21,6 +21,9 @@ class TorchOps:
 
     name = "torch"
     graph_safe = False  # the reference reads host copies of lengths (and may sync): never captured
+    # the linears of many rows are cuBLAS calls on CUDA, which pay a first call per new row count
+    # (so eager steps bucket their rows: EngineConfig.eager_row_buckets)
+    cublas_linears = True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]. A ``QuantizedWeight`` (int8 + per-row scale)
