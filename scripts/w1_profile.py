@@ -44,7 +44,7 @@ from pageserve.lab.results import provenance
 
 
 def idle_split(marks: list[tuple]) -> dict:
-    """``marks``: per step (start event, end event, graphed, rows, context, host ms) in launch
+    """``marks``: per step (start event, end event, graphed, rows, context, host ms, tokens) in launch
     order, completed (the last three optional). Returns per kind ("decode" graphed, "eager"
     otherwise): steps, GPU ms of the steps, idle ms before them (the first step's idle is not
     counted) and, where the marks have it, the host's ms inside ``execute``. That time includes
@@ -92,7 +92,11 @@ def allocator_counts() -> dict:
     return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTS}
 
 
-def events_pass(llm, workload) -> dict:
+def events_pass(llm, workload, sync_steps: bool = False) -> dict:
+    """``sync_steps``: the device is idle when each step starts and finished when the next is
+    prepared (no overlap: this pass's wall time is not the workload's), so a step's host ms is the
+    launch work alone and its GPU ms the kernels alone, or the launch where that is longer
+    (host-bound). ``eager_steps`` lists per eager step [tokens, rows, GPU ms, host ms]."""
     runner = llm.engine.runner
     execute, graphs = runner.execute, runner.graphs
     marks: list[list] = []
@@ -107,11 +111,15 @@ def events_pass(llm, workload) -> dict:
         graphed[0] = False
         rows = len(batch)
         ctx = sum(s.num_computed_tokens for s in batch.seqs) / max(rows, 1)
+        if sync_steps:
+            torch.cuda.synchronize()
         start = ev()
         t0 = time.perf_counter()
         out = execute(batch, *a, **k)
         host_ms = (time.perf_counter() - t0) * 1e3
-        marks.append([start, ev(), graphed[0], rows, ctx, host_ms])
+        marks.append([start, ev(), graphed[0], rows, ctx, host_ms, sum(batch.num_new_tokens)])
+        if sync_steps:
+            torch.cuda.synchronize()
         return out
 
     run = graphs.run if graphs is not None else None
@@ -140,7 +148,8 @@ def events_pass(llm, workload) -> dict:
     return {"wall_s": wall, "total_tok_s": (workload.prompt_tokens + r.output_tokens) / wall, "kinds": split,
             "allocator": mem, "sm_clock": clocks.summary(), "gpu_s": sum(v["gpu_ms"] for v in split.values()) / 1e3,
             "idle_s": sum(v["idle_before_ms"] for v in split.values()) / 1e3, "jit": compiles.summary(),
-            "decode_by_rows": decode_bands(marks)}
+            "decode_by_rows": decode_bands(marks), "sync_steps": sync_steps,
+            "eager_steps": [[m[6], m[3], m[0].elapsed_time(m[1]), m[5]] for m in marks if not m[2]]}
 
 
 def cprofile_pass(llm, workload, top: int) -> dict:
@@ -199,6 +208,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--passes", type=int, default=1, help="with --modes: W1 passes per engine (other prompts each; "
                     "a later pass shows what the first paid for compiling kernels)")
     ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--same-prompts", action="store_true", help="with --passes: every pass runs the seed-0 workload "
+                    "(a later pass meets exactly the token counts the first did)")
+    ap.add_argument("--sync-steps", action="store_true", help="diagnostic: the device idle before each step and "
+                    "done after it (events_pass): per eager step, launch work and kernel time apart")
     ap.add_argument("--gemm-sweep", type=int, default=0, help="diagnostic: before any engine, call each decoder "
                     "linear of the Qwen2.5-3B shape at every row count 1..N and the LM head at 1..N/8 (cuBLAS's "
                     "per-row-count first-call cost paid up front; NOTES.md, session 17)")
@@ -221,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name}: eager row buckets {llm.engine.runner.eager_row_buckets}, "
                   f"GEMMs warmed in {llm.engine.runner.eager_warm_s} s", flush=True)
             for i in range(args.passes):
-                e = events_pass(llm, build_workload(args.workload, vocab, args.requests, seed=i))
+                seed = 0 if args.same_prompts else i
+                e = events_pass(llm, build_workload(args.workload, vocab, args.requests, seed=seed), args.sync_steps)
                 rec["modes"][name].append(e)
                 _print(f"{name} pass {i + 1}", e)
                 path.write_text(json.dumps(rec, indent=1))
