@@ -32,9 +32,10 @@ class EngineConfig:
     # eager (prefill / mixed) steps over 64 tokens run their matrices at a bucketed row count (a
     # multiple of 1/16 of the count's power of two; padding rows write no KV), and the engine calls
     # each bucket's GEMMs once at start-up: cuBLAS's first call at a new row count costs the host
-    # 0.2-4 ms (a heuristic query, often a kernel load). None: on where the eager linears are cuBLAS
-    # (CUDA, not deterministic); model_runner.eager_rows_bucket
-    eager_row_buckets: bool | None = None
+    # 0.2-4 ms (a heuristic query, often a kernel load). Off by default: on the H200 it did not make
+    # the chat workload faster (NOTES.md, session 17: its eager steps are bound by launch work).
+    # None: on where the eager linears are cuBLAS (CUDA, not deterministic); model_runner.eager_rows_bucket
+    eager_row_buckets: bool | None = False
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
     # False: every step is postprocessed before step() returns
     async_scheduling: bool = True

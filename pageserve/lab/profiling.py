@@ -51,8 +51,8 @@ ENGINE_MODES = {
     "default_full_grid": {"triton_options": {"prefill_tile_map": False}},
     # the tile map in sequence order instead of longest tiles first (session 16)
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
-    # eager steps at their exact row counts, no GEMMs warmed at start-up (session 17)
-    "default_no_row_buckets": {"eager_row_buckets": False},
+    # eager steps at bucketed row counts, every bucket's GEMMs warmed at start-up (session 17)
+    "default_row_buckets": {"eager_row_buckets": True},
 }
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
