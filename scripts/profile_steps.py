@@ -125,10 +125,48 @@ def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: flo
     return rec
 
 
+def host_profile(step, steps: int, top: int = 30) -> dict:
+    """``steps`` calls of ``step`` under cProfile with torch's CUDA sync debug mode on "warn": the
+    host's hot spots in a step (own time, and cumulative), and the operations that made the host
+    wait for the device (each warning's message and the line that raised it; a pageable copy or an
+    ``.item()`` inside a step stops the host from running ahead)."""
+    import cProfile
+    import io
+    import pstats
+    import warnings
+
+    prof = cProfile.Profile()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prof.enable()
+            for _ in range(steps):
+                step()
+            bench.synchronize()
+            prof.disable()
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs: dict[str, int] = {}
+    for w in caught:
+        where = f"{w.filename}:{w.lineno}: {str(w.message)[:120]}"
+        syncs[where] = syncs.get(where, 0) + 1
+    rows = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        rows[key] = buf.getvalue().splitlines()
+    return {"steps": steps, "syncs": syncs, "top": rows}
+
+
 def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_len: int, steps: int,
-                  tflops: float) -> dict:
+                  tflops: float, host_steps: int = 0) -> dict:
     """Steps of ``decodes`` decoding sequences plus ``prefill_tokens`` prompt tokens each (see
-    the module docstring: ``modes.<mode>.mixed``)."""
+    the module docstring: ``modes.<mode>.mixed``). ``host_steps``: that many more under
+    ``host_profile`` (``mixed.host_profile``)."""
     engine = llm.engine
     sched = engine.scheduler
     budget = sched.max_num_batched_tokens
@@ -161,6 +199,7 @@ def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_l
                     step()
                 bench.synchronize()
                 wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+            hosted = host_profile(step, host_steps) if host_steps else None
         finally:
             sched.max_num_batched_tokens = budget
             engine.abort_request(prompt_ids)
@@ -175,11 +214,14 @@ def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_l
            "step_ms": wall_ms, "host": mean_step_timing(timed.steps), "kernel_us": kernel_us, "categories_us": cats,
            "floors_us": floors, "phases": phase_rows(cats, floors), "idle_us": idle, "kernels_overlap": overlap,
            "gpu_idle_fraction": gpu_idle_fraction(kernel_us, wall_ms) if rows else None,
-           "kernels": _kernel_list(rows)}
+           "kernels": _kernel_list(rows), "host_profile": hosted}
     idle_text = (f", GPU idle {rec['gpu_idle_fraction']:.2f}" + (" (kernels overlap)" if overlap else "")) if rows else ""
     title = (f"mixed step: {decodes} decodes x {context} + {prefill} prompt tokens ({prompt_len}-token prompts, "
              f"{rec['scheduled_tokens']:.0f} tokens scheduled): wall {wall_ms:.2f} ms{idle_text}")
     print(_table(title, rec["phases"], kernel_us, sum(floors.values())) + "\n" + _host_line(rec["host"]), flush=True)
+    if hosted:
+        print(f"host profile of {host_steps} more steps: syncs {hosted['syncs']}", flush=True)
+        print("\n".join(hosted["top"]["tottime"][:40]), flush=True)
     return rec
 
 
@@ -248,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="prompt tokens in a mixed step, capped at max_num_batched_tokens - decodes")
     ap.add_argument("--mixed-prompt-len", type=int, default=512, help="tokens of each prompt in a mixed step (W1's)")
     ap.add_argument("--mixed-steps", type=int, default=3, help="mixed steps profiled, and as many timed")
+    ap.add_argument("--mixed-host-steps", type=int, default=0, help="that many more mixed steps under cProfile "
+                    "with CUDA sync warnings (host_profile)")
     args = ap.parse_args(argv)
     if args.mixed and args.mixed_prompt_len >= args.max_model_len:
         raise SystemExit(f"--mixed-prompt-len {args.mixed_prompt_len} needs --max-model-len above it")
@@ -283,7 +327,8 @@ def main(argv: list[str] | None = None) -> None:
             rec["prefill"] = profile_prefill(llm, args.prefill_prompts, args.prefill_len, ceilings["matmul_bf16_tflops"])
         if args.mixed:
             rec["mixed"] = profile_mixed(llm, args.mixed_decodes, args.context, args.mixed_prefill_tokens,
-                                         args.mixed_prompt_len, args.mixed_steps, ceilings["matmul_bf16_tflops"])
+                                         args.mixed_prompt_len, args.mixed_steps, ceilings["matmul_bf16_tflops"],
+                                         args.mixed_host_steps)
         record["modes"][mode] = rec
         out.write_text(json.dumps(record, indent=1, default=str))
         llm.shutdown()

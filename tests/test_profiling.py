@@ -114,7 +114,7 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
                         "default,int8,deterministic", "--batches", "1", "--context", "4", "--prefill-prompts", "1",
                         "--prefill-len", "4", "--max-model-len", "32", "--decode-steps", "2",
                         "--mixed-decodes", "2", "--mixed-prefill-tokens", "12", "--mixed-prompt-len", "8",
-                        "--mixed-steps", "2"])
+                        "--mixed-steps", "2", "--mixed-host-steps", "1"])
     rec = json.loads((tmp_path / "profile_steps.json").read_text())
     assert set(rec["modes"]) == {"default", "int8", "deterministic"} and "git_commit" in rec
     for mode in rec["modes"].values():
@@ -122,6 +122,7 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
         assert decode["step_ms"] > 0 and decode["host"]["steps"] == 2 and decode["host"]["host_busy_us"] > 0
         assert mode["prefill"]["tokens"] == 4 and mode["prefill"]["floors_us"]["gemm"] > 0
         mixed = mode["mixed"]
+        assert mixed["host_profile"]["steps"] == 1 and any("execute" in line for line in mixed["host_profile"]["top"]["cumulative"])
         # 2 decodes + 12 prompt tokens (an 8-token prompt and a chunk of the next) in every timed step
         assert mixed["prefill_tokens"] == 12 and mixed["scheduled_tokens"] == 14
         assert mixed["step_ms"] > 0 and mixed["host"]["steps"] == 2
