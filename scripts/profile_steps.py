@@ -162,6 +162,38 @@ def host_profile(step, steps: int, top: int = 30) -> dict:
     return {"steps": steps, "syncs": syncs, "top": rows}
 
 
+def segment_times(step, runner, steps: int) -> dict:
+    """Mean wall ms a step of ``runner.execute``'s parts over ``steps`` calls of ``step`` (no
+    profiler): input preparation, the host->device copy (``to_device``, which may wait for the
+    previous copy), the model's forward launch, the output head and the sampler's launch. A part
+    that waits for the device shows ms near the kernels' time; launch work alone stays flat
+    with the step's tokens."""
+    parts = {"prepare_inputs": (runner, "prepare_inputs"), "to_device": (runner, "to_device"),
+             "forward": (runner.model, "forward"), "compute_logits": (runner.model, "compute_logits"),
+             "sample": (runner.sampler, "sample")}
+    totals = {k: 0.0 for k in parts}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                totals[name] += time.perf_counter() - t0
+        return wrapper
+
+    for name, (obj, attr) in parts.items():
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    try:
+        for _ in range(steps):
+            step()
+        bench.synchronize()
+    finally:
+        for obj, attr in parts.values():
+            obj.__dict__.pop(attr, None)
+    return {k: 1e3 * v / steps for k, v in totals.items()}
+
+
 def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_len: int, steps: int,
                   tflops: float, host_steps: int = 0) -> dict:
     """Steps of ``decodes`` decoding sequences plus ``prefill_tokens`` prompt tokens each (see
@@ -200,6 +232,7 @@ def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_l
                 bench.synchronize()
                 wall_ms = 1e3 * (time.perf_counter() - t0) / steps
             hosted = host_profile(step, host_steps) if host_steps else None
+            segments = segment_times(step, engine.runner, steps)
         finally:
             sched.max_num_batched_tokens = budget
             engine.abort_request(prompt_ids)
@@ -214,11 +247,12 @@ def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_l
            "step_ms": wall_ms, "host": mean_step_timing(timed.steps), "kernel_us": kernel_us, "categories_us": cats,
            "floors_us": floors, "phases": phase_rows(cats, floors), "idle_us": idle, "kernels_overlap": overlap,
            "gpu_idle_fraction": gpu_idle_fraction(kernel_us, wall_ms) if rows else None,
-           "kernels": _kernel_list(rows), "host_profile": hosted}
+           "kernels": _kernel_list(rows), "host_profile": hosted, "execute_segments_ms": segments}
     idle_text = (f", GPU idle {rec['gpu_idle_fraction']:.2f}" + (" (kernels overlap)" if overlap else "")) if rows else ""
     title = (f"mixed step: {decodes} decodes x {context} + {prefill} prompt tokens ({prompt_len}-token prompts, "
              f"{rec['scheduled_tokens']:.0f} tokens scheduled): wall {wall_ms:.2f} ms{idle_text}")
     print(_table(title, rec["phases"], kernel_us, sum(floors.values())) + "\n" + _host_line(rec["host"]), flush=True)
+    print("execute's parts, ms a step: " + ", ".join(f"{k} {v:.2f}" for k, v in segments.items()), flush=True)
     if hosted:
         print(f"host profile of {host_steps} more steps: syncs {hosted['syncs']}", flush=True)
         print("\n".join(hosted["top"]["tottime"][:40]), flush=True)

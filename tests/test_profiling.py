@@ -122,6 +122,8 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
         assert decode["step_ms"] > 0 and decode["host"]["steps"] == 2 and decode["host"]["host_busy_us"] > 0
         assert mode["prefill"]["tokens"] == 4 and mode["prefill"]["floors_us"]["gemm"] > 0
         mixed = mode["mixed"]
+        assert set(mixed["execute_segments_ms"]) == {"prepare_inputs", "to_device", "forward", "compute_logits", "sample"}
+        assert mixed["execute_segments_ms"]["forward"] > 0
         assert mixed["host_profile"]["steps"] == 1 and any("execute" in line for line in mixed["host_profile"]["top"]["cumulative"])
         # 2 decodes + 12 prompt tokens (an 8-token prompt and a chunk of the next) in every timed step
         assert mixed["prefill_tokens"] == 12 and mixed["scheduled_tokens"] == 14
