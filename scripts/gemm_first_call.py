@@ -5,8 +5,11 @@ For each of the Qwen2.5-3B shape's linears (qkv with bias, o, gate_up, down, the
 and GPU time, then the same M again (warm). An eager engine step meets a new M whenever its token
 count is new (every chat step), so a first-call cost shows up as eager steps that get faster the
 longer a process runs (session 16, NOTES.md). GPU only.
-    python scripts/gemm_first_call.py --out DIR [--ms 1000,1003,2047,4001,6007]
+    python scripts/gemm_first_call.py --out DIR [--ms 1000,1003,2047,4001,6007] [--host-loop 640,2176]
 Writes DIR/gemm_first_call.json (with the commit) and prints a line a shape and M.
+``--host-loop``: also, at those (warm) row counts, the host's µs a call over 200 calls launched back to
+back (no sync between), under each BLAS backend torch offers (``preferred_blas_library``): what an eager
+step's ~145 linears cost the host (session 17: ~85 µs a call under cProfile), under ``host_loop``.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1000,1003,2047,4001,6007")
+    ap.add_argument("--host-loop", default="", help="row counts for host_loop, e.g. 640,2176 (none: skipped)")
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     rows = []
@@ -58,8 +62,46 @@ def main() -> None:
             print(f"{name:8s} M={m:5d}: first host {first[0]:7.3f} ms GPU {first[1]:7.3f} ms | "
                   f"warm host {again[0]:7.3f} ms GPU {again[1]:7.3f} ms", flush=True)
         del w, b
+    loops = host_loop([int(v) for v in args.host_loop.split(",")]) if args.host_loop else None
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gemm_first_call.json").write_text(json.dumps({**provenance(), "rows": rows}, indent=1))
+    (Path(args.out) / "gemm_first_call.json").write_text(json.dumps({**provenance(), "rows": rows, "host_loop": loops},
+                                                                    indent=1))
+
+
+def host_loop(ms: list[int], calls: int = 200) -> list[dict]:
+    """Per backend, shape and M: host µs a call of ``calls`` linears launched back to back (after a
+    warm-up at that M), and the GPU µs a call over the same loop."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    out = []
+    for backend in ("cublas", "cublaslt"):
+        try:
+            torch.backends.cuda.preferred_blas_library(backend)
+        except Exception as e:  # noqa: BLE001 (a torch without the choice)
+            print(f"backend {backend}: {e}", flush=True)
+            continue
+        for name, (n, k, bias) in SHAPES.items():
+            w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+            b = torch.randn(n, device=dev, dtype=dt) if bias else None
+            for m in ms:
+                x = torch.randn(m if name != "lm_head" else max(m // 8, 2), k, device=dev, dtype=dt)
+                for _ in range(3):
+                    torch.nn.functional.linear(x, w, b)
+                torch.cuda.synchronize()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    torch.nn.functional.linear(x, w, b)
+                host_us = (time.perf_counter() - t0) * 1e6 / calls
+                e.record()
+                torch.cuda.synchronize()
+                gpu_us = s.elapsed_time(e) * 1e3 / calls
+                out.append({"backend": backend, "shape": name, "m": x.shape[0], "host_us": host_us, "gpu_us": gpu_us})
+                print(f"{backend:8s} {name:8s} M={x.shape[0]:5d}: host {host_us:6.1f} us a call, GPU {gpu_us:7.1f} us",
+                      flush=True)
+            del w, b
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return out
 
 
 if __name__ == "__main__":
