@@ -5,7 +5,7 @@ and 12), and how much of each step no kernel covers.
     python scripts/profile_steps.py --out DIR [--modes default,deterministic,int8]
         [--batches 1,64,256,512] [--context 512] [--prefill-prompts 16] [--prefill-len 512]
         [--mixed | --no-mixed] [--mixed-decodes 256] [--mixed-prefill-tokens 8192]
-        [--mixed-prompt-len 512] [--mixed-steps 3]
+        [--mixed-prompt-len 512] [--mixed-steps 3] [--mixed-host-steps 0]
 
 For each mode, one engine (Qwen2.5-3B shape, bf16, random weights, max_num_seqs 512 with
 the defaults, its KV pool sized from memory and checked to hold every decode batch):
@@ -43,7 +43,10 @@ the defaults, its KV pool sized from memory and checked to hold every decode bat
   / ``phases`` / ``kernels``: one step's kernels under torch.profiler; ``floors_us``: the
   linear FLOPs over the bf16 matmul TFLOP/s measured here; ``idle_us`` and
   ``kernels_overlap`` (``lab.profiling.idle_us``) and ``gpu_idle_fraction`` = 1 -
-  kernel_us / step_ms (the three null on the CPU).
+  kernel_us / step_ms (the three null on the CPU); ``execute_segments_ms``: ``segment_times``
+  over as many more steps (the host's ms a step in input preparation, the copy, the forward's
+  launches, the head, the sampler); ``host_profile``: with ``--mixed-host-steps N``, N more steps
+  under cProfile with CUDA sync warnings (``host_profile``), else null.
 - prefill (``modes.<mode>.prefill``): ``--prefill-prompts`` fresh prompts of
   ``--prefill-len`` tokens in one step, one output token each; its kernels per phase, with
   the linear and attention FLOPs over the bf16 matmul TFLOP/s measured in this run as their

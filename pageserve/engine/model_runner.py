@@ -34,7 +34,9 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not gi
 # (results/h200/diagnostics/gemm_first_call_24a080e.json); a chat-like workload meets a new token
 # count nearly every eager step. Up to EAGER_ROWS_EXACT rows a step keeps its count (64 values, all
 # warmed at start-up; the int8 kernels switch paths at 64 rows); above it the count rounds up to a
-# multiple of 1/EAGER_ROWS_PER_OCTAVE of its power of two: at most 6.25% padding rows, 113 buckets up to 8,192.
+# multiple of 1/EAGER_ROWS_PER_OCTAVE of its power of two: at most 6.25% padding rows, 112 buckets
+# from 65 to 8,192 (176 row counts in all). Off by default: it did not make chat faster on the H200,
+# whose eager steps are bound by the host's launch work (NOTES.md, session 17).
 EAGER_ROWS_EXACT = 64
 EAGER_ROWS_PER_OCTAVE = 16
 
@@ -245,7 +247,7 @@ class ModelRunner:
         """Call each decoder linear (layer 0's: every layer has the same shapes) at every row bucket
         an eager step can take, and the output head at every bucket of sampling rows, so that no
         step pays cuBLAS's first call at a row count (``eager_rows_bucket``). Returns its seconds
-        (~1 s on the H200 at the Qwen2.5-3B shape)."""
+        (1.6-2.7 s measured on the H200 at the Qwen2.5-3B shape)."""
         t0 = time.perf_counter()
         layer, c = self.model.layers[0], self.config
         projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]

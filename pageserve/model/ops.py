@@ -22,7 +22,7 @@ class TorchOps:
     name = "torch"
     graph_safe = False  # the reference reads host copies of lengths (and may sync): never captured
     # the linears of many rows are cuBLAS calls on CUDA, which pay a first call per new row count
-    # (so eager steps bucket their rows: EngineConfig.eager_row_buckets)
+    # (EngineConfig.eager_row_buckets=None buckets eager steps' rows where this is True)
     cublas_linears = True
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
