@@ -4,6 +4,7 @@ On the CPU the runner keeps the same static buffers, bucket padding (slot -1, se
 and copy-in as on the GPU, but runs the model eagerly on them instead of replaying a graph;
 on CUDA the same tests capture and replay real graphs.
 """
+import bisect
 import dataclasses
 
 import pytest
@@ -345,3 +346,60 @@ def test_warming_the_eager_gemms_calls_every_bucket_of_every_linear(tiny_qwen2_c
     shapes = [(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size), (cfg.hidden_size, cfg.q_size),
               (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
     assert calls == [(m, s) for s in shapes for m in rows] + [(m, (cfg.vocab_size, cfg.hidden_size)) for m in head_rows]
+
+
+# ---------------------------------------------------------------- mixed steps from CUDA graphs
+def test_mixed_buckets_cover_every_token_count_with_at_most_an_eighth_of_padding_past_128():
+    from pageserve.engine.mixed_graphs import mixed_bucket_sizes
+
+    for cap in (16, 100, 128, 2048, 2000):
+        b = mixed_bucket_sizes(cap)
+        assert b[-1] == cap and b == sorted(set(b)) and b[0] == min(16, cap)
+        for n in range(1, cap + 1):
+            t = b[bisect.bisect_left(b, n)]
+            assert n <= t <= max(n + 15, n * 9 / 8 + 1)
+    assert len(mixed_bucket_sizes(2048)) == 8 + 4 * 8
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_mixed_steps_through_the_graph_runner_match_eager_ones(tiny_qwen2_config, use_triton):
+    # the same chunked workload as the padding test, eager and through the mixed-step runner's
+    # static buffers (graphs on CUDA, the same buffers run eagerly on the CPU): the same logits in
+    # every sampling step and the same tokens; the runner must really have run the mixed steps
+    from pageserve.lab.decode_bench import capture_logits
+
+    small = use_triton and DEVICE == "cpu"
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(20, 70, (4,), generator=g) if small else torch.randint(3, 40, (40,), generator=g)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=3 if small else 16, ignore_eos=True)
+    runs = {}
+    for mixed in (False, True):
+        llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                             max_num_seqs=40, max_num_batched_tokens=61, max_model_len=256, enforce_eager=True,
+                             use_triton=use_triton)
+        runner = llm.engine.runner
+        used = []
+        if mixed:
+            runner.enable_mixed_graphs(capture=DEVICE == "cuda")
+            real_run = runner.mixed_graphs.run
+            runner.mixed_graphs.run = lambda x, d, ids: used.append(x.num_tokens) or real_run(x, d, ids)
+        with capture_logits(runner) as steps:
+            out = llm.generate(prompts, params)
+        runs[mixed] = ([o.outputs[0].token_ids for o in out], steps.logits, used)
+    (tokens, logits, _), (tokens_m, logits_m, used) = runs[False], runs[True]
+    assert len(used) >= 3 and any(n not in (16, 32, 48, 61) for n in used)  # steps off the buckets, padded
+    assert tokens == tokens_m and len(logits) == len(logits_m)
+    for a, b in zip(logits, logits_m):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_graph_options_are_validated_and_off_by_default():
+    from pageserve.engine.config import EngineConfig
+
+    c = EngineConfig(device="cpu")
+    assert c.mixed_cuda_graphs is False and c.eager_row_buckets is False
+    with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
+        EngineConfig(device="cpu", mixed_graph_max_tokens=0)

@@ -36,6 +36,12 @@ class EngineConfig:
     # the chat workload faster (NOTES.md, session 17: its eager steps are bound by launch work).
     # None: on where the eager linears are cuBLAS (CUDA, not deterministic); model_runner.eager_rows_bucket
     eager_row_buckets: bool | None = False
+    # mixed and prefill steps of up to mixed_graph_max_tokens tokens replayed from CUDA graphs (one
+    # a token bucket; engine/mixed_graphs.py): their eager forward is bound by the host's launch
+    # work. Off by default until measured on a GPU; bf16/fp16 Triton path only (not int8,
+    # deterministic or tensor parallel)
+    mixed_cuda_graphs: bool = False
+    mixed_graph_max_tokens: int = 2048
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
     # False: every step is postprocessed before step() returns
     async_scheduling: bool = True
@@ -58,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if (self.max_num_seqs is not None and self.max_num_seqs <= 0) or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.mixed_graph_max_tokens <= 0:
+            raise ValueError(f"mixed_graph_max_tokens must be positive, got {self.mixed_graph_max_tokens}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -218,6 +218,7 @@ class ModelRunner:
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps
+        self.mixed_graphs = None  # MixedGraphRunner for mixed / prefill steps (config.mixed_cuda_graphs)
         if self.device.type == "cuda" and not config.enforce_eager:
             if getattr(self.ops, "graph_safe", False):
                 try:
@@ -227,6 +228,12 @@ class ModelRunner:
                     self.graphs = None
             else:
                 logger.warning("CUDA graphs need the Triton ops (the reference ops sync the host); running eagerly")
+            if config.mixed_cuda_graphs and self.mixed_graphs_supported():
+                try:
+                    self.enable_mixed_graphs()
+                except Exception:  # a capture failure costs speed, never the engine
+                    logger.exception("mixed-step CUDA graph capture failed; mixed steps run eagerly")
+                    self.mixed_graphs = None
 
     # ------------------------------------------------------------------ CUDA graphs
     def max_blocks_per_seq(self) -> int:
@@ -267,6 +274,25 @@ class ModelRunner:
         seconds = time.perf_counter() - t0
         logger.info("eager row buckets: %d, GEMMs warmed in %.2f s", len(rows), seconds)
         return seconds
+
+    def mixed_graphs_supported(self) -> bool:
+        """The Triton ops in the model dtype on one GPU (not int8, deterministic or a shard)."""
+        return (self.ops.name == "triton" and self.config.quantization is None
+                and self.config.tensor_parallel_size == 1)
+
+    def enable_mixed_graphs(self, capture: bool | None = None) -> None:
+        """Build the mixed-step graph runner and capture its buckets (``capture=False``: the same
+        static buffers, run eagerly: the CPU check of the bookkeeping)."""
+        from ..kernels.paged_prefill import prefill_block_m
+        from .mixed_graphs import MixedGraphRunner
+
+        c, cfg = self.config, self.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
+        heavy_first = getattr(self.ops, "prefill_tile_order", "heavy_first") == "heavy_first"
+        self.mixed_graphs = MixedGraphRunner(
+            self.model, self.kv_cache, min(c.mixed_graph_max_tokens, c.max_num_batched_tokens), c.max_num_seqs,
+            self.max_blocks_per_seq(), prefill_block_m(group) // group, heavy_first, capture=capture)
+        self.mixed_graphs.capture()
 
     # ------------------------------------------------------------------ KV pool size
     @property
@@ -434,7 +460,10 @@ class ModelRunner:
         input_ids = self.step_input_ids(x, d, prev_tokens)
         if graphed:
             return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
-        hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+        if self.mixed_graphs is not None and x.max_query_len > 1 and self.mixed_graphs.can_run(x.num_tokens, B):
+            hidden = self.mixed_graphs.run(x, d, input_ids)
+        else:
+            hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
         if S == 0:
             return None
         if S < T:

@@ -107,6 +107,27 @@ def check_paged_meta(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 _DECODE_TILES: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
+def query_tile_arrays(query_start_loc, seq_lens, q_tok: int, B: int, part: str = "all",
+                      short_len: int = 0) -> np.ndarray:
+    """``query_tile_map``'s chunked-step map on the host: [2, n_tiles] int32 (sequence, tile of its
+    chunk) from host copies of ``query_start_loc`` [B+1] and, for the heavy-first order, ``seq_lens``
+    [B] (None: sequence order)."""
+    q_len = np.diff(np.asarray(query_start_loc, dtype=np.int32))
+    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host (numpy: 1/7 of torch's host time)
+    if part != "all":
+        n = np.where((q_len <= short_len) == (part == "short"), n, 0)
+    seq = np.repeat(np.arange(B, dtype=np.int32), n)
+    first = np.repeat(np.cumsum(n, dtype=np.int32) - n, n)  # each tile's sequence's first tile
+    tile = np.arange(seq.size, dtype=np.int32) - first
+    if seq_lens is not None:
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        # keys a tile walks: its sequence's cached prefix plus the chunk up to the tile's last token
+        keys = lens[seq] - q_len[seq] + np.minimum((tile.astype(np.int64) + 1) * q_tok, q_len[seq])
+        order = np.argsort(-keys, kind="stable")
+        seq, tile = seq[order], tile[order]
+    return np.stack([seq, tile]).astype(np.int32)
+
+
 def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "all", short_len: int = 0,
                    heavy_first: bool = False) -> torch.Tensor:
     """[2, n_tiles] int32: the step's query tiles, (sequence b, tile mb of its chunk), one program
@@ -144,22 +165,10 @@ def query_tile_map(meta, q_tok: int, B: int, device: torch.device, part: str = "
     if scratch is not None and key in scratch:
         return scratch[key]
     qsl = meta.query_start_loc_cpu
-    qsl = np.asarray(qsl if qsl is not None else meta.query_start_loc.tolist(), dtype=np.int32)
-    q_len = np.diff(qsl)
-    n = (q_len + q_tok - 1) // q_tok  # [B] tiles per sequence, on the host (numpy: 1/7 of torch's host time)
-    if part != "all":
-        n = np.where((q_len <= short_len) == (part == "short"), n, 0)
-    seq = np.repeat(np.arange(B, dtype=np.int32), n)
-    first = np.repeat(np.cumsum(n, dtype=np.int32) - n, n)  # each tile's sequence's first tile
-    tile = np.arange(seq.size, dtype=np.int32) - first
-    if heavy_first:
-        lens = meta.seq_lens_cpu
-        lens = np.asarray(lens if lens is not None else meta.seq_lens.tolist(), dtype=np.int64)
-        # keys a tile walks: its sequence's cached prefix plus the chunk up to the tile's last token
-        keys = lens[seq] - q_len[seq] + np.minimum((tile.astype(np.int64) + 1) * q_tok, q_len[seq])
-        order = np.argsort(-keys, kind="stable")
-        seq, tile = seq[order], tile[order]
-    tiles = torch.from_numpy(np.stack([seq, tile]).astype(np.int32))
+    qsl = qsl if qsl is not None else meta.query_start_loc.tolist()
+    lens = meta.seq_lens_cpu
+    lens = (lens if lens is not None else meta.seq_lens.tolist()) if heavy_first else None
+    tiles = torch.from_numpy(query_tile_arrays(qsl, lens, q_tok, B, part, short_len))
     tiles = tiles.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tiles.to(device)
     if scratch is not None:
         scratch[key] = tiles

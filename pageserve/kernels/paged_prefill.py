@@ -119,6 +119,8 @@ def paged_prefill_attention(
     check("out", out, shape=(T, Hq, D), dtype=q.dtype)
     if meta.query_start_loc_cpu is not None and meta.query_start_loc_cpu[-1] < T:
         out[meta.query_start_loc_cpu[-1]:].zero_()
+    elif "static_tiles" in getattr(meta, "scratch", {}):
+        out.zero_()  # a graphed mixed step: where its padding rows start is known on the device only
     if B == 0 or T == 0 or meta.max_query_len == 0:
         return out
     group = Hq // Hkv
@@ -131,7 +133,8 @@ def paged_prefill_attention(
         # always on the engine's path, even where the full grid would be exact (one sequence, or
         # one tile each): a launch whose variant followed the step's shape would compile the other
         # variant mid-run the first time a step crossed over (a server's first batch after lone prompts)
-        tile_map = meta.query_start_loc_cpu is not None
+        # (or a step replayed from a mixed-step CUDA graph: its map is a static buffer in ``scratch``)
+        tile_map = meta.query_start_loc_cpu is not None or "static_tiles" in getattr(meta, "scratch", {})
     if tile_map:  # one program per real query tile (and KV head)
         tiles = query_tile_map(meta, q_tok, B, q.device, heavy_first=heavy_first)
         n_tiles = tiles.shape[1]

@@ -1,0 +1,144 @@
+"""Mixed steps (prompt chunks beside decodes) replayed from CUDA graphs. Off by default
+(``EngineConfig.mixed_cuda_graphs``): not yet measured on a GPU.
+
+Why: an eager mixed step's forward costs the host 18-22 ms of launch work on the H200 (~145 cuBLAS
+calls, ~180 Triton launches, their argument checks), while its kernels need 7.6 ms at 640 tokens:
+steps under ~2,000 tokens run at the host's pace (NOTES.md, session 17). A graph replays the whole
+forward in one launch.
+
+One graph per token bucket (``mixed_bucket_sizes``: multiples of 16 up to 128, then eighths of each
+octave, up to ``max_tokens``), all sharing one memory pool, captured largest first. Static inputs:
+
+    input_ids, positions, slot_mapping   [max_tokens]        padding: id 0, position 0, slot -1
+    query_start_loc                      [max_seqs + 2]      padding sequences: empty chunks at the end
+    seq_lens                             [max_seqs + 1]      padding: 0
+    block_tables                         [max_seqs + 1, max_blocks_per_seq]
+    tiles (one per bucket)               [2, tokens / Q_TOK + max_seqs + 1]
+
+The prefill attention launches over the bucket's whole tile buffer: the step's real tiles (built on
+the host, as in an eager step, longest first) and then sentinel tiles that name the last padding
+sequence, whose chunk is empty, so their programs exit at once. The graph ends at the final norm's
+hidden states; the output head over the sampling rows and the sampler run eagerly.
+
+Where graphs are unavailable (the CPU) ``capture=False`` runs the model eagerly on the same static
+buffers: CI checks the bookkeeping against the eager step.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from ..kernels._util import query_tile_arrays
+from ..model.attention import AttentionMetadata, PagedAttention
+
+
+def mixed_bucket_sizes(max_tokens: int) -> list[int]:
+    """Token counts with a graph: multiples of 16 up to 128, then eighths of each octave, and
+    ``max_tokens`` itself."""
+    sizes, n = list(range(16, 129, 16)), 128
+    while n < max_tokens:
+        sizes += list(range(n + n // 8, 2 * n + 1, n // 8))
+        n *= 2
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens})
+
+
+class MixedGraphRunner:
+    def __init__(self, model, kv_cache: torch.Tensor, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
+                 q_tok: int, heavy_first: bool, capture: bool | None = None) -> None:
+        self.model, self.kv_cache, self.device = model, kv_cache, kv_cache.device
+        self.capture_enabled = (self.device.type == "cuda") if capture is None else capture
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        self.q_tok, self.heavy_first = q_tok, heavy_first
+        self.buckets = mixed_bucket_sizes(max_tokens)
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        S = max_seqs + 1  # the last sequence is always padding: the sentinel tiles name it
+        self.input_ids = torch.zeros(max_tokens, dtype=i64, device=dev)
+        self.positions = torch.zeros(max_tokens, dtype=i64, device=dev)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=i64, device=dev)
+        self.query_start_loc = torch.zeros(S + 1, dtype=i32, device=dev)
+        self.seq_lens = torch.zeros(S, dtype=i32, device=dev)
+        self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=i32, device=dev)
+        self.tiles = {t: torch.full((2, self.num_tiles(t)), 0, dtype=i32, device=dev) for t in self.buckets}
+        for tiles in self.tiles.values():
+            tiles[0].fill_(max_seqs)
+        self.hidden = {}  # bucket -> its graph's output [bucket, H]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
+        self.key = ("query_tiles", q_tok, "all", 0, heavy_first)  # query_tile_map's scratch key
+
+    def num_tiles(self, tokens: int) -> int:
+        """Tile buffer length of a bucket: each sequence's chunk adds at most one partial tile."""
+        return -(-tokens // self.q_tok) + self.max_seqs + 1
+
+    def can_run(self, num_tokens: int, num_seqs: int) -> bool:
+        return 0 < num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
+
+    def _context(self, tokens: int) -> PagedAttention:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:tokens], query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens, block_tables=self.block_tables,
+            max_query_len=2,  # any chunk: the prefill kernel, from the static map
+            max_seq_len=self.max_seq_len,
+        )
+        meta.scratch[self.key] = self.tiles[tokens]
+        meta.scratch["static_tiles"] = True
+        return PagedAttention(self.kv_cache, meta, self.model.ops)
+
+    def _forward(self, tokens: int) -> torch.Tensor:
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], self._context(tokens))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first, into one shared pool (inputs: all padding)."""
+        if not self.capture_enabled:
+            return
+        for t in reversed(self.buckets):
+            self._forward(t)  # warm up: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.hidden[t] = self._forward(t)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[t] = graph
+        torch.cuda.synchronize(self.device)
+
+    def release(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for g in self.graphs.values():
+            g.reset()
+        self.graphs, self.hidden, self.pool = {}, {}, None
+
+    @torch.inference_mode()
+    def run(self, x, d, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [T, H] of the step (host inputs ``x``, their device copy ``d``,
+        its input ids with pending tokens filled), from the smallest bucket that holds it."""
+        T, B = x.num_tokens, x.seq_lens.shape[0]
+        t = self.buckets[bisect.bisect_left(self.buckets, T)]
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(d.positions)
+        self.slot_mapping[:T].copy_(d.slot_mapping)
+        self.slot_mapping[T:t].fill_(-1)
+        self.query_start_loc[:B + 1].copy_(d.query_start_loc)
+        self.query_start_loc[B + 1:].fill_(T)  # padding sequences: empty chunks
+        self.seq_lens[:B].copy_(d.seq_lens)
+        self.seq_lens[B:].fill_(0)
+        self.block_tables[:B, :d.block_tables.shape[1]].copy_(d.block_tables)
+        real = query_tile_arrays(x.query_start_loc, x.seq_lens if self.heavy_first else None, self.q_tok, B)
+        tiles = np.empty((2, self.num_tiles(t)), dtype=np.int32)
+        tiles[0].fill(self.max_seqs)  # sentinels: the last padding sequence, an empty chunk
+        tiles[1].fill(0)
+        tiles[:, :real.shape[1]] = real
+        host = torch.from_numpy(tiles)
+        if self.device.type == "cuda":
+            self.tiles[t].copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.tiles[t].copy_(host)
+        if t in self.graphs:
+            self.graphs[t].replay()
+            return self.hidden[t][:T]
+        return self._forward(t)[:T]
