@@ -36,6 +36,23 @@ def bucket_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def capture_buckets(sizes: list[int], forward, device: torch.device) -> tuple[dict, dict, object]:
+    """Capture ``forward(size)`` for every size, largest first, into one shared memory pool, each
+    after one eager warm-up run (Triton compiles, cuBLAS picks its kernels). Returns (graphs,
+    outputs, pool): per size its graph and the output tensor its replays write."""
+    graphs, outputs, pool = {}, {}, None
+    for size in sorted(sizes, reverse=True):
+        forward(size)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[size] = forward(size)
+        if pool is None:
+            pool = graph.pool()
+        graphs[size] = graph
+    return graphs, outputs, pool
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
@@ -94,15 +111,7 @@ class CUDAGraphRunner:
         if not self.capture_enabled:
             return
         self._reset_padding(self.max_bs)
-        for bs in reversed(self.buckets):
-            self._forward(bs)  # warm up: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = self._forward(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
+        self.graphs, self.logits, self.pool = capture_buckets(self.buckets, self._forward, self.device)
         if self.stage_kernel:  # compile the copy-in now, not in the first request's step
             self._copy_in(self.input_ids[:1], self.positions[:1], self.slot_mapping[:1], self.seq_lens[:1],
                           self.block_tables[:1, :1], 1)

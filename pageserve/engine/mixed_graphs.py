@@ -32,6 +32,7 @@ import torch
 
 from ..kernels._util import query_tile_arrays
 from ..model.attention import AttentionMetadata, PagedAttention
+from .cuda_graphs import capture_buckets
 
 
 def mixed_bucket_sizes(max_tokens: int) -> list[int]:
@@ -95,15 +96,7 @@ class MixedGraphRunner:
         """Capture every bucket, largest first, into one shared pool (inputs: all padding)."""
         if not self.capture_enabled:
             return
-        for t in reversed(self.buckets):
-            self._forward(t)  # warm up: Triton compiles, cuBLAS picks its kernels
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.hidden[t] = self._forward(t)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[t] = graph
+        self.graphs, self.hidden, self.pool = capture_buckets(self.buckets, self._forward, self.device)
         torch.cuda.synchronize(self.device)
 
     def release(self) -> None:
