@@ -61,9 +61,9 @@ class MixedGraphRunner:
         self.query_start_loc = torch.zeros(S + 1, dtype=i32, device=dev)
         self.seq_lens = torch.zeros(S, dtype=i32, device=dev)
         self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=i32, device=dev)
-        self.tiles = {t: torch.full((2, self.num_tiles(t)), 0, dtype=i32, device=dev) for t in self.buckets}
-        for tiles in self.tiles.values():
-            tiles[0].fill_(max_seqs)
+        # every entry a sentinel until a step fills in its tiles (see ``run``)
+        self.tiles = {t: torch.tensor([[max_seqs], [0]], dtype=i32, device=dev).repeat(1, self.num_tiles(t))
+                      for t in self.buckets}
         self.hidden = {}  # bucket -> its graph's output [bucket, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -99,13 +99,6 @@ class MixedGraphRunner:
         self.graphs, self.hidden, self.pool = capture_buckets(self.buckets, self._forward, self.device)
         torch.cuda.synchronize(self.device)
 
-    def release(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        for g in self.graphs.values():
-            g.reset()
-        self.graphs, self.hidden, self.pool = {}, {}, None
-
     @torch.inference_mode()
     def run(self, x, d, input_ids: torch.Tensor) -> torch.Tensor:
         """The final hidden states [T, H] of the step (host inputs ``x``, their device copy ``d``,
@@ -122,9 +115,8 @@ class MixedGraphRunner:
         self.seq_lens[B:].fill_(0)
         self.block_tables[:B, :d.block_tables.shape[1]].copy_(d.block_tables)
         real = query_tile_arrays(x.query_start_loc, x.seq_lens if self.heavy_first else None, self.q_tok, B)
-        tiles = np.empty((2, self.num_tiles(t)), dtype=np.int32)
-        tiles[0].fill(self.max_seqs)  # sentinels: the last padding sequence, an empty chunk
-        tiles[1].fill(0)
+        tiles = np.zeros((2, self.num_tiles(t)), dtype=np.int32)
+        tiles[0] = self.max_seqs  # sentinels: the last padding sequence, an empty chunk
         tiles[:, :real.shape[1]] = real
         host = torch.from_numpy(tiles)
         if self.device.type == "cuda":
