@@ -231,6 +231,11 @@ def main(argv: list[str] | None = None) -> None:
             bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
             rec["modes"][name] = []
             rec.setdefault("eager_warm_s", {})[name] = llm.engine.runner.eager_warm_s
+            mg = llm.engine.runner.mixed_graphs
+            rec.setdefault("mixed_graphs", {})[name] = None if mg is None else {
+                "buckets": len(mg.buckets), "max_tokens": mg.max_tokens, "capture_s": mg.capture_s,
+                "capture_mib": None if mg.capture_bytes is None else mg.capture_bytes / 2**20}
+            print(f"{name}: mixed graphs {rec['mixed_graphs'][name]}", flush=True)
             print(f"{name}: eager row buckets {llm.engine.runner.eager_row_buckets}, "
                   f"GEMMs warmed in {llm.engine.runner.eager_warm_s} s", flush=True)
             for i in range(args.passes):

@@ -26,6 +26,8 @@ buffers: CI checks the bookkeeping against the eager step.
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 
 import numpy as np
 import torch
@@ -33,6 +35,8 @@ import torch
 from ..kernels._util import query_tile_arrays
 from ..model.attention import AttentionMetadata, PagedAttention
 from .cuda_graphs import capture_buckets
+
+logger = logging.getLogger(__name__)
 
 
 def mixed_bucket_sizes(max_tokens: int) -> list[int]:
@@ -67,6 +71,7 @@ class MixedGraphRunner:
         self.hidden = {}  # bucket -> its graph's output [bucket, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
         self.key = ("query_tiles", q_tok, "all", 0, heavy_first)  # query_tile_map's scratch key
 
@@ -96,8 +101,13 @@ class MixedGraphRunner:
         """Capture every bucket, largest first, into one shared pool (inputs: all padding)."""
         if not self.capture_enabled:
             return
+        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
         self.graphs, self.hidden, self.pool = capture_buckets(self.buckets, self._forward, self.device)
         torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        logger.info("mixed-step CUDA graphs: %d buckets up to %d tokens captured in %.2f s (%.0f MiB)",
+                    len(self.buckets), self.max_tokens, self.capture_s, self.capture_bytes / 2**20)
 
     @torch.inference_mode()
     def run(self, x, d, input_ids: torch.Tensor) -> torch.Tensor:
