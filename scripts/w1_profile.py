@@ -231,10 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
             rec["modes"][name] = []
             rec.setdefault("eager_warm_s", {})[name] = llm.engine.runner.eager_warm_s
-            mg = llm.engine.runner.mixed_graphs
-            rec.setdefault("mixed_graphs", {})[name] = None if mg is None else {
-                "buckets": len(mg.buckets), "max_tokens": mg.max_tokens, "capture_s": mg.capture_s,
-                "capture_mib": None if mg.capture_bytes is None else mg.capture_bytes / 2**20}
+            rec.setdefault("mixed_graphs", {})[name] = mixed_graphs_summary(llm)
             print(f"{name}: mixed graphs {rec['mixed_graphs'][name]}", flush=True)
             print(f"{name}: eager row buckets {llm.engine.runner.eager_row_buckets}, "
                   f"GEMMs warmed in {llm.engine.runner.eager_warm_s} s", flush=True)
@@ -259,6 +256,15 @@ def main(argv: list[str] | None = None) -> None:
         rec["cprofile"] = cprofile_pass(llm, build_workload(args.workload, vocab, args.requests, seed=1), args.top)
         print("\n".join(rec["cprofile"]["top"]["tottime"][:45]), flush=True)
         path.write_text(json.dumps(rec, indent=1))
+
+
+def mixed_graphs_summary(llm) -> dict | None:
+    """The mixed-step graphs' size and capture cost (None: none captured). A function, so that no
+    name in main() keeps the runner, and with it the engine's KV pool, alive after its engine."""
+    mg = llm.engine.runner.mixed_graphs
+    return None if mg is None else {
+        "buckets": len(mg.buckets), "max_tokens": mg.max_tokens, "capture_s": mg.capture_s,
+        "capture_mib": None if mg.capture_bytes is None else mg.capture_bytes / 2**20}
 
 
 def _print(mode: str, e: dict) -> None:

@@ -397,10 +397,10 @@ def test_mixed_steps_through_the_graph_runner_match_eager_ones(tiny_qwen2_config
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_mixed_graph_options_are_validated_and_off_by_default():
+def test_mixed_graph_options_are_validated_and_their_defaults_are_the_measured_ones():
     from pageserve.engine.config import EngineConfig
 
     c = EngineConfig(device="cpu")
-    assert c.mixed_cuda_graphs is False and c.eager_row_buckets is False
+    assert c.mixed_cuda_graphs is True and c.eager_row_buckets is False
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         EngineConfig(device="cpu", mixed_graph_max_tokens=0)

@@ -53,8 +53,9 @@ ENGINE_MODES = {
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
     # eager steps at bucketed row counts, every bucket's GEMMs warmed at start-up (session 17)
     "default_row_buckets": {"eager_row_buckets": True},
-    # mixed and prefill steps up to 2,048 tokens from CUDA graphs (session 17; not yet measured)
-    "mixed_graphs": {"mixed_cuda_graphs": True},
+    # mixed and prefill steps up to 2,048 tokens from CUDA graphs (session 17; the default since
+    # session 18), and without them (every step with a prompt chunk eager, as before)
+    "mixed_graphs": {"mixed_cuda_graphs": True}, "eager_mixed": {"mixed_cuda_graphs": False},
 }
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
