@@ -68,7 +68,7 @@ import torch
 
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
-from pageserve.lab.decode_bench import decode_step_ms, decoding_batch, graph_replay_ms, record_step_timings
+from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms, mixed_batch, record_step_timings
 from pageserve.lab.kernel_bench.ceilings import measure_ceilings
 from pageserve.lab.peers import measure_read_gbps
 from pageserve.lab.profiling import (ENGINE_MODES, by_category, decode_bytes, decode_gaps, gpu_idle_fraction, idle_us,
@@ -203,42 +203,24 @@ def profile_mixed(llm, decodes: int, context: int, prefill_tokens: int, prompt_l
     the module docstring: ``modes.<mode>.mixed``). ``host_steps``: that many more under
     ``host_profile`` (``mixed.host_profile``)."""
     engine = llm.engine
-    sched = engine.scheduler
-    budget = sched.max_num_batched_tokens
-    prefill = min(prefill_tokens, budget - decodes)
-    if prefill <= 0:
-        raise SystemExit(f"--mixed-decodes {decodes} leaves no prompt tokens in a {budget}-token step")
-    vocab = bench.prompt_vocab_size(llm)
-    gen = torch.Generator().manual_seed(4321)
-    params = bench.greedy_params(1)
-    prompt_ids: list[str] = []
-
-    def step():  # fresh prompts keep a step's worth of tokens waiting: every step is N decodes + the chunk
-        queued = sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
-        while queued < prefill:
-            rid = f"mixed-{len(prompt_ids)}-{time.monotonic_ns()}"
-            engine.add_request(rid, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
-            prompt_ids.append(rid)
-            queued += prompt_len
-        engine.step()
-
-    with decoding_batch(llm, decodes, context, max_tokens=2 * steps + 8, vocab_size=vocab):
-        sched.max_num_batched_tokens = decodes + prefill  # exactly what the scheduler will put in a step
-        try:
-            rows = profile_kernels(step, repeats=steps)
-            step()  # the timing starts with a step in flight, as in a run
-            with record_step_timings(engine) as timed:
-                bench.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                bench.synchronize()
-                wall_ms = 1e3 * (time.perf_counter() - t0) / steps
-            hosted = host_profile(step, host_steps) if host_steps else None
-            segments = segment_times(step, engine.runner, steps)
-        finally:
-            sched.max_num_batched_tokens = budget
-            engine.abort_request(prompt_ids)
+    try:
+        batch = mixed_batch(llm, decodes, context, prefill_tokens, prompt_len, max_steps=3 * steps + host_steps + 2,
+                            vocab_size=bench.prompt_vocab_size(llm))
+    except ValueError as e:
+        raise SystemExit(f"--mixed-decodes: {e}")
+    prefill = batch.prefill
+    with batch:
+        rows = profile_kernels(batch.step, repeats=steps)
+        batch.step()  # the timing starts with a step in flight, as in a run
+        with record_step_timings(engine) as timed:
+            bench.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                batch.step()
+            bench.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - t0) / steps
+        hosted = host_profile(batch.step, host_steps) if host_steps else None
+        segments = segment_times(batch.step, engine.runner, steps)
     cats = by_category(rows)
     kernel_us = sum(cats.values())
     cfg = llm.engine.model_config

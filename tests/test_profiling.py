@@ -207,3 +207,24 @@ def test_clock_log_summarises_the_polled_clock():
     assert s["mean_mhz"] == sum(log.mhz) / 10
     log.mhz = []
     assert log.summary()["mean_mhz"] is None
+
+
+def test_mixed_batch_schedules_every_decode_and_exactly_the_prompt_tokens_asked():
+    from pageserve.engine.llm import LLM
+    from pageserve.lab.decode_bench import mixed_batch, mixed_step_ms, record_step_timings
+
+    llm = LLM("smollm2-135m", device="cpu", dtype="float32", seed=0, num_blocks=128, max_model_len=64,
+              max_num_batched_tokens=48, max_num_seqs=16)
+    engine = llm.engine
+    with mixed_batch(llm, 3, 6, 10, prompt_len=4, max_steps=4, vocab_size=256) as batch:
+        assert engine.scheduler.max_num_batched_tokens == 13
+        with record_step_timings(engine) as rec:
+            for _ in range(4):
+                batch.step()
+    # 3 decodes + 10 prompt tokens (4-token prompts: two whole and a chunk of a third) in every step
+    assert [t.num_tokens for t in rec.steps] == [13] * 4
+    assert engine.scheduler.max_num_batched_tokens == 48 and not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert mixed_step_ms(llm, 2, 5, 6, prompt_len=4, steps=2, vocab_size=256, repeats=1) > 0
+    with pytest.raises(ValueError, match="no prompt tokens"):
+        mixed_batch(llm, 48, 5, 6)

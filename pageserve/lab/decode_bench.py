@@ -12,6 +12,8 @@
 - ``record_step_timings``: the engine's own ``StepTiming`` of every ``step()`` call, from the outside.
 - ``decoding_batch``: sequences decoding at a given context for the body of a ``with`` (to profile
   or extend their steps).
+- ``mixed_batch`` / ``mixed_step_ms``: steps of those decodes plus a fixed number of prompt tokens
+  (the mixed steps of chunked prefill), and their steady-state time.
 """
 from __future__ import annotations
 
@@ -300,3 +302,66 @@ class decoding_batch:
 
     def __exit__(self, *exc) -> None:
         self.engine.abort_request(self.ids)
+
+
+class mixed_batch:
+    """For the body of a ``with``: ``decodes`` sequences decoding at about ``context_len`` tokens of
+    context, and a queue of fresh ``prompt_len``-token prompts kept long enough that each ``step()``
+    schedules every decode plus exactly ``prefill_tokens`` prompt tokens (the step budget is set to
+    their sum). On exit the budget is restored and every request aborted. ``max_steps``: steps the
+    body may run."""
+
+    def __init__(self, llm, decodes: int, context_len: int, prefill_tokens: int, prompt_len: int = 512,
+                 max_steps: int = 32, vocab_size: int | None = None, seed: int = 0) -> None:
+        self.engine, self.sched = llm.engine, llm.engine.scheduler
+        self.budget = self.sched.max_num_batched_tokens
+        self.prefill = min(prefill_tokens, self.budget - decodes)
+        if self.prefill <= 0:
+            raise ValueError(f"{decodes} decodes leave no prompt tokens in a {self.budget}-token step")
+        self.vocab_size = vocab_size or self.engine.model_config.vocab_size
+        self.prompt_len, self.seed = prompt_len, seed
+        self.decoding = decoding_batch(llm, decodes, context_len, 2 * max_steps + 8, self.vocab_size, seed)
+        self.prompt_ids: list[str] = []
+        self._gen = torch.Generator().manual_seed(seed + 4321)
+        self._params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+
+    def step(self) -> None:
+        queued = sum(s.num_tokens - s.num_computed_tokens for s in self.sched.waiting)
+        while queued < self.prefill:
+            rid = f"mixed-{len(self.prompt_ids)}-{time.monotonic_ns()}"
+            self.engine.add_request(rid, _random_ids(self._gen, self.prompt_len, self.vocab_size, 0), self._params)
+            self.prompt_ids.append(rid)
+            queued += self.prompt_len
+        self.engine.step()
+
+    def __enter__(self) -> "mixed_batch":
+        self.decoding.__enter__()
+        self.sched.max_num_batched_tokens = self.decoding.batch_size + self.prefill
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sched.max_num_batched_tokens = self.budget
+        self.engine.abort_request(self.prompt_ids)
+        self.decoding.__exit__(*exc)
+        while self.engine.has_unfinished_requests():  # land a step still in flight
+            self.engine.step()
+
+
+def mixed_step_ms(llm, decodes: int, context_len: int, prefill_tokens: int, prompt_len: int = 512,
+                  steps: int = 8, vocab_size: int | None = None, seed: int = 0, repeats: int = 3) -> float:
+    """Steady-state time of one engine step of ``decodes`` decoding sequences plus
+    ``prefill_tokens`` prompt tokens (``mixed_batch``): ``steps`` consecutive steps over their
+    count, the median of ``repeats`` runs, as ``decode_step_ms``."""
+    runs = []
+    device = llm.engine.runner.device
+    with mixed_batch(llm, decodes, context_len, prefill_tokens, prompt_len, repeats * steps + 1, vocab_size,
+                     seed) as batch:
+        batch.step()  # the timing starts with a step in flight, as in a run
+        for _ in range(repeats):
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                batch.step()
+            synchronize(device)
+            runs.append((time.perf_counter() - t0) / steps)
+    return 1e3 * statistics.median(runs)
