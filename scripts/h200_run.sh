@@ -91,7 +91,7 @@ for st in $stages; do
         [ -f "$realw" ] || { echo "07: $realw missing: carry .realw1/.realw2 first"; realw=smollm2-135m-instruct; }
         run_nb "$t" 07_openai_server -p CHAT_MODEL "$realw" -p MODEL qwen2.5-3b -p DEVICE cuda -y "NUM_BLOCKS: null" \
           -p CHAT_NUM_BLOCKS 4096 -p LOAD_STREAMS 64 -p LOAD_MAX_TOKENS 128 -p WARMUP_REQUESTS 16 -y "RATES: [4, 16, 32]" \
-          -p RATE_DURATION_S 60 -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p FP16_CHECK True -p FP16_RATE 4 ;;
+          -p RATE_DURATION_S "${RATE_DURATION_07:-60}" -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p FP16_CHECK True -p FP16_RATE 4 ;;
     08) # vLLM 0.26 from the vllm-pack.sh pieces in /tmp/acc (.vllm1/.vllm2/.vllm3 carried);
         # 518 s at 3eef1891 (one process per engine); now two per engine for pageserve and vLLM (prefix
         # caching off / on) and per-workload warm-ups, so HF on 32 W1 requests and 12 s per rate: predicted
