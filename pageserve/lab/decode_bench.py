@@ -206,17 +206,24 @@ def decode_step_ms(llm, batch_size: int, context_len: int, steps: int = 32, voca
     Prefill is done before the clock starts."""
     engine = llm.engine
     device = engine.runner.device
-    runs = []
     with decoding_batch(llm, batch_size, context_len, repeats * steps + 8, vocab_size, seed):
-        for _ in range(repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            synchronize(device)
-            runs.append((time.perf_counter() - t0) / steps)
+        ms = _median_step_ms(engine.step, device, steps, repeats)
     while engine.has_unfinished_requests():  # land a step still in flight
         engine.step()
+    return ms
+
+
+def _median_step_ms(step, device, steps: int, repeats: int) -> float:
+    """ms a call of ``step``: ``steps`` consecutive calls timed together (the device synchronised
+    only at both ends), the median of ``repeats`` such runs."""
+    runs = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        runs.append((time.perf_counter() - t0) / steps)
     return 1e3 * statistics.median(runs)
 
 
@@ -352,16 +359,7 @@ def mixed_step_ms(llm, decodes: int, context_len: int, prefill_tokens: int, prom
     """Steady-state time of one engine step of ``decodes`` decoding sequences plus
     ``prefill_tokens`` prompt tokens (``mixed_batch``): ``steps`` consecutive steps over their
     count, the median of ``repeats`` runs, as ``decode_step_ms``."""
-    runs = []
-    device = llm.engine.runner.device
     with mixed_batch(llm, decodes, context_len, prefill_tokens, prompt_len, repeats * steps + 1, vocab_size,
                      seed) as batch:
         batch.step()  # the timing starts with a step in flight, as in a run
-        for _ in range(repeats):
-            synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                batch.step()
-            synchronize(device)
-            runs.append((time.perf_counter() - t0) / steps)
-    return 1e3 * statistics.median(runs)
+        return _median_step_ms(batch.step, llm.engine.runner.device, steps, repeats)
