@@ -56,6 +56,8 @@ ENGINE_MODES = {
     # mixed and prefill steps up to 2,048 tokens from CUDA graphs (session 17; the default since
     # session 18), and without them (every step with a prompt chunk eager, as before)
     "mixed_graphs": {"mixed_cuda_graphs": True}, "eager_mixed": {"mixed_cuda_graphs": False},
+    # graphs up to the whole 8,192-token budget: W1's prefill steps too (56 buckets; NOTES.md, session 18)
+    "mixed_graphs_8k": {"mixed_cuda_graphs": True, "mixed_graph_max_tokens": 8192},
 }
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
