@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> None:
             bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
             rec["modes"][name] = []
             rec.setdefault("eager_warm_s", {})[name] = llm.engine.runner.eager_warm_s
-            rec.setdefault("mixed_graphs", {})[name] = mixed_graphs_summary(llm)
-            print(f"{name}: mixed graphs {rec['mixed_graphs'][name]}", flush=True)
+            rec.setdefault("graphs", {})[name] = graphs_summary(llm)
+            print(f"{name}: graphs {rec['graphs'][name]}", flush=True)
             print(f"{name}: eager row buckets {llm.engine.runner.eager_row_buckets}, "
                   f"GEMMs warmed in {llm.engine.runner.eager_warm_s} s", flush=True)
             for i in range(args.passes):
@@ -258,13 +258,18 @@ def main(argv: list[str] | None = None) -> None:
         path.write_text(json.dumps(rec, indent=1))
 
 
-def mixed_graphs_summary(llm) -> dict | None:
-    """The mixed-step graphs' size and capture cost (None: none captured). A function, so that no
-    name in main() keeps the runner, and with it the engine's KV pool, alive after its engine."""
-    mg = llm.engine.runner.mixed_graphs
-    return None if mg is None else {
-        "buckets": len(mg.buckets), "max_tokens": mg.max_tokens, "capture_s": mg.capture_s,
-        "capture_mib": None if mg.capture_bytes is None else mg.capture_bytes / 2**20}
+def graphs_summary(llm) -> dict:
+    """The decode and mixed-step graphs' size and capture cost (None where none were captured).
+    A function, so that no name in main() keeps a runner, and with it the engine's KV pool,
+    alive after its engine."""
+    runner = llm.engine.runner
+
+    def summary(g, size: str) -> dict | None:
+        return None if g is None or g.capture_s is None else {
+            "buckets": len(g.buckets), size: getattr(g, size), "capture_s": g.capture_s,
+            "capture_mib": g.capture_bytes / 2**20}
+
+    return {"decode": summary(runner.graphs, "max_bs"), "mixed": summary(runner.mixed_graphs, "max_tokens")}
 
 
 def _print(mode: str, e: dict) -> None:

@@ -10,9 +10,11 @@ device buffer that is refreshed before replay:
     query_start_loc                      [max_bs + 1]  (= arange: one token per sequence)
 
 Each graph ends with the output head, so a replay yields the fp32 logits of every row
-(in a decode step every sequence samples). A batch of ``bs`` decodes is padded to the next
-bucket: padded rows get slot -1 (their K/V is not written) and seq_len 0 (attention writes
-zeros for them), so they touch nothing real. Prefill and batches larger than ``max_bs`` run
+(in a decode step every sequence samples), written into one [max_bs, V] buffer that every
+bucket shares: the sampler reads them on the same stream before the next replay. (One
+output per bucket held ~1.8 GB at max_bs 512 and the 3B shape's vocabulary; this one 311 MB.)
+A batch of ``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V
+is not written) and seq_len 0 (attention writes zeros for them), so they touch nothing real. Prefill and batches larger than ``max_bs`` run
 eagerly.
 
 On CUDA the copy-in is one Triton launch (``kernels.step_inputs``) instead of five to nine
@@ -24,10 +26,15 @@ padding but runs the model eagerly on them: CI checks the bookkeeping with the s
 from __future__ import annotations
 
 import bisect
+import logging
+import time
+from dataclasses import dataclass
 
 import torch
 
 from ..model.attention import AttentionMetadata, PagedAttention
+
+logger = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_bs: int) -> list[int]:
@@ -36,10 +43,22 @@ def bucket_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def capture_buckets(sizes: list[int], forward, device: torch.device) -> tuple[dict, dict, object]:
+@dataclass
+class Captured:
+    """What ``capture_buckets`` made: per size its graph and the output its replays write, the
+    pool they share, and what the capture cost (seconds; bytes the caching allocator reserved)."""
+
+    graphs: dict
+    outputs: dict
+    pool: object
+    seconds: float
+    reserved_bytes: int
+
+
+def capture_buckets(sizes: list[int], forward, device: torch.device) -> Captured:
     """Capture ``forward(size)`` for every size, largest first, into one shared memory pool, each
-    after one eager warm-up run (Triton compiles, cuBLAS picks its kernels). Returns (graphs,
-    outputs, pool): per size its graph and the output tensor its replays write."""
+    after one eager warm-up run (Triton compiles, cuBLAS picks its kernels)."""
+    t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(device)
     graphs, outputs, pool = {}, {}, None
     for size in sorted(sizes, reverse=True):
         forward(size)
@@ -50,7 +69,8 @@ def capture_buckets(sizes: list[int], forward, device: torch.device) -> tuple[di
         if pool is None:
             pool = graph.pool()
         graphs[size] = graph
-    return graphs, outputs, pool
+    torch.cuda.synchronize(device)
+    return Captured(graphs, outputs, pool, time.perf_counter() - t0, torch.cuda.memory_reserved(device) - reserved)
 
 
 class CUDAGraphRunner:
@@ -87,8 +107,11 @@ class CUDAGraphRunner:
         self.hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=kv_cache.dtype, device=dev)
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its graph's output [bucket, V] fp32
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> its graph's output, a view of logits_out
+        # every bucket's logits (a tensor-parallel shard's cfg has the full vocabulary: it gathers)
+        self.logits_out = torch.empty(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=dev)
         self.pool = None
+        self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
 
     def _context(self, bs: int) -> PagedAttention:
         meta = AttentionMetadata(
@@ -101,9 +124,12 @@ class CUDAGraphRunner:
         )
         return PagedAttention(self.kv_cache, meta, self.model.ops)
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, bs: int, out: torch.Tensor | None = None) -> torch.Tensor:
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs))
-        return self.model.compute_logits(self.hidden[:bs])  # [bs, V] fp32
+        return self.model.compute_logits(self.hidden[:bs], out=out)  # [bs, V] fp32
+
+    def _forward_shared(self, bs: int) -> torch.Tensor:
+        return self._forward(bs, out=self.logits_out[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -111,7 +137,11 @@ class CUDAGraphRunner:
         if not self.capture_enabled:
             return
         self._reset_padding(self.max_bs)
-        self.graphs, self.logits, self.pool = capture_buckets(self.buckets, self._forward, self.device)
+        c = capture_buckets(self.buckets, self._forward_shared, self.device)
+        self.graphs, self.logits, self.pool = c.graphs, c.outputs, c.pool
+        self.capture_s, self.capture_bytes = c.seconds, c.reserved_bytes
+        logger.info("decode CUDA graphs: %d buckets up to %d rows captured in %.2f s (%.0f MiB)",
+                    len(self.buckets), self.max_bs, c.seconds, c.reserved_bytes / 2**20)
         if self.stage_kernel:  # compile the copy-in now, not in the first request's step
             self._copy_in(self.input_ids[:1], self.positions[:1], self.slot_mapping[:1], self.seq_lens[:1],
                           self.block_tables[:1, :1], 1)
@@ -143,16 +173,16 @@ class CUDAGraphRunner:
         seq_lens: torch.Tensor,
         block_tables: torch.Tensor,
     ) -> torch.Tensor:
-        """One decode step for bs sequences (one token each) -> logits [bs, V] fp32 (a view
-        of a graph's output buffer: read it before the next call). Inputs may be int64; the
-        copy into the static buffers converts."""
+        """One decode step for bs sequences (one token each) -> logits [bs, V] fp32 (a view of
+        the shared output buffer: read it, on the stream, before the next call). Inputs may be
+        int64; the copy into the static buffers converts."""
         bs = input_ids.shape[0]
         padded = self.buckets[bisect.bisect_left(self.buckets, bs)]
         self._copy_in(input_ids, positions, slot_mapping, seq_lens, block_tables, padded)
         if padded in self.graphs:
             self.graphs[padded].replay()
             return self.logits[padded][:bs]
-        return self._forward(padded)[:bs]
+        return self._forward_shared(padded)[:bs]
 
     def _copy_in(self, input_ids, positions, slot_mapping, seq_lens, block_tables, padded: int) -> None:
         self._stage(input_ids, positions, slot_mapping, seq_lens, block_tables, self._static_inputs, padded)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import time
 
 import numpy as np
 import torch
@@ -108,11 +107,8 @@ class MixedGraphRunner:
         """Capture every bucket, largest first, into one shared pool (inputs: all padding)."""
         if not self.capture_enabled:
             return
-        t0, reserved = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-        self.graphs, _, self.pool = capture_buckets(self.buckets, self._forward, self.device)
-        torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - t0
-        self.capture_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        c = capture_buckets(self.buckets, self._forward, self.device)
+        self.graphs, self.pool, self.capture_s, self.capture_bytes = c.graphs, c.pool, c.seconds, c.reserved_bytes
         logger.info("mixed-step CUDA graphs: %d buckets up to %d tokens captured in %.2f s (%.0f MiB)",
                     len(self.buckets), self.max_tokens, self.capture_s, self.capture_bytes / 2**20)
 

@@ -153,9 +153,12 @@ class Decoder(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [N, V]; into ``out`` ([N, V] fp32) when given (the conversion writes it:
+        no copy beyond what ``.float()`` does)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.ops.linear(hidden, weight, None).float()
+        logits = self.ops.linear(hidden, weight, None)
+        return logits.float() if out is None else out.copy_(logits)
 
     # ----------------------------------------------------------------------------- weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:

@@ -243,9 +243,10 @@ class ParallelDecoder(Decoder):
 
     full_cfg: ModelConfig
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         local = super().compute_logits(hidden)  # [N, Vp] fp32
-        return all_gather_last_dim(local)[:, : self.full_cfg.vocab_size]
+        logits = all_gather_last_dim(local)[:, : self.full_cfg.vocab_size]
+        return logits if out is None else out.copy_(logits)
 
 
 def _rows(w: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
