@@ -128,13 +128,17 @@ for st in $stages; do
               echo "detbench rc=$?"; tail -n 30 "$RES/det_bench.log" ;;
     profile_steps) timeout "$t" python3 scripts/profile_steps.py --out "$RES/diagnostics" ${PROFILE_STEPS_ARGS:-} \
                      > "$RES/profile_steps.log" 2>&1; echo "profile_steps rc=$?"; tail -n 60 "$RES/profile_steps.log" ;;
-    08serve) # the serving sweep alone (results/h200/08_serving.*): pageserve serve and vllm serve over HTTP
+    08serve) # the serving sweep alone (results/h200/08_serving.*): pageserve serve and vllm serve over HTTP.
+        # An A/B of a pageserve option: SERVE08_ENGINES='[pageserve]' SERVE08_ARGS='{mixed_cuda_graphs: false}'
+        # SERVE08_RECORD=08_serving_eager_mixed (the record's name; its files are named after it)
         [ -d /tmp/site/vllm ] || echo "08serve: no vLLM in /tmp/site (carry .vllm1-3 first): pageserve only"
         [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl
-        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME 08_serving \
-          -y 'ENGINES: []' -y 'SERVE_ENGINES: [pageserve, vllm]' -y 'RATES: [4, 8, 16, 32]' -p RATE_DURATION_S 15 \
-          -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 -y 'SERVE_ARGS: {}'
-        mv "$RES/08_benchmarks.ipynb" "$RES/08_serving.ipynb"; mv "$RES/08_benchmarks.log" "$RES/08_serving.log" ;;
+        rec=${SERVE08_RECORD:-08_serving}
+        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME "$rec" \
+          -y 'ENGINES: []' -y "SERVE_ENGINES: ${SERVE08_ENGINES:-[pageserve, vllm]}" -y 'RATES: [4, 8, 16, 32]' \
+          -p RATE_DURATION_S "${RATE_DURATION_08:-15}" -p RATE_PROMPT_LEN 512 -p RATE_OUTPUT_LEN 256 -p WARMUP_REQUESTS 16 \
+          -y "SERVE_ARGS: ${SERVE08_ARGS:-{\}}"
+        mv "$RES/08_benchmarks.ipynb" "$RES/$rec.ipynb"; mv "$RES/08_benchmarks.log" "$RES/$rec.log" ;;
     08tput) # issue 14's comparison alone (results/h200/08_throughput.*): pageserve and vLLM offline, defaults on
         # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving
         [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08tput: vLLM install failed; running without it"
