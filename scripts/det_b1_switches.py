@@ -37,6 +37,9 @@ VARIANTS = {
     "default_gemv_1_row": (False, {"gemv_max_m": 1}),
     "default_gemv_8_rows": (False, {"gemv_max_m": 8}),
     "default_pdl_1_row": (False, {"pdl_max_rows": 1}),
+    # session 19: every decode-path Triton kernel under PDL at any batch (the cuBLAS GEMMs between them
+    # are not); session 3 measured batch 64 slower with it, before the argmax's PDL effect was seen
+    "default_pdl_512_rows": (False, {"pdl_max_rows": 512}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),
@@ -104,7 +107,7 @@ def main() -> None:
         det, options, *quant = VARIANTS[base]
         if options.get("int8_tuned_configs") == "cuda_cores_2_8":
             options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
-        llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=64,
+        llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(64, *batches),
                   cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
                   quantization=quant[0] if quant else None)
         use_old_paths(llm.engine.runner, old)
