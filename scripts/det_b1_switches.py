@@ -37,9 +37,9 @@ VARIANTS = {
     "default_gemv_1_row": (False, {"gemv_max_m": 1}),
     "default_gemv_8_rows": (False, {"gemv_max_m": 8}),
     "default_pdl_1_row": (False, {"pdl_max_rows": 1}),
-    # session 19: every decode-path Triton kernel under PDL at any batch (the cuBLAS GEMMs between them
-    # are not); session 3 measured batch 64 slower with it, before the argmax's PDL effect was seen
-    "default_pdl_512_rows": (False, {"pdl_max_rows": 512}),
+    # session 19 ran "default_pdl_512_rows" ({"pdl_max_rows": 512}: every decode-path Triton kernel under PDL
+    # at any batch) at 7b2381e-732dc20, the only commits whose TritonOps accept it: b64 +0.11 ms, b256
+    # +0.05-0.12 ms (diagnostics/det_b1_switches_pdl_all_rows_732dc20.*); removed with that switch
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),

@@ -219,10 +219,9 @@ def pdl_supported(device_index: int) -> bool:
 
 def use_pdl(t: torch.Tensor, tokens: int, pdl: bool | None = None) -> bool:
     """Whether a kernel over ``tokens`` rows (tokens, sequences) on ``t``'s device launches with
-    programmatic dependent launch. ``pdl``: False = never; None = where the GPU and Triton
-    support it (``pdl_supported``) up to PDL_MAX_TOKENS rows; True = where supported at any row
-    count (the caller has chosen: ``TritonOps(pdl_max_rows=...)`` above the default cap)."""
-    if pdl is False or not t.is_cuda or (pdl is None and tokens > PDL_MAX_TOKENS):
+    programmatic dependent launch. ``pdl``: False = never; True or None = where the GPU and
+    Triton support it (``pdl_supported``); never above PDL_MAX_TOKENS rows."""
+    if pdl is False or not t.is_cuda or tokens > PDL_MAX_TOKENS:
         return False
     return pdl_supported(t.device.index or 0)
 

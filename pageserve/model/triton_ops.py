@@ -16,8 +16,6 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS
-
-PDL_MAX_ROWS_LIMIT = 8192  # pdl_max_rows's range: any step's rows (the default budget)
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -56,10 +54,9 @@ class TritonOps(TorchOps):
     False: none; a mapping ``config_key -> GemvConfig`` (``kernels.parse_configs`` reads a bench
     JSON): these. Shapes without an entry use the heuristic.
     ``pdl``: programmatic dependent launch for the decode-path kernels over at most
-    ``pdl_max_rows`` rows (default ``kernels._util.PDL_MAX_TOKENS``, 8): each kernel's launch
-    overlaps the tail of the one before it (H200, batch-1 step 2.41 -> 2.20 ms). None = on where
-    the GPU (sm_90+) and Triton support it; False = never. ``pdl_max_rows`` above 8 is for A/Bs
-    (batch 64 measured slower with PDL in session 3; re-measured in session 19, NOTES.md).
+    ``pdl_max_rows`` rows (default and cap: ``kernels._util.PDL_MAX_TOKENS``, 8): each kernel's
+    launch overlaps the tail of the one before it (H200, batch-1 step 2.41 -> 2.20 ms).
+    None = on where the GPU (sm_90+) and Triton support it; False = never.
 
     Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``INT8_GEMV_ROWS`` rows the int8
     GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
@@ -110,8 +107,8 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
-        if not 0 <= pdl_max_rows <= PDL_MAX_ROWS_LIMIT:
-            raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_ROWS_LIMIT}, got {pdl_max_rows}")
+        if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
+            raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         self.pdl = pdl
         self.pdl_max_rows = pdl_max_rows
         # False: the prefill kernel's old grid (every sequence gets max_query_len's tiles), for A/Bs
@@ -122,11 +119,8 @@ class TritonOps(TorchOps):
         self.prefill_tile_order = prefill_tile_order
 
     def pdl_for(self, rows: int) -> bool | None:
-        """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``; above the kernels'
-        own cap (``PDL_MAX_TOKENS``) an explicit True, which ``_util.use_pdl`` takes as chosen."""
-        if rows > self.pdl_max_rows or self.pdl is False:
-            return False
-        return True if rows > PDL_MAX_TOKENS else self.pdl
+        """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
+        return False if rows > self.pdl_max_rows else self.pdl
 
     def _gemv_fits(self, x: torch.Tensor, max_m: int | None = None) -> bool:
         max_m = self.gemv_max_m if max_m is None else max_m
