@@ -41,6 +41,10 @@ def token_lists(B, length, seed=1, V=V):
         ("stop_token_ids", [-1]),
         ("logprobs", -1),
         ("ignore_eos", "yes"),
+        ("logit_bias", {3: 101}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {2: float("inf")}),
+        ("logit_bias", [1, 2]),
     ],
 )
 def test_invalid_params_raise_clear_errors(field, value):
@@ -278,6 +282,28 @@ def test_greedy_rows_with_penalties_take_argmax_of_penalised_logits():
     p = SamplingParams(temperature=0, presence_penalty=1.0)
     out = Sampler(4, "cpu").sample(logits, [p], [[]], [[0]], [None])
     assert out.token_ids == [1]
+
+
+def test_logit_bias_matches_the_reference_and_moves_greedy_and_sampled_rows():
+    B = 6
+    logits = rand_logits(B, seed=21)
+    bias = {3: 100.0, 7: -100.0, 11: 2.5}
+    params = [SamplingParams(temperature=0, logit_bias=bias), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.9, top_k=20, logit_bias={int(logits[2].argmax()): -100.0}),
+              SamplingParams(temperature=1.1, logit_bias=bias, repetition_penalty=1.2),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0, logit_bias={5: 0.0})]
+    prompts, outs = token_lists(B, 8, seed=5), token_lists(B, 3, seed=6)
+    seeds = [7 * i + 3 for i in range(B)]
+    got = Sampler(V, "cpu").sample(logits, params, prompts, outs, seeds)
+    want = sample_reference(logits, params, prompts, outs, seeds)
+    assert got.token_ids == want.token_ids
+    assert got.token_ids[0] == 3  # +100 all but forces it
+    assert got.token_ids[1] == int(logits[1].argmax())  # a row without a bias is untouched
+    assert got.token_ids[2] != int(logits[2].argmax())  # -100 bans it
+    probs = sampler_probs(Sampler(V, "cpu"), logits, params, prompts, outs)
+    torch.testing.assert_close(probs, sample_reference(logits, params, prompts, outs, [None] * B).probs,
+                               atol=1e-6, rtol=1e-5)
+    assert SamplingParams(logit_bias={}).logit_bias is None
 
 
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():

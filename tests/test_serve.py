@@ -191,6 +191,35 @@ def test_unknown_fields_are_ignored(server):
     assert r.status_code == 200
 
 
+def test_logit_bias_forces_a_token_and_is_validated(server, client, smollm2):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0)
+    forced = client.completions.create(logit_bias={"504": 100}, **kw).choices[0].text
+    assert forced == smollm2.tokenizer.decode([504] * 3) != client.completions.create(**kw).choices[0].text
+    chat = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, temperature=0, logit_bias={"504": 100})
+    assert chat.choices[0].message.content == smollm2.tokenizer.decode([504] * 2)
+    for bias, why in (({"x": 1}, "token ids"), ({"504": 101}, "logit_bias"), ({"10000000": 1}, "vocabulary")):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "logit_bias": bias},
+                       timeout=30)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("extra,why", [
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tools"),
+    ({"functions": [{"name": "f"}]}, "function"),
+])
+def test_features_this_server_lacks_are_refused_not_ignored(server, extra, why):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2, **extra},
+                   timeout=30)
+    assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+    ok = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": HI, "max_tokens": 2, "response_format": {"type": "text"}, "tool_choice": "none"})
+    assert ok.status_code == 200, ok.text
+
+
 def test_token_id_prompts_single_and_batched(client):
     r = client.completions.create(model=MODEL, prompt=[504, 3170, 314], max_tokens=2, temperature=0)
     assert len(r.choices) == 1 and r.usage.prompt_tokens == 3

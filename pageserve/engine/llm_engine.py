@@ -201,6 +201,11 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        outside = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if outside:
+            raise ValueError(f"request {request_id!r}: logit_bias names token ids {outside[:5]} outside the "
+                             f"vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(ids)} tokens; max_model_len is "

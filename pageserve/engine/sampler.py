@@ -3,7 +3,7 @@
 One ``Sampler.sample`` call per engine step turns ``logits[B, V]`` into B token ids with
 one device->host sync (the final read of the packed results). The pipeline, per row:
 
-    min_tokens ban -> repetition/presence/frequency penalties      ("penalised logits")
+    logit_bias -> min_tokens ban -> repetition/presence/frequency penalties  ("penalised logits")
       -> temperature -> top-k -> top-p -> min-p -> softmax          ("sampling probs")
       -> exponential race: argmax(probs / q), q ~ Exp(1) per token
 
@@ -237,6 +237,7 @@ class Sampler:
             if (
                 p.temperature != 0
                 or p.logprobs is not None
+                or p.logit_bias
                 or p.repetition_penalty != 1.0
                 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0
@@ -278,6 +279,18 @@ class Sampler:
             dtype=torch.float32,
         ).T.contiguous()  # [7, B]
         table = self._to_device(table)
+
+        # logit_bias: added to the raw logits (the bans below and the penalties come after it)
+        bias_rows, bias_ids, bias_values = [], [], []
+        for i, p in enumerate(params):
+            for t, b in (p.logit_bias or {}).items():
+                bias_rows.append(i)
+                bias_ids.append(t)
+                bias_values.append(b)
+        if bias_rows:
+            logits = logits.clone()
+            idx = self._to_device(torch.tensor([bias_rows, bias_ids], dtype=torch.int64))
+            logits.index_put_((idx[0], idx[1]), self._to_device(torch.tensor(bias_values)), accumulate=True)
 
         # min_tokens: ban eos / stop tokens
         ban_rows, ban_ids = [], []

@@ -44,7 +44,9 @@ class SamplingParams:
     -1 or 0 is off (normalised to -1). ``max_tokens=None`` means until the model's
     context is full. ``stop`` is normalised to a list. ``logprobs=k`` asks for the
     sampled token's logprob plus the ``k`` most likely alternatives (``0``: only the
-    sampled token's logprob).
+    sampled token's logprob). ``logit_bias`` maps token ids to a number in [-100, 100] added
+    to their logits before penalties, temperature and truncation, as OpenAI's parameter does
+    (-100 in effect bans a token, 100 all but forces it).
     """
 
     n: int = 1
@@ -64,6 +66,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -117,6 +120,12 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                fail("logit_bias", "must be a mapping of token id -> bias")
+            if not all(is_int(t) and t >= 0 and is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+                fail("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
 
     @property
     def greedy(self) -> bool:

@@ -70,6 +70,8 @@ def sample_reference(
     for i in range(B):
         p, prompt, out = params[i], prompt_token_ids[i], output_token_ids[i]
         row = logits[i].float().clone()
+        for t, b in (p.logit_bias or {}).items():
+            row[t] += b
         if len(out) < p.min_tokens:
             for t in list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids)):
                 if t < V:

@@ -5,6 +5,9 @@ Requests are parsed leniently where OpenAI is lenient (``stop`` as a string or a
 ``max_completion_tokens`` beside the older ``max_tokens``) and carry the usual extensions of
 open servers: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``.
+
+OpenAI features this server does not have are refused with a 400 that names them, not ignored:
+a ``response_format`` other than text (no guided decoding), and tools / function calling.
 """
 from __future__ import annotations
 
@@ -61,10 +64,28 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     user: str | None = None
+    # refused unless empty / "text" / "none" (see the module docstring): a request that relies on them
+    # must not get an unconstrained answer that looks like a success
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+
+    def _refuse_unsupported(self) -> None:
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format {kind!r} is not supported by this server (no guided decoding); "
+                             "only 'text'")
+        if self.tools or self.functions or self.tool_choice not in (None, "none") \
+                or self.function_call not in (None, "none"):
+            raise ValueError("tools and function calling are not supported by this server")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """``SamplingParams`` for this request (raises ``ValueError`` with the rule broken)."""
+        self._refuse_unsupported()
         kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": self.seed}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
@@ -72,6 +93,11 @@ class _Request(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
+        if self.logit_bias is not None:
+            try:
+                kw["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
         if kw["n"] > 128:
             raise ValueError(f"n must be at most 128, got {kw['n']}")
         return SamplingParams(**kw)
