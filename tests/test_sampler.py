@@ -367,6 +367,8 @@ def test_cuda_sampler_matches_cpu_for_seeded_and_greedy_rows():
         for i in range(B)
     ]
     params[1] = SamplingParams(temperature=1.0, top_k=10, repetition_penalty=1.2, logprobs=3, seed=1)
+    params[3] = SamplingParams(temperature=0, logit_bias={5: 100.0, int(logits[3].argmax()): -100.0})
+    params[4] = SamplingParams(temperature=0.9, seed=4, logit_bias={7: 3.0, 9: -2.0})
     prompts, outs = token_lists(B, 12, seed=22), token_lists(B, 5, seed=23)
     seeds = [p.seed for p in params]
     cpu = Sampler(V, "cpu").sample(logits, params, prompts, outs, seeds)
