@@ -14,8 +14,8 @@ Each graph ends with the output head, so a replay yields the fp32 logits of ever
 bucket shares: the sampler reads them on the same stream before the next replay. (One
 output per bucket held ~1.8 GB at max_bs 512 and the 3B shape's vocabulary; this one 311 MB.)
 A batch of ``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V
-is not written) and seq_len 0 (attention writes zeros for them), so they touch nothing real. Prefill and batches larger than ``max_bs`` run
-eagerly.
+is not written) and seq_len 0 (attention writes zeros for them), so they touch nothing real.
+Prefill and batches larger than ``max_bs`` run eagerly.
 
 On CUDA the copy-in is one Triton launch (``kernels.step_inputs``) instead of five to nine
 PyTorch copies, each a launch on the stream ahead of the replay.
