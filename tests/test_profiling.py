@@ -228,3 +228,16 @@ def test_mixed_batch_schedules_every_decode_and_exactly_the_prompt_tokens_asked(
     assert mixed_step_ms(llm, 2, 5, 6, prompt_len=4, steps=2, vocab_size=256, repeats=1) > 0
     with pytest.raises(ValueError, match="no prompt tokens"):
         mixed_batch(llm, 48, 5, 6)
+
+
+def test_w1_profile_summarises_both_graph_runners_and_none_where_nothing_was_captured():
+    from types import SimpleNamespace as NS
+
+    w1_profile = _script("w1_profile")
+    decode = NS(buckets=[1, 2, 4], max_bs=4, capture_s=1.5, capture_bytes=3 * 2**20)
+    mixed = NS(buckets=[16, 32], max_tokens=32, capture_s=None, capture_bytes=None)  # built, not captured (CPU)
+    llm = NS(engine=NS(runner=NS(graphs=decode, mixed_graphs=mixed)))
+    assert w1_profile.graphs_summary(llm) == {
+        "decode": {"buckets": 3, "max_bs": 4, "capture_s": 1.5, "capture_mib": 3.0}, "mixed": None}
+    llm.engine.runner.graphs = None  # enforce_eager
+    assert w1_profile.graphs_summary(llm)["decode"] is None
