@@ -18,9 +18,10 @@ octave, up to ``max_tokens``), all sharing one memory pool, captured largest fir
 
 The prefill attention launches over the bucket's whole tile buffer: the step's real tiles (built on
 the host, as in an eager step, longest first) and then sentinel tiles that name the last padding
-sequence, whose chunk is empty, so their programs exit at once. The graph ends by copying the final
-norm's hidden states into one static [max_tokens, H] buffer that every bucket shares (no bucket keeps an
-output of its own in the pool); the output head over the sampling rows and the sampler run eagerly.
+sequence, whose chunk is empty, so their programs exit at once. The graph ends at the final norm's
+hidden states; the output head over the sampling rows and the sampler run eagerly. (Copying every
+bucket's output into one shared buffer instead saved 4 of 236 MiB of capture on the H200 for a copy
+of T x H a step: not kept, NOTES.md session 19.)
 
 Where graphs are unavailable (the CPU) ``capture=False`` runs the model eagerly on the same static
 buffers: CI checks the bookkeeping against the eager step.
@@ -69,10 +70,7 @@ class MixedGraphRunner:
         # every entry a sentinel until a step fills in its tiles (see ``run``)
         self.tiles = {t: torch.tensor([[max_seqs], [0]], dtype=i32, device=dev).repeat(1, self.num_tiles(t))
                       for t in self.buckets}
-        # every bucket's graph ends by copying its final hidden states here, so that no graph keeps
-        # an output of its own in the pool (at 8,192 tokens those would hold ~400 MB at the 3B shape)
-        embed = model.embed_tokens.weight
-        self.out = torch.empty(max_tokens, embed.shape[1], dtype=embed.dtype, device=dev)
+        self.hidden = {}  # bucket -> its graph's output [bucket, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
@@ -98,9 +96,7 @@ class MixedGraphRunner:
         return PagedAttention(self.kv_cache, meta, self.model.ops)
 
     def _forward(self, tokens: int) -> torch.Tensor:
-        out = self.out[:tokens]
-        out.copy_(self.model(self.input_ids[:tokens], self.positions[:tokens], self._context(tokens)))
-        return out
+        return self.model(self.input_ids[:tokens], self.positions[:tokens], self._context(tokens))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -108,7 +104,8 @@ class MixedGraphRunner:
         if not self.capture_enabled:
             return
         c = capture_buckets(self.buckets, self._forward, self.device)
-        self.graphs, self.pool, self.capture_s, self.capture_bytes = c.graphs, c.pool, c.seconds, c.reserved_bytes
+        self.graphs, self.hidden, self.pool = c.graphs, c.outputs, c.pool
+        self.capture_s, self.capture_bytes = c.seconds, c.reserved_bytes
         logger.info("mixed-step CUDA graphs: %d buckets up to %d tokens captured in %.2f s (%.0f MiB)",
                     len(self.buckets), self.max_tokens, self.capture_s, self.capture_bytes / 2**20)
 
@@ -138,5 +135,5 @@ class MixedGraphRunner:
             self.tiles[t].copy_(host)
         if t in self.graphs:
             self.graphs[t].replay()
-            return self.out[:T]
+            return self.hidden[t][:T]
         return self._forward(t)[:T]
