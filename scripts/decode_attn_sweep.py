@@ -4,6 +4,7 @@ choose the kernel's defaults). K/V caches are rotated so back-to-back calls read
 
     python scripts/decode_attn_sweep.py --out /tmp/out     # Qwen2.5-3B heads, bf16
     python scripts/decode_attn_sweep.py --cases 256x640,512x640 --warps 2,4,8   # W1's decode batches
+    python scripts/decode_attn_sweep.py --splits auto,8 --stages 2,3 --prefetch 0,1   # the loads' schedule
 
 Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
 """
@@ -53,28 +54,44 @@ def main() -> None:
     ap.add_argument("--cases", default="1x512,64x512,64x2048",
                     help="batch x context pairs, e.g. 256x640,512x640 for W1's decode steps")
     ap.add_argument("--warps", default="2,4", help="num_warps values to sweep (e.g. 2,4,8)")
+    ap.add_argument("--splits", default="", help="num_splits values ('auto' = the kernel's own); default: a set per case")
+    ap.add_argument("--block-n", default="32,64", help="key-tile sizes to sweep")
+    ap.add_argument("--stages", default="2", help="num_stages values to sweep (the kernel's default is 2)")
+    ap.add_argument("--prefetch", default="0", help="prefetch values to sweep (1: q with seq_len, blocks a tile ahead)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     record = dict(provenance())
     cases = [tuple(int(v) for v in c.split("x")) for c in args.cases.split(",")]
     warps = tuple(int(w) for w in args.warps.split(","))
+    block_ns = tuple(int(v) for v in args.block_n.split(","))
+    stages = tuple(int(v) for v in args.stages.split(","))
+    prefetch = tuple(bool(int(v)) for v in args.prefetch.split(","))
     for batch, ctx in cases:
         auto = decode_num_splits(batch, HKV, args.max_blocks, 16, sms)
-        # from batch 32 up the grid holds 64+ (sequence, KV head) pairs: 1-2 splits are candidates too
-        splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 32 else set()))
-        configs = [{"num_splits": s, "block_n": bn, "num_warps": nw}
-                   for s, bn, nw in itertools.product(splits, (32, 64), warps)]
-        if 1 in splits:  # the A/B of the one-split direct write: the same config through the merge kernel
+        if args.splits:
+            splits = sorted({auto if v == "auto" else int(v) for v in args.splits.split(",")})
+        else:  # from batch 32 up the grid holds 64+ (sequence, KV head) pairs: 1-2 splits are candidates too
+            splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 32 else set()))
+        configs = []
+        for sp, bn, nw, st, pf in itertools.product(splits, block_ns, warps, stages, prefetch):
+            cfg = {"num_splits": sp, "block_n": bn, "num_warps": nw}
+            if len(stages) > 1 or st != 2:
+                cfg["num_stages"] = st
+            if pf:
+                cfg["prefetch"] = True
+            configs.append(cfg)
+        if 1 in splits and not args.splits:  # the A/B of the one-split direct write: the same config through the merge kernel
             configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
         rows = sweep(batch, ctx, args.max_blocks, min(copies, 64), configs)
         key = f"b{batch}_ctx{ctx}"
         record[key] = {"auto_splits": auto, "rows": rows}
         default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
-                        and r.get("num_warps") == 4 and "direct" not in r), None)
+                        and r.get("num_warps") == 4 and r.get("num_stages", 2) == 2
+                        and not r.get("prefetch") and "direct" not in r), None)
         print(f"== batch {batch} x ctx {ctx} (auto splits {auto}); default "
               f"{default and round(default['us'], 2)} µs", flush=True)
-        for r in rows[:6]:
+        for r in rows[:10]:
             print("  ", r, flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "decode_attn_sweep.json"), "w") as f:

@@ -93,6 +93,25 @@ def test_decode_attention_one_split_written_directly_equals_the_merged_path_bitw
     assert torch.equal(direct[0], torch.zeros_like(direct[0]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_attention_prefetched_block_table_gives_the_default_bits(dtype, num_splits, gen):
+    # prefetch moves loads (q before seq_len, each tile's blocks one iteration ahead), not arithmetic:
+    # the same bits, over several 16-token tiles per split, partial last tiles and a padding row
+    ctx = [0, 1, 17, 70 * BIG, 33]
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
+                                                      dtype, DEVICE, gen)
+    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE, dtype)
+    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+    poisoned = torch.full_like(q, float("nan"))
+    default = paged_decode_attention(*args, num_splits=num_splits, block_n=16, out=poisoned.clone())
+    ahead = paged_decode_attention(*args, num_splits=num_splits, block_n=16, prefetch=True, out=poisoned.clone())
+    assert torch.equal(ahead, default)
+    meta.query_start_loc = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
+    meta.query_start_loc_cpu, meta.max_query_len = list(range(len(ctx) + 1)), 1
+    _ok(checks.rel_err(ahead, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), dtype)
+
+
 def test_decode_split_count_is_the_fewest_that_fill_the_gpu_three_times_without_short_pieces():
     sms, bs = 132, 16
     # the H200 case the sweep measured: batch 64, 2 KV heads, a 2,048-token table -> 4 splits (4 beat 5)

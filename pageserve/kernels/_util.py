@@ -273,11 +273,17 @@ def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pmask, h, d, dmask,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE: tl.constexpr):
-    """K and V rows of KV head ``h`` for token positions ``pos`` [N] of one sequence, read
-    through its block-table row (masked positions load zeros). Returns k, v: [N, BLOCK_D]."""
-    page = tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+def kv_pages(bt_row, pos, pmask, PAGE: tl.constexpr):
+    """Cache block of each token position ``pos`` [N] of one sequence, from its block-table row
+    (masked positions: block 0)."""
+    return tl.load(bt_row + pos // PAGE, mask=pmask, other=0).to(tl.int64)
+
+
+@triton.jit
+def load_kv_at(kc_ptr, vc_ptr, page, pos, pmask, h, d, dmask,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE: tl.constexpr):
+    """K and V rows of KV head ``h`` for token positions ``pos`` [N] whose cache blocks are
+    ``page`` [N] (``kv_pages``); masked positions load zeros. Returns k, v: [N, BLOCK_D]."""
     slot = pos % PAGE
     kvmask = pmask[:, None] & dmask[None, :]
     k = tl.load(kc_ptr + (page * stride_kb + slot * stride_ks + h * stride_kh)[:, None] + d[None, :],
@@ -285,6 +291,16 @@ def load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pmask, h, d, dmask,
     v = tl.load(vc_ptr + (page * stride_vb + slot * stride_vs + h * stride_vh)[:, None] + d[None, :],
                 mask=kvmask, other=0.0)
     return k, v
+
+
+@triton.jit
+def load_kv_tile(kc_ptr, vc_ptr, bt_row, pos, pmask, h, d, dmask,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE: tl.constexpr):
+    """K and V rows of KV head ``h`` for token positions ``pos`` [N] of one sequence, read
+    through its block-table row (masked positions load zeros). Returns k, v: [N, BLOCK_D]."""
+    page = kv_pages(bt_row, pos, pmask, PAGE)
+    return load_kv_at(kc_ptr, vc_ptr, page, pos, pmask, h, d, dmask,
+                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
 
 
 @triton.jit

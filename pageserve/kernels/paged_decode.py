@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
-from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
-                    online_softmax_step, pdl_args, pdl_enter, sm_count_for)
+from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, kv_pages, load_kv_at, mma,
+                    next_pow2, online_softmax_step, pdl_args, pdl_enter, sm_count_for)
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
 
@@ -49,9 +49,12 @@ def _decode_split_kernel(
     stride_bt, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs
+    # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs.
+    # PREFETCH: q is loaded together with seq_len, and each tile's block-table entries are
+    # loaded one iteration ahead (a loop-carried value), so a tile's K/V addresses never wait
+    # on a load issued in the same iteration (an A/B knob: the chain is the suspect at 64 x 512)
     pdl_enter(USE_PDL)  # before the first read: seq_lens, q and the cache come from earlier kernels
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -62,6 +65,9 @@ def _decode_split_kernel(
     dmask = d < HEAD_DIM
     heads = h * GROUP + g  # query heads of this KV head
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
+    q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    if PREFETCH:  # issued before the branch on seq_len: the two loads overlap
+        q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     seq_len = tl.load(seq_lens_ptr + b)
     per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
     if start >= seq_len:
@@ -70,21 +76,31 @@ def _decode_split_kernel(
                      mask=gmask[:, None] & dmask[None, :])
         return
     end = tl.minimum(start + per, seq_len)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    if not PREFETCH:
+        q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = bt_ptr + b * stride_bt
+    if PREFETCH:  # the first tile's blocks
+        tok = start + tl.arange(0, BLOCK_N)
+        page = kv_pages(bt_row, tok, tok < end, PAGE)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
-        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, tok, tmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
-                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+        if PREFETCH:
+            nxt = tok + BLOCK_N
+            page_next = kv_pages(bt_row, nxt, nxt < end, PAGE)
+        else:
+            page = kv_pages(bt_row, tok, tmask, PAGE)
+        k, v = load_kv_at(kc_ptr, vc_ptr, page, tok, tmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
         scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
         scores = tl.where(tmask[None, :], scores, float("-inf"))
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+        if PREFETCH:
+            page = page_next
 
     out = acc / l_i[:, None]
     if DIRECT:
@@ -137,6 +153,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int = 4, num_stages: int = 2, pdl: bool | None = None, direct: bool | None = None,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
@@ -145,7 +162,9 @@ def paged_decode_attention(
     the defaults are what the engine runs. ``pdl``: see ``_util.use_pdl`` (rows = sequences).
     ``direct``: with one split, the split kernel writes ``out`` itself and the merge kernel
     (a copy at one split) is skipped; None = whenever there is one split, False = always merge
-    (the A/B reference: large batches get one split, results/h200/diagnostics/profile_steps.json)."""
+    (the A/B reference: large batches get one split, results/h200/diagnostics/profile_steps.json).
+    ``prefetch``: q with seq_len, and each tile's block-table entries one iteration ahead (an A/B
+    knob; same bits: the loads change, not the arithmetic)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -178,7 +197,7 @@ def paged_decode_attention(
         block_tables.stride(0), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), DIRECT=direct,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), DIRECT=direct, PREFETCH=bool(prefetch),
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if direct:
