@@ -35,9 +35,11 @@ def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
     rows = []
     for cfg in configs:
-        def call(i, cfg=cfg):
+        kw = {k: v for k, v in cfg.items() if k != "reference"}
+
+        def call(i, kw=kw):
             k, v = caches[i % copies]
-            paged_decode_attention(q, k, v, meta.seq_lens, bt, HEAD_DIM**-0.5, out=out, **cfg)
+            paged_decode_attention(q, k, v, meta.seq_lens, bt, HEAD_DIM**-0.5, out=out, **kw)
         try:
             ms = graph_ms(call, calls=4 * copies, replays=10)
         except Exception as e:  # out of resources: skip
@@ -58,6 +60,8 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64", help="key-tile sizes to sweep")
     ap.add_argument("--stages", default="2", help="num_stages values to sweep (the kernel's default is 2)")
     ap.add_argument("--prefetch", default="0", help="prefetch values to sweep (1: q with seq_len, blocks a tile ahead)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also time the kernel's own defaults (no keywords) in every case, as row 'reference'")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     record = dict(provenance())
@@ -80,6 +84,8 @@ def main() -> None:
             if pf:
                 cfg["prefetch"] = True
             configs.append(cfg)
+        if args.reference:
+            configs.append({"reference": True})
         if 1 in splits and not args.splits:  # the A/B of the one-split direct write: the same config through the merge kernel
             configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
