@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--stages", default="2", help="num_stages values to sweep (the kernel's default is 2)")
     ap.add_argument("--prefetch", default="0", help="prefetch values to sweep (1: q with seq_len, blocks a tile ahead)")
     ap.add_argument("--reference", action="store_true",
-                    help="also time the kernel's own defaults (no keywords) in every case, as row 'reference'")
+                    help="also time the kernel's own launch (no keywords) in every case, as row 'reference'")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     record = dict(provenance())
@@ -78,22 +78,18 @@ def main() -> None:
             splits = sorted({auto, 8, 16} | ({3, 4} if batch > 1 else {4}) | ({1, 2} if batch >= 32 else set()))
         configs = []
         for sp, bn, nw, st, pf in itertools.product(splits, block_ns, warps, stages, prefetch):
-            cfg = {"num_splits": sp, "block_n": bn, "num_warps": nw}
-            if len(stages) > 1 or st != 2:
-                cfg["num_stages"] = st
-            if pf:
-                cfg["prefetch"] = True
-            configs.append(cfg)
+            configs.append({"num_splits": sp, "block_n": bn, "num_warps": nw, "num_stages": st, "prefetch": pf})
         if args.reference:
             configs.append({"reference": True})
         if 1 in splits and not args.splits:  # the A/B of the one-split direct write: the same config through the merge kernel
-            configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "direct": False})
+            configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 2, "prefetch": False,
+                            "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
         rows = sweep(batch, ctx, args.max_blocks, min(copies, 64), configs)
         key = f"b{batch}_ctx{ctx}"
         record[key] = {"auto_splits": auto, "rows": rows}
         default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
-                        and r.get("num_warps") == 4 and r.get("num_stages", 2) == 2
+                        and r.get("num_warps") == 4 and r.get("num_stages") == 2
                         and not r.get("prefetch") and "direct" not in r), None)
         print(f"== batch {batch} x ctx {ctx} (auto splits {auto}); default "
               f"{default and round(default['us'], 2)} µs", flush=True)

@@ -40,11 +40,10 @@ VARIANTS = {
     # session 19 ran "default_pdl_512_rows" ({"pdl_max_rows": 512}: every decode-path Triton kernel under PDL
     # at any batch) at 7b2381e-732dc20, the only commits whose TritonOps accept it: b64 +0.11 ms, b256
     # +0.05-0.12 ms (diagnostics/det_b1_switches_pdl_all_rows_732dc20.*); removed with that switch
-    # session 20: the decode attention's load schedule (q with seq_len and each tile's blocks a tile ahead;
-    # a third pipeline stage), for the batch-64 step of issue 14
-    "default_attn_prefetch": (False, {"decode_prefetch": True}),
-    "default_attn_stages_3": (False, {"decode_num_stages": 3}),
-    "default_attn_prefetch_stages_3": (False, {"decode_prefetch": True, "decode_num_stages": 3}),
+    # session 20: the decode attention as launched before the pipelined schedule (split rule, 2 stages, no
+    # prefetch). At 9a8bb02 the variants default_attn_prefetch{,_stages_3} ran the split rule with the
+    # prefetch alone / with 3 stages (diagnostics/det_b1_switches_attn_prefetch_9a8bb02.*)
+    "default_attn_split_rule": (False, {"decode_schedule": "split"}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),

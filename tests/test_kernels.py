@@ -22,8 +22,8 @@ from pageserve.model.triton_ops import TritonOps
 from pageserve.lab import kernel_checks as checks  # noqa: E402
 from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
 from pageserve.kernels.gemv import GemvConfig  # noqa: E402
-from pageserve.kernels.paged_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, decode_num_splits,  # noqa: E402
-                                             paged_decode_attention)
+from pageserve.kernels.paged_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, DecodeSchedule,  # noqa: E402
+                                             decode_num_splits, decode_schedule, paged_decode_attention)
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -54,6 +54,36 @@ def test_decode_attention_matches_reference_across_block_boundaries_and_padding_
     ctx = [0, 1, bs, 2 * bs + 1, 3 * bs - 1 + 40 * (BIG - 1)]
     err = checks.check_decode(ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, num_splits=num_splits)
     _ok(err, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("schedule", ["pipelined", "split"])
+# (batch, KV heads): on the interpreter's 4 "SMs" the pipelined rule's split branch, then its one-split
+# 128-, 64- and 32-key tiles and the 2-stage tile (on a GPU, the branches its SM count gives)
+@pytest.mark.parametrize("batch,hkv", [(1, 1), (1, 2), (3, 2), (6, 2), (9, 2)])
+def test_decode_attention_schedules_match_reference(schedule, batch, hkv, dtype, gen):
+    # each schedule's launch (splits, key tile, warps, stages, prefetch) over a padded batch
+    ctx = [0, 1, 17, 2 * 16 + 1, 70 * BIG, 33, 16, 5, 129][:batch] if batch > 1 else [70 * BIG]
+    err = checks.check_decode(ctx, 8, hkv, 64, 16, dtype, DEVICE, gen, schedule=schedule)
+    _ok(err, dtype)
+
+
+def test_decode_schedule_pipelined_rule_and_its_fallbacks():
+    # the H200 (132 SMs), Qwen2.5-3B heads (2 KV heads, head_dim 128), bf16, a 2,048-token table
+    def h200(batch, elem=2, pipelined=True, head_dim=128):
+        return decode_schedule(batch, 2, head_dim, elem, 128, 16, 132, pipelined)
+
+    assert h200(1) == DecodeSchedule(16, 32, 4, 3, True)  # few pairs: the split rule's count, 32-key tiles
+    assert h200(32) == DecodeSchedule(decode_num_splits(32, 2, 128, 16, 132), 32, 4, 3, True)
+    assert h200(33) == DecodeSchedule(1, 128, 8, 3, True)  # from half an SM's worth of pairs: one split
+    assert h200(64) == DecodeSchedule(1, 128, 8, 3, True)
+    assert h200(128) == DecodeSchedule(1, 64, 4, 3, True)
+    assert h200(256) == DecodeSchedule(1, 32, 4, 3, True)
+    assert h200(512) == DecodeSchedule(1, 64, 4, 2, False)  # above four pairs an SM: the 2-stage tile
+    split_rule = [DecodeSchedule(decode_num_splits(b, 2, 128, 16, 132), 32 if 8 * b <= 132 else 64, 4, 2, False)
+                  for b in (1, 16, 64, 512)]
+    for kw in ({"pipelined": False}, {"elem": 4}, {"head_dim": 256}):  # other GPUs, fp32, wide heads
+        assert [h200(b, **kw) for b in (1, 16, 64, 512)] == split_rule
 
 
 def test_decode_attention_ignores_spare_block_table_columns(gen):

@@ -18,15 +18,21 @@ launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets ze
 """
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
-from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, kv_pages, load_kv_at, mma,
-                    next_pow2, online_softmax_step, pdl_args, pdl_enter, sm_count_for)
+from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, interpreting, kv_pages,
+                    load_kv_at, mma, next_pow2, online_softmax_step, pdl_args, pdl_enter, sm_count_for)
 
-__all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits"]
+__all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits", "decode_schedule",
+           "schedule_for", "DecodeSchedule", "SCHEDULES"]
+
+SCHEDULES = ("auto", "pipelined", "split")
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # never split a context into pieces shorter than this
@@ -148,23 +154,82 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(want, cap, MAX_SPLITS))
 
 
+class DecodeSchedule(NamedTuple):
+    """How the split kernel is launched: splits per sequence, key tile, warps, pipeline stages and
+    whether block-table entries are loaded a tile ahead (``prefetch``)."""
+    num_splits: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    prefetch: bool
+
+
+def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int, max_blocks: int,
+                    block_size: int, sms: int, pipelined: bool) -> DecodeSchedule:
+    """The launch for a decode batch, from shapes only (graph-safe).
+
+    ``pipelined`` (sm_90, 2-byte K/V, head_dim <= 128): each tile's block-table entries one
+    iteration ahead and 3 stages, so a program's K/V loads stream instead of waiting on each
+    tile's table load. With that, long loops are cheap and splits cost more than they give:
+    from half an SM's worth of (sequence, KV head) pairs up, one split per sequence (no merge
+    kernel), with the widest key tile whose 3 stages still fit the programs in one wave
+    (128 keys x 8 warps up to one pair per SM, 64 up to two, 32 up to four; above that the
+    2-stage 64-key tile). Below, the split rule of ``decode_num_splits`` with 32-key tiles.
+    Measured on the H200 (bf16, 3B heads, graph-timed µs; diagnostics/decode_attn_sweep_*_9c192f9):
+    64 x 512 16.2 -> 13.6, 128 x 512 26.4 -> 21.0, 128 x 2048 72.4 -> 67.7, 256 x 640 45.5 -> 44.3,
+    32 x 512 12.5 -> 11.3, 1 x 512 4.6 -> 4.5; 64 x 2048 40.7 -> 42.8 is the one case that loses.
+
+    Otherwise (other GPUs, fp32, the interpreter) the split rule as before: ``decode_num_splits``,
+    32-key tiles when few pairs, else 64, 4 warps, 2 stages, no prefetch."""
+    pairs = max(1, batch * num_kv_heads)
+    if pipelined and elem_size == 2 and head_dim <= 128:
+        if 2 * pairs >= sms:
+            if pairs <= sms:
+                return DecodeSchedule(1, 128, 8, 3, True)
+            if pairs <= 2 * sms:
+                return DecodeSchedule(1, 64, 4, 3, True)
+            if pairs <= 4 * sms:
+                return DecodeSchedule(1, 32, 4, 3, True)
+            return DecodeSchedule(1, 64, 4, 2, False)
+        return DecodeSchedule(decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms), 32, 4, 3, True)
+    splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms)
+    return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _pipelined_device(device_index: int) -> bool:
+    return torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def schedule_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                 schedule: str = "auto") -> DecodeSchedule:
+    """``decode_schedule`` for these tensors: "auto" = pipelined on sm_90 GPUs, else the split rule."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    pipelined = schedule == "pipelined" or (schedule == "auto" and q.is_cuda and _pipelined_device(q.device.index or 0))
+    return decode_schedule(q.shape[0], k_cache.shape[2], q.shape[-1], k_cache.element_size(), block_tables.shape[1],
+                           k_cache.shape[1], sm_count_for(q), pipelined)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
-    num_warps: int = 4, num_stages: int = 2, pdl: bool | None = None, direct: bool | None = None,
-    prefetch: bool = False,
+    num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
+    direct: bool | None = None, prefetch: bool | None = None, schedule: str = "auto",
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
-    ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` (split kernel) are tuning knobs;
-    the defaults are what the engine runs. ``pdl``: see ``_util.use_pdl`` (rows = sequences).
+    ``schedule``: how the launch is chosen (``decode_schedule``): "auto" = pipelined on sm_90 GPUs,
+    else the split rule; "pipelined" / "split" force one (the interpreter runs either; the A/B
+    reference is "split"). ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` /
+    ``prefetch`` override single choices (tuning knobs). ``pdl``: see ``_util.use_pdl`` (rows = sequences).
     ``direct``: with one split, the split kernel writes ``out`` itself and the merge kernel
     (a copy at one split) is skipped; None = whenever there is one split, False = always merge
     (the A/B reference: large batches get one split, results/h200/diagnostics/profile_steps.json).
-    ``prefetch``: q with seq_len, and each tile's block-table entries one iteration ahead (an A/B
-    knob; same bits: the loads change, not the arithmetic)."""
+    ``prefetch``: q with seq_len, and each tile's block-table entries one iteration ahead
+    (same bits: the loads move, not the arithmetic)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -172,15 +237,18 @@ def paged_decode_attention(
     check_device(q=q, k_cache=k_cache, v_cache=v_cache, seq_lens=seq_lens, block_tables=block_tables)
     if not seq_lens.is_contiguous():
         raise ValueError("seq_lens must be contiguous")
+    plan = schedule_for(q, k_cache, block_tables, schedule)  # checks ``schedule`` too
     out = torch.empty_like(q) if out is None else out
     check("out", out, shape=(B, Hq, D), dtype=q.dtype)
     if B == 0:
         return out
     group = Hq // Hkv
-    S = num_splits or decode_num_splits(B, Hkv, block_tables.shape[1], page, sm_count_for(q))
-    # few (sequence, KV head) pairs: the parallelism is in the splits, and 32-token tiles let
-    # a short context spread over all of them (batch 1, context 512 on the H200: 5.4 vs 5.9 µs)
-    BLOCK_N = block_n or (32 if 4 * B * Hkv <= sm_count_for(q) else 64)
+    S = num_splits or plan.num_splits
+    # without an explicit tile, a forced split count keeps the split rule's tile for its pair count
+    BLOCK_N = block_n or (plan.block_n if not num_splits else (32 if 4 * B * Hkv <= sm_count_for(q) else 64))
+    num_warps = num_warps or plan.num_warps
+    num_stages = num_stages or plan.num_stages
+    prefetch = plan.prefetch if prefetch is None else prefetch
     BLOCK_D = max(16, next_pow2(D))
     direct = S == 1 if direct is None else (direct and S == 1)
     if direct:  # no partials: the kernel never touches these pointers, so no buffer is allocated for them

@@ -98,7 +98,7 @@ def attention_reference(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ checks
 def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-                 num_splits=None, extra_table_cols=1) -> float:
+                 num_splits=None, extra_table_cols=1, schedule="auto") -> float:
     B = len(ctx_lens)
     q_lens = [1 if c > 0 else 0 for c in ctx_lens]
     q, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
@@ -111,7 +111,7 @@ def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype,
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, scale, out=out,
-                                        num_splits=num_splits)
+                           num_splits=num_splits, schedule=schedule)
     return rel_err(out, attention_reference(q, kc, vc, meta, scale))
 
 

@@ -16,6 +16,7 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS
+from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -38,8 +39,9 @@ class TritonOps(TorchOps):
     ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
     few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
-    ``decode_prefetch`` / ``decode_num_stages``: the decode kernel's load schedule (``prefetch``,
-    ``num_stages`` of ``paged_decode_attention``; A/B knobs, the defaults are what ships).
+    ``decode_schedule``: how the decode kernel is launched (``paged_decode_attention``'s ``schedule``):
+    "auto" (pipelined on sm_90, else the split rule), "pipelined" or "split" (the rule before
+    session 20, for A/Bs).
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
@@ -81,8 +83,7 @@ class TritonOps(TorchOps):
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_prefetch: bool = False,
-                 decode_num_stages: int = 2) -> None:
+                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -107,8 +108,9 @@ class TritonOps(TorchOps):
         self.use_gemv = gemv
         self.gemv_max_m = gemv_max_m
         self.decode_num_splits = decode_num_splits
-        self.decode_prefetch = decode_prefetch
-        self.decode_num_stages = decode_num_stages
+        if decode_schedule not in DECODE_SCHEDULES:
+            raise ValueError(f"decode_schedule must be one of {DECODE_SCHEDULES}, got {decode_schedule!r}")
+        self.decode_schedule = decode_schedule
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
@@ -188,7 +190,7 @@ class TritonOps(TorchOps):
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]),
-                                          prefetch=self.decode_prefetch, num_stages=self.decode_num_stages)
+                                          schedule=self.decode_schedule)
         tile_map = None if self.prefill_tile_map else False
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map,
                                        heavy_first=self.prefill_tile_order == "heavy_first")

@@ -15,12 +15,11 @@ import triton
 from .. import kernel_checks as checks
 from ...kernels._util import cdiv, sm_count_for
 from ...kernels.gemv import GemvConfig, config_key, gemv, gemv_config, silu_mul_gemv, silu_mul_linear_reference
-from ...kernels.paged_decode import MAX_SPLITS, decode_num_splits, paged_decode_attention
+from ...kernels.paged_decode import MAX_SPLITS, paged_decode_attention, schedule_for
 from .shapes import GEMV_SHAPES, HEAD_DIM, HKV, HQ, LAYERS
 from .timing import eager_ms, gbps, graph_ms, timed_ms, weight_copies
 
 
-DECODE_DEFAULT = dict(block_n=64, num_warps=4, num_stages=2)  # paged_decode_attention's defaults
 DECODE_SWEEP = dict(block_n=(16, 32, 64, 128), num_warps=(2, 4, 8), num_stages=(1, 2, 3))
 
 
@@ -53,7 +52,8 @@ def bench_decode_attention(batch=64, ctx=2048, dtype=torch.bfloat16, block_size=
     scale = HEAD_DIM**-0.5
     nbytes = (2 * batch * ctx * HKV * HEAD_DIM * es + 2 * q.numel() * es
               + meta.block_tables.numel() * 4 + batch * 4)
-    splits = decode_num_splits(batch, HKV, meta.block_tables.shape[1], block_size, sm_count_for(q))
+    plan = schedule_for(q, kc, meta.block_tables)  # what paged_decode_attention launches without keywords
+    splits = plan.num_splits
 
     def attn(cfg: dict):
         return lambda i: paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, scale, out=out, **cfg)
@@ -66,7 +66,7 @@ def bench_decode_attention(batch=64, ctx=2048, dtype=torch.bfloat16, block_size=
         r["paged_decode_attn_eager_ms"] = eager_ms(lambda: attn({})(0))
     if not sweep:
         return r
-    default = {"num_splits": splits, **DECODE_DEFAULT}
+    default = plan._asdict()
     timed, failed = {tuple(default.items()): t}, set()
     t0 = time.perf_counter()
 
