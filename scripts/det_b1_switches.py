@@ -40,9 +40,11 @@ VARIANTS = {
     # session 19 ran "default_pdl_512_rows" ({"pdl_max_rows": 512}: every decode-path Triton kernel under PDL
     # at any batch) at 7b2381e-732dc20, the only commits whose TritonOps accept it: b64 +0.11 ms, b256
     # +0.05-0.12 ms (diagnostics/det_b1_switches_pdl_all_rows_732dc20.*); removed with that switch
-    # session 20: the decode attention as launched before the pipelined schedule (split rule, 2 stages, no
-    # prefetch). At 9a8bb02 the variants default_attn_prefetch{,_stages_3} ran the split rule with the
-    # prefetch alone / with 3 stages (diagnostics/det_b1_switches_attn_prefetch_9a8bb02.*)
+    # session 20: the decode attention's pipelined schedule (opt-in) and the split rule (the default; at 5c810d1,
+    # where pipelined was the default on sm_90, this variant was the A/B's reference). At 9a8bb02 the variants
+    # default_attn_prefetch{,_stages_3} ran the split rule with the prefetch alone / with 3 stages
+    # (diagnostics/det_b1_switches_attn_prefetch_9a8bb02.*)
+    "default_attn_pipelined": (False, {"decode_schedule": "pipelined"}),
     "default_attn_split_rule": (False, {"decode_schedule": "split"}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),

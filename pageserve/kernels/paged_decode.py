@@ -32,7 +32,7 @@ from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, d
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits", "decode_schedule",
            "schedule_for", "DecodeSchedule", "SCHEDULES"]
 
-SCHEDULES = ("auto", "pipelined", "split")
+SCHEDULES = ("split", "pipelined")
 
 LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # never split a context into pieces shorter than this
@@ -168,19 +168,22 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
                     block_size: int, sms: int, pipelined: bool) -> DecodeSchedule:
     """The launch for a decode batch, from shapes only (graph-safe).
 
-    ``pipelined`` (sm_90, 2-byte K/V, head_dim <= 128): each tile's block-table entries one
-    iteration ahead and 3 stages, so a program's K/V loads stream instead of waiting on each
-    tile's table load. With that, long loops are cheap and splits cost more than they give:
-    from half an SM's worth of (sequence, KV head) pairs up, one split per sequence (no merge
-    kernel), with the widest key tile whose 3 stages still fit the programs in one wave
-    (128 keys x 8 warps up to one pair per SM, 64 up to two, 32 up to four; above that the
-    2-stage 64-key tile). Below, the split rule of ``decode_num_splits`` with 32-key tiles.
-    Measured on the H200 (bf16, 3B heads, graph-timed µs; diagnostics/decode_attn_sweep_*_9c192f9):
-    64 x 512 16.2 -> 13.6, 128 x 512 26.4 -> 21.0, 128 x 2048 72.4 -> 67.7, 256 x 640 45.5 -> 44.3,
-    32 x 512 12.5 -> 11.3, 1 x 512 4.6 -> 4.5; 64 x 2048 40.7 -> 42.8 is the one case that loses.
+    The split rule (``pipelined=False``, the default everywhere): ``decode_num_splits``, 32-key
+    tiles when few (sequence, KV head) pairs, else 64, 4 warps, 2 stages, no prefetch.
 
-    Otherwise (other GPUs, fp32, the interpreter) the split rule as before: ``decode_num_splits``,
-    32-key tiles when few pairs, else 64, 4 warps, 2 stages, no prefetch."""
+    ``pipelined`` (opt-in; sm_90, 2-byte K/V, head_dim <= 128): each tile's block-table entries
+    one iteration ahead and 3 stages, so a program's K/V loads stream instead of waiting on each
+    tile's table load; from half an SM's worth of pairs up, one split per sequence (no merge
+    kernel) with the widest key tile whose 3 stages still fit the programs in one wave (128 keys
+    x 8 warps up to one pair per SM, 64 up to two, 32 up to four; above that the 2-stage 64-key
+    tile); below, the split rule's count with 32-key tiles. On the H200 (bf16, 3B heads) it wins
+    at contexts of ~512 and loses at ~1,300 (NOTES.md, session 20):
+    - kernel, graph-timed µs (diagnostics/decode_attn_sweep_*_9c192f9): 64 x 512 16.2 -> 13.6,
+      128 x 512 26.4 -> 21.0, 32 x 512 12.5 -> 11.3, but 64 x 2048 40.7 -> 42.8;
+    - engine steps at context 512 (det_b1_switches_attn_schedule_5c810d1): b64 -0.06 ms, b128 -0.12;
+    - nano-vllm (contexts ~900-1,400; nanovllm_profile_attn_schedule_ab_20c1dab): 33-64 rows
+      +7% a step, 65-128 rows +3%, the run 2% slower. One split leaves SMs idle on long contexts
+      at under one pair per SM, and a graph's launch cannot see the context. So it is not the default."""
     pairs = max(1, batch * num_kv_heads)
     if pipelined and elem_size == 2 and head_dim <= 128:
         if 2 * pairs >= sms:
@@ -202,11 +205,12 @@ def _pipelined_device(device_index: int) -> bool:
 
 
 def schedule_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
-                 schedule: str = "auto") -> DecodeSchedule:
-    """``decode_schedule`` for these tensors: "auto" = pipelined on sm_90 GPUs, else the split rule."""
+                 schedule: str = "split") -> DecodeSchedule:
+    """``decode_schedule`` for these tensors: "pipelined" where it can run (sm_90 GPUs, and the
+    interpreter, which ignores stages), else the split rule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    pipelined = schedule == "pipelined" or (schedule == "auto" and q.is_cuda and _pipelined_device(q.device.index or 0))
+    pipelined = schedule == "pipelined" and (interpreting() or (q.is_cuda and _pipelined_device(q.device.index or 0)))
     return decode_schedule(q.shape[0], k_cache.shape[2], q.shape[-1], k_cache.element_size(), block_tables.shape[1],
                            k_cache.shape[1], sm_count_for(q), pipelined)
 
@@ -216,14 +220,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
-    direct: bool | None = None, prefetch: bool | None = None, schedule: str = "auto",
+    direct: bool | None = None, prefetch: bool | None = None, schedule: str = "split",
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
     block_tables: [B, max_blocks] int32. Returns [B, Hq, D].
-    ``schedule``: how the launch is chosen (``decode_schedule``): "auto" = pipelined on sm_90 GPUs,
-    else the split rule; "pipelined" / "split" force one (the interpreter runs either; the A/B
-    reference is "split"). ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` /
+    ``schedule``: how the launch is chosen (``decode_schedule``): "split" (the default) or
+    "pipelined" (opt-in, where it can run: ``schedule_for``). ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` /
     ``prefetch`` override single choices (tuning knobs). ``pdl``: see ``_util.use_pdl`` (rows = sequences).
     ``direct``: with one split, the split kernel writes ``out`` itself and the merge kernel
     (a copy at one split) is skipped; None = whenever there is one split, False = always merge

@@ -98,7 +98,7 @@ def attention_reference(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ checks
 def check_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-                 num_splits=None, extra_table_cols=1, schedule="auto") -> float:
+                 num_splits=None, extra_table_cols=1, schedule="split") -> float:
     B = len(ctx_lens)
     q_lens = [1 if c > 0 else 0 for c in ctx_lens]
     q, _, _, kc, vc, meta = random_paged_batch(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,

@@ -58,7 +58,9 @@ ENGINE_MODES = {
     "mixed_graphs": {"mixed_cuda_graphs": True}, "eager_mixed": {"mixed_cuda_graphs": False},
     # graphs up to the whole 8,192-token budget: W1's prefill steps too (56 buckets; NOTES.md, session 18)
     "mixed_graphs_8k": {"mixed_cuda_graphs": True, "mixed_graph_max_tokens": 8192},
-    # the decode attention launched by the split rule, as before session 20's pipelined schedule
+    # the decode attention's pipelined schedule (opt-in, session 20) and the split rule (the default;
+    # at 20c1dab, where pipelined was the default on sm_90, the nano-vllm A/B's reference)
+    "attn_pipelined": {"triton_options": {"decode_schedule": "pipelined"}},
     "attn_split_rule": {"triton_options": {"decode_schedule": "split"}},
 }
 

@@ -40,8 +40,8 @@ class TritonOps(TorchOps):
     few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
     ``decode_schedule``: how the decode kernel is launched (``paged_decode_attention``'s ``schedule``):
-    "auto" (pipelined on sm_90, else the split rule), "pipelined" or "split" (the rule before
-    session 20, for A/Bs).
+    "split" (default) or "pipelined" (opt-in: faster at contexts of ~512, slower at ~1,300 on the
+    H200; ``kernels.paged_decode.decode_schedule`` has the figures).
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
@@ -83,7 +83,7 @@ class TritonOps(TorchOps):
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "auto") -> None:
+                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
