@@ -133,6 +133,8 @@ for st in $stages; do
     08serve) # the serving sweep alone (results/h200/08_serving.*): pageserve serve and vllm serve over HTTP.
         # An A/B of a pageserve option: SERVE08_ENGINES='[pageserve]' SERVE08_ARGS='{mixed_cuda_graphs: false}'
         # SERVE08_RECORD=08_serving_eager_mixed (the record's name; its files are named after it)
+        # With vLLM give it ~450 s alone: at 5c810d1 (after 08tput) 250 s ended inside vLLM's first rate
+        # (pageserve's half ~100 s; vllm serve's start-up and four rates the rest)
         [ -d /tmp/site/vllm ] || echo "08serve: no vLLM in /tmp/site (carry .vllm1-3 first): pageserve only"
         [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl
         rec=${SERVE08_RECORD:-08_serving}

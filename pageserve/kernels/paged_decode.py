@@ -15,6 +15,9 @@ H200: kernels/NOTES.md.)
 The grid ``(B, Hkv, S)`` and S depend only on tensor shapes (B, Hkv, block_tables.shape[1])
 and the SM count, never on host copies of the lengths, and nothing syncs the host: both
 launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets zeros.
+``decode_schedule`` picks S, the key tile and the load schedule: the split rule by default, or
+the opt-in "pipelined" schedule for sm_90 (block-table entries a tile ahead, 3 stages, one split
+from moderate batches up; faster at short contexts, slower at long ones).
 """
 from __future__ import annotations
 
@@ -58,9 +61,9 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs.
-    # PREFETCH: q is loaded together with seq_len, and each tile's block-table entries are
-    # loaded one iteration ahead (a loop-carried value), so a tile's K/V addresses never wait
-    # on a load issued in the same iteration (an A/B knob: the chain is the suspect at 64 x 512)
+    # PREFETCH (the pipelined schedule): q is loaded together with seq_len, and each tile's
+    # block-table entries one iteration ahead (a loop-carried value), so a tile's K/V addresses
+    # never wait on a load issued in the same iteration (kernels/NOTES.md, session 20)
     pdl_enter(USE_PDL)  # before the first read: seq_lens, q and the cache come from earlier kernels
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -247,8 +250,7 @@ def paged_decode_attention(
         return out
     group = Hq // Hkv
     S = num_splits or plan.num_splits
-    # without an explicit tile, a forced split count keeps the split rule's tile for its pair count
-    BLOCK_N = block_n or (plan.block_n if not num_splits else (32 if 4 * B * Hkv <= sm_count_for(q) else 64))
+    BLOCK_N = block_n or plan.block_n
     num_warps = num_warps or plan.num_warps
     num_stages = num_stages or plan.num_stages
     prefetch = plan.prefetch if prefetch is None else prefetch
