@@ -38,6 +38,10 @@ WALKS = {
     "flat": {"flat": True, "split_stages": 2},
     "flat_stages3": {"flat": True, "split_stages": 3},
     "as_shipped": {},  # the launch's own choice (paged_attention_invariant's defaults)
+    # session 21: block-table entries loaded in each tile's own iteration, as before (prefetch is the default)
+    "per_split_no_prefetch": {"flat": False, "split_stages": 2, "prefetch": False},
+    "flat_no_prefetch": {"flat": True, "split_stages": 2, "prefetch": False},
+    "as_shipped_no_prefetch": {"prefetch": False},
 }
 DECODE_PROGRAMS = (2, 3)  # split_programs tried on decode cases (loop per split)
 

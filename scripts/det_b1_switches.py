@@ -45,6 +45,12 @@ VARIANTS = {
     # default_attn_prefetch{,_stages_3} ran the split rule with the prefetch alone / with 3 stages
     # (diagnostics/det_b1_switches_attn_prefetch_9a8bb02.*)
     "default_attn_pipelined": (False, {"decode_schedule": "pipelined"}),
+    # session 21: PDL kernels load their step inputs (and the norms their weight) before the wait; "wait_first"
+    # keeps every wait at the kernel's top, as before (kernels/_util.py, "Step inputs before the wait")
+    "default_pdl_wait_first": (False, {"pdl": "wait_first"}),
+    "default_pdl_weights_after_wait": (False, {"pdl": "weights_after_wait"}),
+    "det_pdl_wait_first": (True, {"pdl": "wait_first"}),
+    "int8_pdl_wait_first": (False, {"pdl": "wait_first"}, "int8"),
     "default_attn_split_rule": (False, {"decode_schedule": "split"}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),

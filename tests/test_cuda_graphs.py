@@ -208,13 +208,14 @@ def test_pdl_max_rows_turns_pdl_off_above_it_and_rejects_what_pdl_never_covers()
         TritonOps(pdl_max_rows=PDL_MAX_TOKENS + 1)
 
 
-def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
+def _graphed_logits(cfg, pdl: bool | str, deterministic: bool = False) -> tuple[list, list]:
     from pageserve.lab.bench import run_pageserve_online
 
     model = Decoder(cfg).to(DEVICE)
     model.init_dummy_weights(seed=3, std=0.3)
     llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl})
+                         max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl},
+                         deterministic=deterministic)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs  # captured with these launches
     with capture_logits(runner) as steps:
@@ -223,15 +224,19 @@ def _graphed_logits(cfg, pdl: bool) -> tuple[list, list]:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")
-def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config):
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("pdl", [True, "wait_first", "weights_after_wait"])
+def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config, pdl, deterministic):
     # PDL only changes when each kernel starts: every logit of every step (batches of 1-24,
-    # PDL on up to 8 rows) must be bit-identical to plain launches.
+    # PDL on up to 8 rows) must be bit-identical to plain launches, with the step inputs and weights
+    # loaded before each kernel's wait (the default), after it ("wait_first"), or only the step inputs
+    # before it ("weights_after_wait"), in both modes.
     from pageserve.kernels._util import pdl_supported
 
     if not pdl_supported(0):
         pytest.skip("PDL needs sm_90+")
-    plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False)
-    tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True)
+    plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False, deterministic=deterministic)
+    tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=pdl, deterministic=deterministic)
     assert tokens == plain_tokens
     assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
 

@@ -80,7 +80,7 @@ def test_decode_schedule_pipelined_rule_and_its_fallbacks():
     assert h200(128) == DecodeSchedule(1, 64, 4, 3, True)
     assert h200(256) == DecodeSchedule(1, 32, 4, 3, True)
     assert h200(512) == DecodeSchedule(1, 64, 4, 2, False)  # above four pairs an SM: the 2-stage tile
-    split_rule = [DecodeSchedule(decode_num_splits(b, 2, 128, 16, 132), 32 if 8 * b <= 132 else 64, 4, 2, False)
+    split_rule = [DecodeSchedule(decode_num_splits(b, 2, 128, 16, 132), 32 if 8 * b <= 132 else 64, 4, 2, True)
                   for b in (1, 16, 64, 512)]
     for kw in ({"pipelined": False}, {"elem": 4}, {"head_dim": 256}):  # other GPUs, fp32, wide heads
         assert [h200(b, **kw) for b in (1, 16, 64, 512)] == split_rule
@@ -357,6 +357,15 @@ def test_pdl_is_chosen_per_call_and_only_for_launches_over_few_rows(monkeypatch)
     assert _util.use_pdl(cuda_like, _util.PDL_MAX_TOKENS, pdl=True)
     assert not _util.use_pdl(cuda_like, _util.PDL_MAX_TOKENS + 1, pdl=True)  # batch 64 measured slower with it
     assert not _util.use_pdl(torch.zeros(1), 1, pdl=True)  # a CPU tensor (the interpreter) never
+    # "wait_first": on, with every kernel's wait at its top (the A/B reference for step inputs before the wait)
+    assert _util.pdl_args(cuda_like, 1, pdl="wait_first") == {"USE_PDL": _util.PDL_WAIT_FIRST, "launch_pdl": True}
+    assert _util.pdl_args(cuda_like, 1, pdl="weights_after_wait") == {"USE_PDL": _util.PDL_WEIGHTS_AFTER_WAIT,
+                                                                      "launch_pdl": True}
+    assert _util.pdl_args(cuda_like, _util.PDL_MAX_TOKENS + 1, pdl="wait_first") == {"USE_PDL": False}
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        _util.use_pdl(cuda_like, 1, pdl="late")
+    with pytest.raises(ValueError, match="pdl must be one of"):
+        TritonOps(pdl="late", tuned_configs=False)
 
 
 def test_the_argmax_launches_under_pdl_at_any_row_count_unless_told_not_to(monkeypatch):

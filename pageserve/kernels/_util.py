@@ -202,7 +202,25 @@ import triton.language as tl  # noqa: E402
 # decode step, kernels/NOTES.md): batch 1 2.41 -> 2.20 ms; batch 64 a little slower (3.39 ->
 # 3.43-3.50 ms), so only launches over at most PDL_MAX_TOKENS rows (the GEMV's batches) use it.
 # Each wrapper takes ``pdl`` (TritonOps(pdl=...) passes its own): None = on where supported.
+#
+# Step inputs before the wait. A kernel may read, before its wait, what no kernel of the step
+# writes: weights and tables, and the step's inputs (block tables, sequence lengths, positions,
+# slots, tile maps), which are written before the step's first kernel. That is safe because every
+# program of every PDL kernel waits before it releases the next kernel: so when a kernel starts,
+# the kernel two back has finished, and so has everything before it. Two rules keep it so:
+# - a program never exits, and never writes, before its wait (were every program of a kernel
+#   to exit unwaited, the next kernel's wait would return while the kernel before still ran);
+# - nothing it reads before the wait may come from the kernel right before it.
+# The attention and RoPE kernels load their step inputs that way (``pdl_enter_before_inputs``,
+# the loads, then ``pdl_enter_after_inputs``), so the chain of dependent loads that starts each
+# of them (tile -> sequence length -> block-table entry) runs under the previous kernel's tail;
+# the norms load their weight, the GEMV its first K tile of weights.
+# For A/Bs: ``pdl="wait_first"`` keeps every wait at the top (the layout before session 21), and
+# ``pdl="weights_after_wait"`` moves the step inputs but not the GEMV's weights.
 PDL_MAX_TOKENS = 8
+PDL_WAIT_FIRST = 2  # USE_PDL's value under pdl="wait_first"; True (1) is PDL with inputs before the wait
+PDL_WEIGHTS_AFTER_WAIT = 3  # under pdl="weights_after_wait"
+PDL_MODES = (None, True, False, "wait_first", "weights_after_wait")
 
 
 @functools.lru_cache(maxsize=None)
@@ -217,19 +235,26 @@ def pdl_supported(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-def use_pdl(t: torch.Tensor, tokens: int, pdl: bool | None = None) -> bool:
+def use_pdl(t: torch.Tensor, tokens: int, pdl: bool | str | None = None) -> bool:
     """Whether a kernel over ``tokens`` rows (tokens, sequences) on ``t``'s device launches with
-    programmatic dependent launch. ``pdl``: False = never; True or None = where the GPU and
-    Triton support it (``pdl_supported``); never above PDL_MAX_TOKENS rows."""
+    programmatic dependent launch. ``pdl``: False = never; True, None or one of the A/B layouts
+    ("wait_first", "weights_after_wait") = where the GPU and Triton support it (``pdl_supported``);
+    never above PDL_MAX_TOKENS rows."""
+    if pdl not in PDL_MODES:
+        raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
     if pdl is False or not t.is_cuda or tokens > PDL_MAX_TOKENS:
         return False
     return pdl_supported(t.device.index or 0)
 
 
-def pdl_args(t: torch.Tensor, tokens: int, pdl: bool | None = None) -> dict:
-    """A launch's PDL keywords (``use_pdl``): the kernels' ``USE_PDL`` constexpr, and
-    ``launch_pdl`` only when on (the interpreter knows no such option)."""
-    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(t, tokens, pdl) else {"USE_PDL": False}
+def pdl_args(t: torch.Tensor, tokens: int, pdl: bool | str | None = None) -> dict:
+    """A launch's PDL keywords (``use_pdl``): the kernels' ``USE_PDL`` constexpr (True, or the A/B
+    layouts' ``PDL_WAIT_FIRST`` / ``PDL_WEIGHTS_AFTER_WAIT``), and ``launch_pdl`` only when on (the
+    interpreter knows no such option)."""
+    if not use_pdl(t, tokens, pdl):
+        return {"USE_PDL": False}
+    mode = {"wait_first": PDL_WAIT_FIRST, "weights_after_wait": PDL_WEIGHTS_AFTER_WAIT}.get(pdl, True)
+    return {"USE_PDL": mode, "launch_pdl": True}
 
 
 @triton.jit
@@ -237,6 +262,24 @@ def pdl_enter(USE_PDL: tl.constexpr):
     """Wait until the previous kernel on the stream has finished and its writes are
     visible, then let the next kernel launch (its programs wait the same way)."""
     if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter_before_inputs(USE_PDL: tl.constexpr):
+    """A kernel's first line where it loads step inputs before its wait: ``pdl_enter`` here only
+    under ``pdl="wait_first"`` (see the rules above)."""
+    if USE_PDL == 2:  # PDL_WAIT_FIRST
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_enter_after_inputs(USE_PDL: tl.constexpr):
+    """After those loads, before any other read, any write or any exit: ``pdl_enter`` here
+    unless the kernel already waited (``pdl="wait_first"``)."""
+    if (USE_PDL == 1) | (USE_PDL == 3):  # True, PDL_WEIGHTS_AFTER_WAIT
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

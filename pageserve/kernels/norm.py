@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
+from ._util import (KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter_after_inputs,
+                    pdl_enter_before_inputs)
 
 rms_norm_reference = reference.rms_norm
 add_rms_norm_reference = reference.add_rms_norm
@@ -23,10 +24,12 @@ def _rms_norm_kernel(
     H, stride_x, stride_r, stride_o, stride_ro, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    pdl_enter_before_inputs(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    pdl_enter_after_inputs(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -36,7 +39,6 @@ def _rms_norm_kernel(
     var = tl.sum(x * x, axis=0) / H
     rstd = 1.0 / tl.sqrt(var + eps)
     normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -30,7 +30,8 @@ import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
 from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, interpreting, kv_pages,
-                    load_kv_at, mma, next_pow2, online_softmax_step, pdl_args, pdl_enter, sm_count_for)
+                    load_kv_at, mma, next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs,
+                    pdl_enter_before_inputs, sm_count_for)
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits", "decode_schedule",
            "schedule_for", "DecodeSchedule", "SCHEDULES"]
@@ -61,10 +62,11 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs.
-    # PREFETCH (the pipelined schedule): q is loaded together with seq_len, and each tile's
-    # block-table entries one iteration ahead (a loop-carried value), so a tile's K/V addresses
-    # never wait on a load issued in the same iteration (kernels/NOTES.md, session 20)
-    pdl_enter(USE_PDL)  # before the first read: seq_lens, q and the cache come from earlier kernels
+    # PREFETCH (the pipelined schedule): each tile's block-table entries are loaded one iteration
+    # ahead (a loop-carried value), so a tile's K/V addresses never wait on a load issued in the
+    # same iteration (kernels/NOTES.md, session 20); the first tile's, with seq_len, before the
+    # PDL wait (_util, "Step inputs before the wait")
+    pdl_enter_before_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -75,26 +77,28 @@ def _decode_split_kernel(
     heads = h * GROUP + g  # query heads of this KV head
     out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
     q_ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :]
-    if PREFETCH:  # issued before the branch on seq_len: the two loads overlap
-        q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    # step inputs (seq_lens, the block table) before the wait; q and the cache come from earlier kernels
     seq_len = tl.load(seq_lens_ptr + b)
     per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
+    end = tl.minimum(start + per, seq_len)
+    bt_row = bt_ptr + b * stride_bt
+    if PREFETCH:  # the first tile's blocks
+        tok = start + tl.arange(0, BLOCK_N)
+        page = kv_pages(bt_row, tok, tok < end, PAGE)
+    pdl_enter_after_inputs(USE_PDL)
+    if PREFETCH:  # issued before the branch on seq_len
+        q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     if start >= seq_len:
         if DIRECT:  # a padding row (seq_len 0): zeros, as the merge would write
             tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
                      mask=gmask[:, None] & dmask[None, :])
         return
-    end = tl.minimum(start + per, seq_len)
     if not PREFETCH:
         q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    bt_row = bt_ptr + b * stride_bt
-    if PREFETCH:  # the first tile's blocks
-        tok = start + tl.arange(0, BLOCK_N)
-        page = kv_pages(bt_row, tok, tok < end, PAGE)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
         tmask = tok < end
@@ -128,12 +132,13 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    pdl_enter_before_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)  # a step input: before the wait
     per, _unused = _split_bounds(seq_len, 0, NUM_SPLITS, BLOCK_N)
     n_valid = (seq_len + per - 1) // per  # 0 when seq_len == 0
+    pdl_enter_after_inputs(USE_PDL)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     smask = s < n_valid
@@ -172,7 +177,9 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
     """The launch for a decode batch, from shapes only (graph-safe).
 
     The split rule (``pipelined=False``, the default everywhere): ``decode_num_splits``, 32-key
-    tiles when few (sequence, KV head) pairs, else 64, 4 warps, 2 stages, no prefetch.
+    tiles when few (sequence, KV head) pairs, else 64, 4 warps, 2 stages, with ``prefetch`` (since
+    session 21: at 2 stages it moved no step by more than 0.01 ms, det_b1_switches_attn_prefetch_9a8bb02,
+    and it lets the first tile's block-table load run before the PDL wait, at 1-8 rows).
 
     ``pipelined`` (opt-in; sm_90, 2-byte K/V, head_dim <= 128): each tile's block-table entries
     one iteration ahead and 3 stages, so a program's K/V loads stream instead of waiting on each
@@ -199,7 +206,7 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
             return DecodeSchedule(1, 64, 4, 2, False)
         return DecodeSchedule(decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms), 32, 4, 3, True)
     splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms)
-    return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, False)
+    return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter
+from ._util import (KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter_after_inputs,
+                    pdl_enter_before_inputs)
 from .rotary import _cos_sin, _rotate_heads
 
 rotary_write_kv_reference = reference.rotary_write_kv
@@ -28,9 +29,12 @@ def _rope_kv_kernel(
     PAGE: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    pdl_enter_before_inputs(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
+    # the step's positions and slots and the cos|sin table before the wait; q, k, v after it
     cos, sin, d, dmask = _cos_sin(cs_ptr, pos_ptr, t, stride_cs, HALF, BLOCK_HALF)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    pdl_enter_after_inputs(USE_PDL)
     _rotate_heads(q_ptr, qo_ptr, t, HQ, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin, d, dmask,
                   HALF, BLOCK_HQ)
     # k: rotate once, round once, store to k_out and (unless padding) to the cache
@@ -45,7 +49,6 @@ def _rope_kv_kernel(
     k_dst = ko_ptr + t * stride_kot + hd * stride_koh + d[None, :]
     tl.store(k_dst, r1, mask=mask)
     tl.store(k_dst + HALF, r2, mask=mask)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         page = slot // PAGE
         off = slot % PAGE

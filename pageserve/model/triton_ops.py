@@ -15,7 +15,7 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
-from ..kernels._util import PDL_MAX_TOKENS
+from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from .attention import AttentionMetadata
 from .ops import TorchOps
@@ -60,7 +60,10 @@ class TritonOps(TorchOps):
     ``pdl``: programmatic dependent launch for the decode-path kernels over at most
     ``pdl_max_rows`` rows (default and cap: ``kernels._util.PDL_MAX_TOKENS``, 8): each kernel's
     launch overlaps the tail of the one before it (H200, batch-1 step 2.41 -> 2.20 ms).
-    None = on where the GPU (sm_90+) and Triton support it; False = never.
+    None = on where the GPU (sm_90+) and Triton support it; False = never. By default the attention,
+    RoPE and norm kernels load their step inputs (and weights) before the wait, the GEMV its first
+    weight tile (``kernels._util``); for A/Bs, "wait_first" waits at every kernel's top (as before
+    session 21) and "weights_after_wait" moves only the step inputs.
 
     Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``INT8_GEMV_ROWS`` rows the int8
     GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
@@ -79,7 +82,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 1, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 tuned_configs: bool | Mapping = True, pdl: bool | None = None, int8_gemm: str = "auto",
+                 tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
@@ -116,6 +119,8 @@ class TritonOps(TorchOps):
         self.fuse_rope_kv = fuse_rope_kv
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
+        if pdl not in PDL_MODES:
+            raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
         self.pdl = pdl
         self.pdl_max_rows = pdl_max_rows
         # False: the prefill kernel's old grid (every sequence gets max_query_len's tiles), for A/Bs
@@ -125,7 +130,7 @@ class TritonOps(TorchOps):
         # the map's tiles longest first, or in sequence order (session 16's A/B)
         self.prefill_tile_order = prefill_tile_order
 
-    def pdl_for(self, rows: int) -> bool | None:
+    def pdl_for(self, rows: int) -> bool | str | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
         return False if rows > self.pdl_max_rows else self.pdl
 
