@@ -38,10 +38,8 @@ WALKS = {
     "flat": {"flat": True, "split_stages": 2},
     "flat_stages3": {"flat": True, "split_stages": 3},
     "as_shipped": {},  # the launch's own choice (paged_attention_invariant's defaults)
-    # session 21: block-table entries loaded in each tile's own iteration, as before (prefetch is the default)
-    "per_split_no_prefetch": {"flat": False, "split_stages": 2, "prefetch": False},
-    "flat_no_prefetch": {"flat": True, "split_stages": 2, "prefetch": False},
-    "as_shipped_no_prefetch": {"prefetch": False},
+    # 0b4076b also timed *_no_prefetch walks against a prefetch of the block-table entries a tile ahead (then
+    # the default; slower: diagnostics/det_attn_sweep_prefetch_0b4076b.*, removed with its keyword)
 }
 DECODE_PROGRAMS = (2, 3)  # split_programs tried on decode cases (loop per split)
 

@@ -46,9 +46,10 @@ VARIANTS = {
     # (diagnostics/det_b1_switches_attn_prefetch_9a8bb02.*)
     "default_attn_pipelined": (False, {"decode_schedule": "pipelined"}),
     # session 21: PDL kernels load their step inputs (and the norms their weight) before the wait; "wait_first"
-    # keeps every wait at the kernel's top, as before (kernels/_util.py, "Step inputs before the wait")
+    # keeps every wait at the kernel's top, as before (kernels/_util.py, "Step inputs before the wait"). At
+    # 0b4076b the GEMV's first weight tile came before the wait too, and "default_pdl_weights_after_wait" (that
+    # TritonOps's pdl="weights_after_wait") left it after: diagnostics/det_b1_switches_pdl_inputs_0b4076b.*
     "default_pdl_wait_first": (False, {"pdl": "wait_first"}),
-    "default_pdl_weights_after_wait": (False, {"pdl": "weights_after_wait"}),
     "det_pdl_wait_first": (True, {"pdl": "wait_first"}),
     "int8_pdl_wait_first": (False, {"pdl": "wait_first"}, "int8"),
     "default_attn_split_rule": (False, {"decode_schedule": "split"}),

@@ -184,13 +184,10 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
                         ([1, 20, 37, 1], [KS + 1, 20, 2 * KS + 26, 45])):  # a mixed step
         q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen)
         # P = 1 walks a tile's splits as one loop over key tiles (flat) unless told not to; a deeper
-        # software pipeline changes no arithmetic either, nor do block-table loads in each tile's own
-        # iteration instead of one tile ahead (prefetch=False)
+        # software pipeline changes no arithmetic either
         walks = [{"split_programs": p} for p in (None, 1, 2, 64)] + [
             {"split_programs": 1, "flat": False}, {"split_programs": 1, "flat": True, "split_stages": 3},
-            {"split_programs": 2, "split_stages": 3}] + [
-            dict(w, prefetch=False) for w in ({"split_programs": 1, "flat": False},
-                                              {"split_programs": 1, "flat": True}, {"split_programs": 2})]
+            {"split_programs": 2, "split_stages": 3}]
         outs = [paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=tall, **w, **LAUNCH) for w in walks]
         for w, other in zip(walks[1:], outs[1:]):
             assert torch.equal(outs[0], other), w

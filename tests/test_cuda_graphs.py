@@ -225,12 +225,11 @@ def _graphed_logits(cfg, pdl: bool | str, deterministic: bool = False) -> tuple[
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("pdl", [True, "wait_first", "weights_after_wait"])
+@pytest.mark.parametrize("pdl", [True, "wait_first"])
 def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config, pdl, deterministic):
     # PDL only changes when each kernel starts: every logit of every step (batches of 1-24,
-    # PDL on up to 8 rows) must be bit-identical to plain launches, with the step inputs and weights
-    # loaded before each kernel's wait (the default), after it ("wait_first"), or only the step inputs
-    # before it ("weights_after_wait"), in both modes.
+    # PDL on up to 8 rows) must be bit-identical to plain launches, with the step inputs loaded
+    # before each kernel's wait (the default) or after it ("wait_first"), in both modes.
     from pageserve.kernels._util import pdl_supported
 
     if not pdl_supported(0):

@@ -359,8 +359,6 @@ def test_pdl_is_chosen_per_call_and_only_for_launches_over_few_rows(monkeypatch)
     assert not _util.use_pdl(torch.zeros(1), 1, pdl=True)  # a CPU tensor (the interpreter) never
     # "wait_first": on, with every kernel's wait at its top (the A/B reference for step inputs before the wait)
     assert _util.pdl_args(cuda_like, 1, pdl="wait_first") == {"USE_PDL": _util.PDL_WAIT_FIRST, "launch_pdl": True}
-    assert _util.pdl_args(cuda_like, 1, pdl="weights_after_wait") == {"USE_PDL": _util.PDL_WEIGHTS_AFTER_WAIT,
-                                                                      "launch_pdl": True}
     assert _util.pdl_args(cuda_like, _util.PDL_MAX_TOKENS + 1, pdl="wait_first") == {"USE_PDL": False}
     with pytest.raises(ValueError, match="pdl must be one of"):
         _util.use_pdl(cuda_like, 1, pdl="late")

@@ -214,13 +214,14 @@ import triton.language as tl  # noqa: E402
 # The attention and RoPE kernels load their step inputs that way (``pdl_enter_before_inputs``,
 # the loads, then ``pdl_enter_after_inputs``), so the chain of dependent loads that starts each
 # of them (tile -> sequence length -> block-table entry) runs under the previous kernel's tail;
-# the norms load their weight, the GEMV its first K tile of weights.
-# For A/Bs: ``pdl="wait_first"`` keeps every wait at the top (the layout before session 21), and
-# ``pdl="weights_after_wait"`` moves the step inputs but not the GEMV's weights.
+# the norms load their weight there too. On the H200 (graphed 3B decode step, two pairs): batch 1
+# 2.111 -> 2.061 ms, deterministic mode 2.690 -> 2.615 (diagnostics/det_b1_switches_pdl_inputs_0b4076b.*).
+# Not the GEMV's weights: its first K tile loaded before the wait made batch 1 0.17 ms slower and
+# int8's 0.43 (the same run; session 3's L2 prefetch of whole slices lost the same way).
+# ``pdl="wait_first"`` keeps every wait at the top (the layout before session 21, for A/Bs).
 PDL_MAX_TOKENS = 8
 PDL_WAIT_FIRST = 2  # USE_PDL's value under pdl="wait_first"; True (1) is PDL with inputs before the wait
-PDL_WEIGHTS_AFTER_WAIT = 3  # under pdl="weights_after_wait"
-PDL_MODES = (None, True, False, "wait_first", "weights_after_wait")
+PDL_MODES = (None, True, False, "wait_first")
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,9 +238,8 @@ def pdl_supported(device_index: int) -> bool:
 
 def use_pdl(t: torch.Tensor, tokens: int, pdl: bool | str | None = None) -> bool:
     """Whether a kernel over ``tokens`` rows (tokens, sequences) on ``t``'s device launches with
-    programmatic dependent launch. ``pdl``: False = never; True, None or one of the A/B layouts
-    ("wait_first", "weights_after_wait") = where the GPU and Triton support it (``pdl_supported``);
-    never above PDL_MAX_TOKENS rows."""
+    programmatic dependent launch. ``pdl``: False = never; True, None or "wait_first" (the A/B
+    layout) = where the GPU and Triton support it (``pdl_supported``); never above PDL_MAX_TOKENS rows."""
     if pdl not in PDL_MODES:
         raise ValueError(f"pdl must be one of {PDL_MODES}, got {pdl!r}")
     if pdl is False or not t.is_cuda or tokens > PDL_MAX_TOKENS:
@@ -248,13 +248,12 @@ def use_pdl(t: torch.Tensor, tokens: int, pdl: bool | str | None = None) -> bool
 
 
 def pdl_args(t: torch.Tensor, tokens: int, pdl: bool | str | None = None) -> dict:
-    """A launch's PDL keywords (``use_pdl``): the kernels' ``USE_PDL`` constexpr (True, or the A/B
-    layouts' ``PDL_WAIT_FIRST`` / ``PDL_WEIGHTS_AFTER_WAIT``), and ``launch_pdl`` only when on (the
+    """A launch's PDL keywords (``use_pdl``): the kernels' ``USE_PDL`` constexpr (True, or
+    ``PDL_WAIT_FIRST`` under ``pdl="wait_first"``), and ``launch_pdl`` only when on (the
     interpreter knows no such option)."""
     if not use_pdl(t, tokens, pdl):
         return {"USE_PDL": False}
-    mode = {"wait_first": PDL_WAIT_FIRST, "weights_after_wait": PDL_WEIGHTS_AFTER_WAIT}.get(pdl, True)
-    return {"USE_PDL": mode, "launch_pdl": True}
+    return {"USE_PDL": PDL_WAIT_FIRST if pdl == "wait_first" else True, "launch_pdl": True}
 
 
 @triton.jit
@@ -279,7 +278,7 @@ def pdl_enter_before_inputs(USE_PDL: tl.constexpr):
 def pdl_enter_after_inputs(USE_PDL: tl.constexpr):
     """After those loads, before any other read, any write or any exit: ``pdl_enter`` here
     unless the kernel already waited (``pdl="wait_first"``)."""
-    if (USE_PDL == 1) | (USE_PDL == 3):  # True, PDL_WEIGHTS_AFTER_WAIT
+    if USE_PDL == 1:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 

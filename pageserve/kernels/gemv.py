@@ -37,8 +37,7 @@ import triton.language as tl
 
 from . import reference
 from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, interpreting,
-                    mma, next_pow2, pdl_args, pdl_enter, pdl_enter_after_inputs, pdl_enter_before_inputs,
-                    sm_count_for)
+                    mma, next_pow2, pdl_args, pdl_enter, sm_count_for)
 
 linear_reference = reference.linear
 silu_mul_linear_reference = reference.silu_mul_linear
@@ -195,50 +194,6 @@ def _int8_to_f32(w, MAGIC: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_rows, k0, k_hi, nmask, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, W_VEC: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] at columns k0.. (zeros past k_hi)."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    if W_VEC > 0 and BLOCK_M == 1:
-        k = tl.max_contiguous(k, W_VEC)  # true (k is contiguous over BLOCK_K), and caps the vector at W_VEC
-    return tl.load(w_rows + k[None, :], mask=nmask[:, None] & (k < k_hi)[None, :], other=0.0)
-
-
-@triton.jit
-def _gemv_tile(acc, w, x_ptr, m, k0, k_hi, mmask, stride_xm, K, SILU_MUL: tl.constexpr, QUANT: tl.constexpr,
-               MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-               DEFER_REDUCE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SWAP_AB: tl.constexpr):
-    """acc plus one K tile's products: x[:, k0:k0 + BLOCK_K] against the weight tile w."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    kmask = k < k_hi
-    x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
-    if BLOCK_M == 1:  # x: [BLOCK_K]
-        if QUANT:
-            wf = _int8_to_f32(w, MAGIC)
-        else:
-            wf = w.to(tl.float32)
-        if DEFER_REDUCE:
-            acc += wf * x.to(tl.float32)[None, :]
-        else:
-            acc += tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
-    elif USE_DOT:
-        if QUANT:  # q -> x's dtype is exact (|q| <= 127)
-            wt = _int8_to(w, x, UPCAST, MAGIC)
-        else:
-            wt = w
-        if SWAP_AB:
-            acc += mma(wt, tl.trans(x), PREC, UPCAST)
-        else:
-            acc += mma(x, tl.trans(wt), PREC, UPCAST)
-    else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores
-        if QUANT:
-            wf = _int8_to_f32(w, MAGIC)
-        else:
-            wf = w.to(tl.float32)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * wf[None, :, :], axis=2)
-    return acc
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_om,
@@ -263,11 +218,7 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    pdl_enter_before_inputs(USE_PDL)
-    if USE_PDL == 1:  # PDL with inputs before the wait (_util): the first K tile of the weight, which no
-        # kernel writes, so that its read overlaps the previous kernel; x (that kernel's output) comes after
-        w = _load_w(w_rows, k_lo, k_hi, nmask, BLOCK_K, BLOCK_M, W_VEC)
-    pdl_enter_after_inputs(USE_PDL)
+    pdl_enter(USE_PDL)
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
     if BLOCK_M == 1:
@@ -279,19 +230,39 @@ def _gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if USE_PDL == 1:
-        # each iteration loads the next tile's weights before it multiplies its own (loop-carried), so
-        # the second tile's read starts at the wait, not after the first tile's products
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w_next = _load_w(w_rows, k0 + BLOCK_K, k_hi, nmask, BLOCK_K, BLOCK_M, W_VEC)  # past k_hi: no read
-            acc = _gemv_tile(acc, w, x_ptr, m, k0, k_hi, mmask, stride_xm, K, SILU_MUL, QUANT, MAGIC, BLOCK_M,
-                             BLOCK_K, USE_DOT, DEFER_REDUCE, PREC, UPCAST, SWAP_AB)
-            w = w_next
-    else:
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            w = _load_w(w_rows, k0, k_hi, nmask, BLOCK_K, BLOCK_M, W_VEC)
-            acc = _gemv_tile(acc, w, x_ptr, m, k0, k_hi, mmask, stride_xm, K, SILU_MUL, QUANT, MAGIC, BLOCK_M,
-                             BLOCK_K, USE_DOT, DEFER_REDUCE, PREC, UPCAST, SWAP_AB)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < k_hi
+        if W_VEC > 0 and BLOCK_M == 1:
+            kw = tl.max_contiguous(k, W_VEC)  # true (k is contiguous over BLOCK_K), and caps the vector at W_VEC
+        else:
+            kw = k
+        w = tl.load(w_rows + kw[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, BLOCK_M == 1)
+        if BLOCK_M == 1:  # x: [BLOCK_K]
+            if QUANT:
+                wf = _int8_to_f32(w, MAGIC)
+            else:
+                wf = w.to(tl.float32)
+            if DEFER_REDUCE:
+                acc += wf * x.to(tl.float32)[None, :]
+            else:
+                acc += tl.sum(wf * x.to(tl.float32)[None, :], axis=1)
+        elif USE_DOT:
+            if QUANT:  # q -> x's dtype is exact (|q| <= 127)
+                wt = _int8_to(w, x, UPCAST, MAGIC)
+            else:
+                wt = w
+            if SWAP_AB:
+                acc += mma(wt, tl.trans(x), PREC, UPCAST)
+            else:
+                acc += mma(x, tl.trans(wt), PREC, UPCAST)
+        else:  # BLOCK_N < 16: too narrow for tl.dot, multiply-add on the CUDA cores
+            if QUANT:
+                wf = _int8_to_f32(w, MAGIC)
+            else:
+                wf = w.to(tl.float32)
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * wf[None, :, :], axis=2)
     if BLOCK_M == 1:
         if DEFER_REDUCE:
             acc2 = tl.sum(acc, axis=1)[None, :]

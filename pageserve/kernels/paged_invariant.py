@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, kv_pages, load_kv_at, mma, next_pow2,
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
                     online_softmax_step, pdl_args, pdl_enter_after_inputs, pdl_enter_before_inputs, query_tile_map,
                     sm_count_for)
 
@@ -131,13 +131,10 @@ def _split_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    FLAT: tl.constexpr, PREFETCH: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
-    # PREFETCH: each key tile's block-table entries are loaded one tile ahead (loop-carried), so a
-    # tile's K/V loads never wait on a table load issued in the same iteration; the loads move, the
-    # arithmetic does not (kernels/NOTES.md, sessions 20-21)
     pdl_enter_before_inputs(USE_PDL)
-    # step inputs (the tile map, query_start_loc, seq_lens, the block table): before the wait
+    # step inputs (the tile map, query_start_loc, seq_lens): before the wait (_util)
     t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
     b = tl.load(tiles_ptr + t).to(tl.int64)
     mb = tl.load(tiles_ptr + n_tiles + t)
@@ -148,12 +145,6 @@ def _split_kernel(
     last_pos = tl.max(tl.where(rmask, q_pos, -1), axis=0)  # the tile's last row's position
     # the splits the tile's rows have; split 0 always runs: it writes the zeros of seq_len-0 rows
     n_tile = tl.minimum(tl.maximum(last_pos, 0) // KV_SPLIT + 1, num_splits)
-    bt_row = bt_ptr + b * stride_bt
-    keys_end = tl.minimum(last_pos + 1, n_tile * KV_SPLIT)  # the keys the tile's splits walk
-    # the first key tile this program walks: split `first`'s (FLAT: split 0's, as first is 0 there)
-    kpos0 = first * KV_SPLIT + tl.arange(0, BLOCK_N)
-    if PREFETCH:
-        page = kv_pages(bt_row, kpos0, kpos0 < keys_end, PAGE)
     pdl_enter_after_inputs(USE_PDL)
     if mb * Q_TOK >= q_len:
         return
@@ -162,6 +153,7 @@ def _split_kernel(
     dmask = d < HEAD_DIM
     qmask = rmask[:, None] & dmask[None, :]
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    bt_row = bt_ptr + b * stride_bt
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
     prow0 = rows * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M], split 0's partial row
     if FLAT:
@@ -169,7 +161,7 @@ def _split_kernel(
         # the loads are pipelined across split boundaries; at a split's first tile (m, l, acc) are
         # reset to the values a fresh split starts from, exactly, and at its last the split's
         # results are stored: the same arithmetic, tile for tile, as the loop per split below
-        end = keys_end
+        end = tl.minimum(last_pos + 1, n_tile * KV_SPLIT)
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -181,49 +173,32 @@ def _split_kernel(
             acc = tl.where(fresh, 0.0, acc)
             kpos = n0 + tl.arange(0, BLOCK_N)
             kmask = kpos < end  # past it: zeros, never unwritten slots
-            if PREFETCH:
-                page_next = kv_pages(bt_row, kpos + BLOCK_N, kpos + BLOCK_N < end, PAGE)
-            else:
-                page = kv_pages(bt_row, kpos, kmask, PAGE)
-            k, v = load_kv_at(kc_ptr, vc_ptr, page, kpos, kmask, h, d, dmask,
-                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+            k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
             scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
             scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
             m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
             if ((n0 + BLOCK_N) % KV_SPLIT == 0) | (n0 + BLOCK_N >= end):
                 _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, n0 // KV_SPLIT, rows, head, d, dmask,
                              rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
-            if PREFETCH:
-                page = page_next
     else:
         # each split from scratch, as if it had a program of its own (the grid does not change a bit)
         for s in range(first, n_tile, split_programs):
             split_start = s * KV_SPLIT
             kv_end = tl.minimum(split_start + KV_SPLIT, last_pos + 1)
-            if PREFETCH:  # the next split's first tile, while this one runs
-                kpos_s = split_start + split_programs * KV_SPLIT + tl.arange(0, BLOCK_N)
-                page_split = kv_pages(bt_row, kpos_s, kpos_s < keys_end, PAGE)
             m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             for n0 in range(split_start, kv_end, BLOCK_N):
                 kpos = n0 + tl.arange(0, BLOCK_N)
                 kmask = kpos < kv_end  # past it: zeros, never unwritten slots
-                if PREFETCH:
-                    page_next = kv_pages(bt_row, kpos + BLOCK_N, kpos + BLOCK_N < kv_end, PAGE)
-                else:
-                    page = kv_pages(bt_row, kpos, kmask, PAGE)
-                k, v = load_kv_at(kc_ptr, vc_ptr, page, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+                k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
                 scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
                 scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
                 m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
-                if PREFETCH:
-                    page = page_next
             _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, head, d, dmask,
                          rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
-            if PREFETCH:
-                page = page_split
 
 
 @triton.jit
@@ -297,7 +272,6 @@ def paged_attention_invariant(
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
-    prefetch: bool = True,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -323,9 +297,9 @@ def paged_attention_invariant(
     vs 120.3 a loop per split (at 256 rows level, 65.2 vs 64.2); 16 prompts of 512 (tall tiles) a loop
     per split at 3 stages 182.0, at 2 200.2, flat at 3 188.0. (2 or 8 warps instead of 4 for small
     tiles: no faster where it matters, det_attn_sweep_0960f7a; the knob left with that commit.)
-    ``prefetch``: load each key tile's block-table entries one tile ahead (no bit depends on it;
-    False: in the tile's own iteration, as before session 21). ``pdl``: see ``_util.use_pdl``; the
-    kernels load their step inputs before the wait (``_util``, "Step inputs before the wait")."""
+    (Block-table entries one key tile ahead, as the default decode kernel's ``prefetch``: slower at 2
+    stages, b64c640 19.1 -> 24.3 µs, diagnostics/det_attn_sweep_prefetch_0b4076b.*; removed.)
+    ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``)."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     group = Hq // Hkv
@@ -385,7 +359,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, PREFETCH=prefetch, num_warps=4 if bm <= 64 else 8, num_stages=stages, **common,
+            FLAT=walk_flat, num_warps=4 if bm <= 64 else 8, num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
