@@ -215,7 +215,8 @@ import triton.language as tl  # noqa: E402
 # the loads, then ``pdl_enter_after_inputs``), so the chain of dependent loads that starts each
 # of them (tile -> sequence length -> block-table entry) runs under the previous kernel's tail;
 # the norms load their weight there too. On the H200 (graphed 3B decode step, two pairs): batch 1
-# 2.111 -> 2.061 ms, deterministic mode 2.690 -> 2.615 (diagnostics/det_b1_switches_pdl_inputs_0b4076b.*).
+# 2.111 -> 2.061 ms, deterministic mode 2.690 -> 2.615 (diagnostics/det_b1_switches_pdl_inputs_0b4076b.*);
+# at 16a8aca 2.097 -> 2.036, det 2.676 -> 2.590, int8 1.744 -> 1.697 (..._16a8aca.*).
 # Not the GEMV's weights: its first K tile loaded before the wait made batch 1 0.17 ms slower and
 # int8's 0.43 (the same run; session 3's L2 prefetch of whole slices lost the same way).
 # ``pdl="wait_first"`` keeps every wait at the top (the layout before session 21, for A/Bs).
