@@ -144,10 +144,11 @@ for st in $stages; do
           -y "SERVE_ARGS: ${SERVE08_ARGS:-{\}}"
         mv "$RES/08_benchmarks.ipynb" "$RES/$rec.ipynb"; mv "$RES/08_benchmarks.log" "$RES/$rec.log" ;;
     08tput) # issue 14's comparison alone (results/h200/08_throughput.*): pageserve and vLLM offline, defaults on
-        # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving
+        # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving.
+        # One engine, another record name: TPUT08_ENGINES='[vllm]' TPUT08_RECORD=08_throughput_vllm_cold
         [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08tput: vLLM install failed; running without it"
-        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME 08_throughput \
-          -y 'ENGINES: [pageserve, vllm]' -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
+        VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME "${TPUT08_RECORD:-08_throughput}" \
+          -y "ENGINES: ${TPUT08_ENGINES:-[pageserve, vllm]}" -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
           -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: []' -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
           -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -p WARMUP_REQUESTS 16
         mv "$RES/08_benchmarks.ipynb" "$RES/08_throughput.ipynb"; mv "$RES/08_benchmarks.log" "$RES/08_throughput.log" ;;
