@@ -151,6 +151,10 @@ def test_each_runner_returns_the_same_result_shape(engine, tiny_json):
     assert rec["versions"]["torch"]
     # each workload was preceded by an untimed one of its shape
     assert rec["warmup"]["w1"]["num_requests"] == 3 and rec["warmup"]["w1"]["prompt_tokens"] == 24
+    # and the host's conditions while each ran are kept beside it (what moves a peer from run to run)
+    assert rec["host"]["cpu_count"] >= 1
+    assert set(rec["conditions"]) == {"w1", "chat"}
+    assert rec["conditions"]["w1"]["load_1m_before"] >= 0 and rec["conditions"]["w1"]["load_1m_after"] >= 0
 
 
 def test_warmup_workload_has_the_shape_but_none_of_the_measured_prompts():

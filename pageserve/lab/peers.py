@@ -464,7 +464,8 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
                floor: bool = False, warmup_requests: int = 32) -> dict[str, Any]:
     """Build ``engine`` once, run each workload (``{name: builder kwargs}``) and the decode
     timings (``{"batches": [1, 64], "context_len": 512, "steps": 64}``); a failing workload
-    is recorded under ``errors`` and the others still run. Returns a JSON-able record.
+    is recorded under ``errors`` and the others still run. Returns a JSON-able record, with the
+    host (``host``) and, per workload, its load and SM clock while timed (``conditions``).
 
     Before each timed workload, ``warmup_requests`` requests of the same shape with other ids
     run untimed (``warmup_workload``; 0: none), in every engine alike: kernels compiled or
@@ -474,8 +475,11 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
     if engine not in RUNNERS:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(RUNNERS)}")
     vocab = workload_vocab(model)
+    from .profiling import RunConditions, host_info
+
     rec: dict[str, Any] = {"engine": engine, "model": model, "dtype": dtype, "device": device, "seed": seed,
-                           "versions": peer_versions(), "offline": {}, "decode": {}, "errors": {}}
+                           "versions": peer_versions(), "host": host_info(), "offline": {}, "decode": {},
+                           "errors": {}, "conditions": {}}
     t0 = time.perf_counter()
     runner = RUNNERS[engine](model, device=device, dtype=dtype, seed=seed, **(engine_args or {}))
     rec["startup_s"] = time.perf_counter() - t0
@@ -490,7 +494,9 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
                 rec.setdefault("warmup", {})[name] = runner.offline(warm).to_dict()
             w = spec.build(vocab)
             w.name = name
-            rec["offline"][name] = runner.offline(w).to_dict()
+            with RunConditions() as cond:  # the host's load and the SM clock while it ran
+                rec["offline"][name] = runner.offline(w).to_dict()
+            rec["conditions"][name] = cond.summary()
         except Exception as e:  # noqa: BLE001 - one workload's failure (OOM, a peer's bug) is a data point
             rec["errors"][name] = f"{type(e).__name__}: {e}"
             traceback.print_exc()

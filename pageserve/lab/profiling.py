@@ -22,6 +22,7 @@ the CPU.
 from __future__ import annotations
 
 import collections
+import os
 import subprocess
 import threading
 from collections.abc import Callable, Iterable
@@ -292,3 +293,49 @@ class ClockLog:
         p10 = sorted(m)[len(m) // 10] if m else None
         return {"samples": len(m), "mean_mhz": sum(m) / len(m) if m else None, "min_mhz": min(m, default=None),
                 "p10_mhz": p10, "max_mhz": max(m, default=None)}
+
+
+def host_info() -> dict:
+    """The machine a benchmark ran on: CPU model and logical cores (peers' runs differ from host to host)."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpu_model": model, "cpu_count": os.cpu_count()}
+
+
+class RunConditions:
+    """What the host and GPU were doing while a timed run ran: the 1-minute load average before and
+    after, and on CUDA the SM clock (``ClockLog``, every ``period`` s). For runs whose speed moves from
+    one run to the next (vLLM's W1 read 62-72k tok/s on one H200 within ten minutes, NOTES.md session 21)."""
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.clock = ClockLog(period) if torch.cuda.is_available() else None
+        self.load: list[float | None] = []
+
+    @staticmethod
+    def _load_1m() -> float | None:
+        try:
+            return os.getloadavg()[0]
+        except OSError:
+            return None
+
+    def __enter__(self) -> "RunConditions":
+        self.load.append(self._load_1m())
+        if self.clock is not None:
+            self.clock.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.clock is not None:
+            self.clock.__exit__(*exc)
+        self.load.append(self._load_1m())
+
+    def summary(self) -> dict:
+        out = {"load_1m_before": self.load[0] if self.load else None,
+               "load_1m_after": self.load[1] if len(self.load) > 1 else None}
+        if self.clock is not None:
+            out.update({f"sm_{k}": v for k, v in self.clock.summary().items()})
+        return out
