@@ -311,7 +311,7 @@ class RunConditions:
     after, and on CUDA the SM clock (``ClockLog``, every ``period`` s). For runs whose speed moves from
     one run to the next (vLLM's W1 read 62-72k tok/s on one H200 within ten minutes, NOTES.md session 21)."""
 
-    def __init__(self, period: float = 0.25) -> None:
+    def __init__(self, period: float = 0.5) -> None:  # sparse: without pynvml each sample is an nvidia-smi process
         self.clock = ClockLog(period) if torch.cuda.is_available() else None
         self.load: list[float | None] = []
 
