@@ -151,7 +151,8 @@ for st in $stages; do
           -y "ENGINES: ${TPUT08_ENGINES:-[pageserve, vllm]}" -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
           -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: []' -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
           -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -p WARMUP_REQUESTS 16
-        mv "$RES/08_benchmarks.ipynb" "$RES/08_throughput.ipynb"; mv "$RES/08_benchmarks.log" "$RES/08_throughput.log" ;;
+        rec=${TPUT08_RECORD:-08_throughput}
+        mv "$RES/08_benchmarks.ipynb" "$RES/$rec.ipynb"; mv "$RES/08_benchmarks.log" "$RES/$rec.log" ;;
     w1defaults) timeout "$t" python3 scripts/w1_defaults.py --out "$RES/diagnostics" ${W1_DEFAULTS_ARGS:-} > "$RES/w1_defaults.log" 2>&1
                 echo "w1defaults rc=$?"; tail -n 8 "$RES/w1_defaults.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;

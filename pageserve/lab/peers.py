@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .bench import BenchResult, Workload, synchronize
+from .profiling import RunConditions, host_info
 from .workloads import WorkloadSpec, make_workload
 
 ENGINES = ("pageserve", "vllm", "hf_generate_batch", "hf_generate")
@@ -475,8 +476,6 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
     if engine not in RUNNERS:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(RUNNERS)}")
     vocab = workload_vocab(model)
-    from .profiling import RunConditions, host_info
-
     rec: dict[str, Any] = {"engine": engine, "model": model, "dtype": dtype, "device": device, "seed": seed,
                            "versions": peer_versions(), "host": host_info(), "offline": {}, "decode": {},
                            "errors": {}, "conditions": {}}
