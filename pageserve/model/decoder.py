@@ -99,8 +99,6 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, cos_sin, attn):
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
-        self.mlp.ops.prefetch_weights(qkv, (self.self_attn.o_proj.weight, self.mlp.gate_up_proj.weight,
-                                            self.mlp.down_proj.weight))
         x = self.self_attn(qkv, positions, cos_sin, attn)
         h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj,
                                                             silu_mul=self.mlp.ops.silu_in_gate_up)

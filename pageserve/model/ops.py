@@ -88,11 +88,6 @@ class TorchOps:
     def paged_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
-    def prefetch_weights(self, x: torch.Tensor, weights) -> None:
-        """A hint: the layer will read ``weights`` (in this order) after the attention that follows;
-        a backend may ask the GPU's L2 for them now (``TritonOps(l2_prefetch_mb=)``). x: the step's
-        [T, ...] activations (its row count decides). Changes no value; here it does nothing."""
-
 
 def rope_cos_sin(
     head_dim: int, max_pos: int, theta: float, scaling: dict | None, device: torch.device | str | None = None

@@ -14,8 +14,6 @@ import torch
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, paged_decode_attention,
                        paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
                        write_kv)
-from ..kernels.l2_prefetch import EVICT as L2_EVICT
-from ..kernels.l2_prefetch import l2_prefetch
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
@@ -76,13 +74,6 @@ class TritonOps(TorchOps):
     ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
-
-    ``l2_prefetch_mb`` (0: off): after each layer's qkv projection, over at most ``l2_prefetch_max_rows``
-    rows, a kernel asks L2 for the first this-many MB of the layer's o, gate|up and down weights, so they
-    stream in while RoPE, the attention and its merge (which move few bytes) run
-    (``kernels.l2_prefetch``; sm_90+ with PDL, any CUDA GPU without). ``l2_prefetch_evict``: "normal" or
-    "last" (the lines' L2 eviction priority); ``l2_prefetch_before_wait``: its programs ask before their
-    PDL wait (while the qkv projection still runs) instead of after.
     """
 
     name = "triton"
@@ -94,9 +85,7 @@ class TritonOps(TorchOps):
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
-                 l2_prefetch_mb: float = 0.0, l2_prefetch_max_rows: int = PDL_MAX_TOKENS,
-                 l2_prefetch_evict: str = "normal", l2_prefetch_before_wait: bool = False) -> None:
+                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -139,15 +128,6 @@ class TritonOps(TorchOps):
             raise ValueError(f"prefill_tile_order must be 'heavy_first' or 'sequence', got {prefill_tile_order!r}")
         # the map's tiles longest first, or in sequence order (session 16's A/B)
         self.prefill_tile_order = prefill_tile_order
-        if l2_prefetch_mb < 0 or l2_prefetch_max_rows < 0:
-            raise ValueError(f"l2_prefetch_mb and l2_prefetch_max_rows must be >= 0, got {l2_prefetch_mb}, "
-                             f"{l2_prefetch_max_rows}")
-        if l2_prefetch_evict not in L2_EVICT:
-            raise ValueError(f"l2_prefetch_evict must be one of {L2_EVICT}, got {l2_prefetch_evict!r}")
-        self.l2_prefetch_bytes = int(l2_prefetch_mb * 2**20)
-        self.l2_prefetch_max_rows = l2_prefetch_max_rows
-        self.l2_prefetch_evict = l2_prefetch_evict
-        self.l2_prefetch_before_wait = l2_prefetch_before_wait
 
     def pdl_for(self, rows: int) -> bool | str | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
@@ -188,14 +168,6 @@ class TritonOps(TorchOps):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
                                  pdl=self.pdl_for(gate_up.shape[0]))
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
-
-    def prefetch_weights(self, x: torch.Tensor, weights) -> None:
-        rows = x.shape[0]
-        if self.l2_prefetch_bytes == 0 or not 0 < rows <= self.l2_prefetch_max_rows:
-            return
-        tensors = [w.qweight if isinstance(w, QuantizedWeight) else w for w in weights]
-        l2_prefetch(tensors, self.l2_prefetch_bytes, rows, evict=self.l2_prefetch_evict,
-                    before_wait=self.l2_prefetch_before_wait, pdl=self.pdl_for(rows))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, pdl=self.pdl_for(x.shape[0]))
