@@ -178,3 +178,106 @@ def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen, monkeypatc
             assert {"rotary", "write_kv"} <= called, name
         else:
             assert "write_kv" not in called, name
+
+
+# ---------------------------------------------------------------------- the split-K reduce folded into the norm
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M,N", [(1, 40), (3, 50)])
+@pytest.mark.parametrize("quant", [False, True])
+def test_a_split_product_summed_by_the_next_norm_has_the_reduce_kernels_bits(M, N, dtype, quant, gen):
+    # silu_mul_gemv(keep_splits=True) hands back its partials; add_rms_norm / rms_norm sum them. The
+    # outputs (normed, residual') must be bitwise those of the reduce kernel followed by the norm.
+    from pageserve.kernels import add_rms_norm, rms_norm, silu_mul_gemv
+    from pageserve.kernels.gemv import SplitSum
+    from pageserve.kernels.gemv_int8 import silu_mul_gemv_int8
+    from pageserve.kernels.reference import quantize_int8, split_sum
+
+    I = 300
+    gate_up = (torch.randn(M, 2 * I, generator=gen) * 0.5).to(dtype).to(DEVICE)
+    w = (torch.randn(N, I, generator=gen) * 0.05).to(dtype).to(DEVICE)
+    residual = torch.randn(M, N, generator=gen).to(dtype).to(DEVICE)
+    nw = (1 + 0.1 * torch.randn(N, generator=gen)).to(dtype).to(DEVICE)
+    cfg = GemvConfig(block_n=16, block_k=64, split_k=3)
+    if quant:
+        q, scale = quantize_int8(w)
+
+        def down(**kw):
+            return silu_mul_gemv_int8(gate_up, q, scale, config=cfg, **kw)
+    else:
+        def down(**kw):
+            return silu_mul_gemv(gate_up, w, config=cfg, **kw)
+    kept = down(keep_splits=True)
+    assert isinstance(kept, SplitSum) and kept.parts.shape[0] == 3 and kept.shape == (M, N)
+    summed = down()
+    # the reference is the reduce kernel's sum (bitwise on the GPU; the interpreter rounds fp32 to bf16 its own way)
+    ref = split_sum(kept.parts, kept.scale, dtype)
+    assert torch.equal(ref, summed) if CUDA or dtype != torch.bfloat16 else checks.rel_err(summed, ref) < 1e-2
+    for a, b in zip(add_rms_norm(kept, residual, nw, 1e-6), add_rms_norm(summed, residual, nw, 1e-6)):
+        assert a.dtype == dtype and torch.equal(a, b)
+    assert torch.equal(rms_norm(kept, nw, 1e-6), rms_norm(summed, nw, 1e-6))
+    # one split: nothing to keep, the product itself comes back
+    assert isinstance(silu_mul_gemv(gate_up, w, config=GemvConfig(block_n=16, block_k=512, split_k=1),
+                                    keep_splits=True), torch.Tensor)
+
+
+def test_a_split_sum_that_is_not_fp32_partials_is_refused():
+    from pageserve.kernels import rms_norm
+    from pageserve.kernels.gemv import SplitSum
+
+    nw = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="x.parts"):
+        rms_norm(SplitSum(torch.zeros(2, 1, 8, dtype=torch.bfloat16, device=DEVICE), None, torch.bfloat16), nw, 1e-6)
+    with pytest.raises(ValueError, match="x.scale"):
+        rms_norm(SplitSum(torch.zeros(2, 1, 8, device=DEVICE), torch.ones(7, device=DEVICE), torch.float32), nw, 1e-6)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_folding_the_reduce_into_the_norm_changes_no_logit_and_only_where_the_layer_asks(gen, quantized):
+    # a 2-layer decoder, decode steps of 1 and 2 rows through the fused SiLU·down GEMV with a split
+    # config: the same logits (bitwise) with the fold on and off; with it on, no reduce kernel runs
+    # for down, and a direct call of silu_mul_linear (no defer_sum) still returns the summed product
+    import copy
+
+    from pageserve.kernels.gemv import SplitSum, config_key
+    from pageserve.kernels.gemv_int8 import int8_config_key
+    from pageserve.model.attention import PagedAttention
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
+    from pageserve.model.quant import quantize_model
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                      max_position_embeddings=128)
+    model = Decoder(cfg)
+    model.init_dummy_weights(seed=4, std=0.2)
+    model = (quantize_model(copy.deepcopy(model), "int8") if quantized else model).to(DEVICE)
+    split = GemvConfig(block_n=16, block_k=32, split_k=3)
+    key = int8_config_key if quantized else config_key
+    configs = {key(M, cfg.hidden_size, cfg.intermediate_size, *(("silu_mul",) if quantized else ()),
+                   **({} if quantized else {"silu_mul": True})): split for M in (1, 2)}
+    tuned = {"int8_tuned_configs": configs} if quantized else {"tuned_configs": configs}
+    bs = 8
+
+    def run(ops, rows):
+        model.set_ops(ops)
+        lens = [5 + r for r in range(rows)]
+        meta = checks.random_paged_batch([1] * rows, lens, 1, cfg.num_kv_heads, cfg.head_dim, bs, torch.float32,
+                                         DEVICE, torch.Generator().manual_seed(rows))[-1]
+        blocks = int(meta.block_tables.max()) + 1
+        cache = torch.randn(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim,
+                            generator=torch.Generator().manual_seed(7)).to(DEVICE)
+        ids = torch.arange(rows, device=DEVICE) + 3
+        with torch.no_grad():
+            return model.compute_logits(model(ids, torch.tensor(lens, device=DEVICE) - 1, PagedAttention(cache, meta, ops)))
+
+    kept = []
+    for rows in (1, 2):
+        plain = run(TritonOps(gemv_max_m=2, fold_split_k_reduce=False, **tuned), rows)
+        folded_ops = TritonOps(gemv_max_m=2, **tuned)  # on by default
+        real = folded_ops.silu_mul_linear
+        folded_ops.silu_mul_linear = lambda *a, **kw: kept.append(real(*a, **kw)) or kept[-1]
+        assert torch.equal(run(folded_ops, rows), plain)
+    assert len(kept) == 2 * cfg.num_layers and all(isinstance(k, SplitSum) for k in kept)  # every layer deferred
+    h = torch.randn(1, 2 * cfg.intermediate_size, generator=gen).to(DEVICE)
+    assert isinstance(TritonOps(fold_split_k_reduce=True, **tuned).silu_mul_linear(h, model.layers[0].mlp.down_proj.weight),
+                      torch.Tensor)
