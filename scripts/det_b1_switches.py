@@ -57,10 +57,6 @@ VARIANTS = {
     # "int8_l2pf_32" ran TritonOps(l2_prefetch_mb=...) at 3f7c02f, the only commit that has it: a kernel after each
     # qkv projection asking L2 for o, gate|up and down; +0.10-0.13 ms at b1 in every mode
     # (diagnostics/det_b1_switches_l2_prefetch_3f7c02f.*)
-    # session 22: the fused SiLU·down GEMV's split-K partials summed by the next norm (TritonOps fold_split_k_reduce,
-    # on by default since) against the reduce kernel
-    "default_no_fold": (False, {"fold_split_k_reduce": False}),
-    "int8_no_fold": (False, {"fold_split_k_reduce": False}, "int8"),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),

@@ -297,23 +297,6 @@ def test_int8_decode_step_at_batch_1_launches_no_more_kernels_than_bf16_all_with
     assert fused[0] <= 2048 // 16 and fused[0] <= fused_bf16[0], fused
 
 
-@pytest.mark.skipif(CUDA, reason="records launches through Triton's CPU interpreter")
-def test_folding_the_down_reduce_into_the_norm_saves_a_launch_a_layer_at_batch_1(monkeypatch, one_layer_3b):
-    # the H200's tuned M = 1 configs split the fused SiLU·down GEMV (bf16 and int8); with the fold its
-    # reduce kernel goes and the final norm sums the partials: one launch fewer, nothing else changed
-    from pageserve.kernels import load_device_configs
-    from pageserve.kernels.gemv_int8 import load_int8_device_configs
-
-    for model in one_layer_3b:
-        kw = dict(tuned_configs=load_device_configs("NVIDIA H200"),
-                  int8_tuned_configs=load_int8_device_configs("NVIDIA H200"))
-        plain = [n for n, _, _ in _decode_step_launches(monkeypatch, model, TritonOps(fold_split_k_reduce=False, **kw))]
-        folded = [n for n, _, _ in _decode_step_launches(monkeypatch, model, TritonOps(**kw))]  # on by default
-        assert "_gemv_reduce_kernel" in plain and "_gemv_reduce_kernel" not in folded
-        assert plain.index("_gemv_reduce_kernel") == len(plain) - 2  # between down and the final norm
-        assert folded == [n for n in plain if n != "_gemv_reduce_kernel"]
-
-
 # ------------------------------------------------------------------------------------------ the engine
 @pytest.fixture(scope="module")
 def one_torch_thread():

@@ -59,28 +59,6 @@ class GemvConfig:
     swap_ab: bool = False
 
 
-@dataclass(frozen=True)
-class SplitSum:
-    """A GEMV's output left as its split-K partials, for the kernel that reads it next to sum
-    (``norm``'s kernels do: the down projection's reduce folded into the next residual add + RMSNorm,
-    one launch fewer a decode layer). ``parts``: [splits, M, N] fp32, unscaled; ``scale``: [N] (int8
-    weights) or None; ``dtype``: the output's. The sum is ``_gemv_reduce_kernel``'s: in split order from
-    zero, times the scale, rounded once to ``dtype`` (``reference.split_sum``), so the bits are those of
-    the reduce kernel followed by the reader."""
-
-    parts: torch.Tensor
-    scale: torch.Tensor | None
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.parts.shape[1:]
-
-    @property
-    def device(self) -> torch.device:
-        return self.parts.device
-
-
 # Tuned configs are a plain mapping config_key(...) -> GemvConfig that the caller owns and passes
 # (``configs=``): TritonOps holds the one for its GPU (``load_device_configs``), the lab's sweeps
 # build their own (``parse_configs`` reads their JSON). Shapes without an entry use the heuristic.
@@ -429,12 +407,11 @@ def magic_code(magic: bool | str) -> int:
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                 out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
-                magic: bool | str = True, match_x: bool = True, keep_splits: bool = False) -> "torch.Tensor | SplitSum":
+                magic: bool | str = True, match_x: bool = True) -> torch.Tensor:
     """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
     (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``; ``magic``: its int8 to
     fp32 conversion, ``magic_code``; ``match_x``:
-    int8 read in x's vector width at M = 1, ``weight_vector``). ``keep_splits`` (no bias): where the
-    config splits K, return the partials as a ``SplitSum`` instead of launching the reduce."""
+    int8 read in x's vector width at M = 1, ``weight_vector``)."""
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
@@ -457,20 +434,18 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
-        if keep_splits and bias is None:
-            return SplitSum(part, scale, out.dtype)
         reduce_splits(part, scale, bias, out, launch)
     return out
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: GemvConfig | None, split_k: str, configs: GemvConfigs | None, pdl: bool | None,
-            silu_mul: bool = False, keep_splits: bool = False) -> "torch.Tensor | SplitSum":
+            silu_mul: bool = False) -> torch.Tensor:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul, keep_splits=keep_splits)
+    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul)
 
 
 def _check_out(out, M, N, x) -> torch.Tensor:
@@ -494,11 +469,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
                   out: torch.Tensor | None = None, split_k: str = "auto", configs: GemvConfigs | None = None,
-                  pdl: bool | None = None, keep_splits: bool = False) -> "torch.Tensor | SplitSum":
+                  pdl: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), weight: [N, I] -> SiLU(gate) * up @ weight^T: [M, N],
     in one pass (plus the split-K reduce when the config splits). ``config`` / ``configs`` /
-    ``split_k`` / ``pdl`` as ``gemv`` (its own ``config_key(..., silu_mul=True)`` entry first).
-    ``keep_splits``: a split product comes back as a ``SplitSum`` for the next norm to sum."""
+    ``split_k`` / ``pdl`` as ``gemv`` (its own ``config_key(..., silu_mul=True)`` entry first)."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -508,4 +482,4 @@ def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfi
     if M > 64:
         raise ValueError(f"silu_mul_gemv is for small M (got M={M})")
     return _launch(gate_up, weight, None, _check_out(out, M, weight.shape[0], gate_up), config, split_k, configs,
-                   pdl, silu_mul=True, keep_splits=keep_splits)
+                   pdl, silu_mul=True)

@@ -193,12 +193,12 @@ def _out(out: torch.Tensor | None, M: int, N: int, x: torch.Tensor) -> torch.Ten
 
 
 def _launch_gemv(x, qweight, scale, bias, out, config, split_k, configs, pdl, silu_mul=False,
-                 magic=True, match_x=True, keep_splits=False):
+                 magic=True, match_x=True) -> torch.Tensor:
     M, N, K = x.shape[0], qweight.shape[0], qweight.shape[1]
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_int8_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    return launch_gemv(x, qweight, scale, bias, out, cfg, pdl, silu_mul, magic, match_x, keep_splits)
+    return launch_gemv(x, qweight, scale, bias, out, cfg, pdl, silu_mul, magic, match_x)
 
 
 def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -222,10 +222,10 @@ def gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
 def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                        config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
                        configs: Int8Configs | None = None, pdl: bool | None = None, magic: bool | str = True,
-                       match_x: bool = True, keep_splits: bool = False):
+                       match_x: bool = True) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up, M small), qweight: [N, I] int8, scale: [N] ->
     (SiLU(gate) * up) @ (q * scale)^T: [M, N], in one pass (plus the reduce when split); ``magic`` and
-    ``match_x`` as ``gemv_int8``; ``keep_splits`` as ``gemv.silu_mul_gemv`` (the ``SplitSum`` carries the scale)."""
+    ``match_x`` as ``gemv_int8``."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -235,7 +235,7 @@ def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torc
     if M > 64:
         raise ValueError(f"silu_mul_gemv_int8 is for small M (got M={M})")
     return _launch_gemv(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, split_k, configs, pdl,
-                        silu_mul=True, magic=magic, match_x=match_x, keep_splits=keep_splits)
+                        silu_mul=True, magic=magic, match_x=match_x)
 
 
 # ---------------------------------------------------------------------------- larger M: the GEMM

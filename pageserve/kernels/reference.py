@@ -41,17 +41,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return linear(silu_and_mul(gate_up), weight, None)
 
 
-def split_sum(parts: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """A split-K product's output from its fp32 partials [splits, M, N]: summed in split order from
-    zero, times ``scale`` [N] (int8 weights) when given, rounded once to ``dtype`` -> [M, N]."""
-    acc = torch.zeros(parts.shape[1:], dtype=torch.float32, device=parts.device)
-    for p in parts:
-        acc = acc + p
-    if scale is not None:
-        acc = acc * scale.float()
-    return acc.to(dtype)
-
-
 def rotary(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,13 +81,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, h: torch.Tensor, defer_sum: bool = False) -> torch.Tensor:
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: the gate_up_proj output [T, 2I] (the layer fuses that projection with its norm), or,
-        # where the ops put SiLU·mul in that projection (``silu_in_gate_up``), SiLU(gate) * up [T, I].
-        # defer_sum: the caller feeds the output to a norm, which may sum a split-K product itself
+        # where the ops put SiLU·mul in that projection (``silu_in_gate_up``), SiLU(gate) * up [T, I]
         if self.ops.silu_in_gate_up:
             return self.ops.linear(h, self.down_proj.weight, None)  # [T, H]
-        return self.ops.silu_mul_linear(h, self.down_proj.weight, defer_sum=defer_sum)  # [T, H]
+        return self.ops.silu_mul_linear(h, self.down_proj.weight)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -103,8 +102,7 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(qkv, positions, cos_sin, attn)
         h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj,
                                                             silu_mul=self.mlp.ops.silu_in_gate_up)
-        # the MLP's output goes only to the next layer's (or the final) add + RMSNorm: see MLP.forward
-        return self.mlp(h, defer_sum=True), residual
+        return self.mlp(h), residual
 
 
 class Decoder(nn.Module):

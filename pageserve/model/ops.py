@@ -68,10 +68,8 @@ class TorchOps:
         """silu_and_mul(linear(x, weight)): x [T, K], weight the gate|up matrix [2I, K] -> [T, I]."""
         return self.silu_and_mul(self.linear(x, weight, None))
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, defer_sum: bool = False) -> torch.Tensor:
-        """linear(silu_and_mul(gate_up), weight), through this object's own two ops. ``defer_sum``: the
-        caller's next op is ``add_rms_norm`` / ``rms_norm``, so a backend may return a split-K product
-        unsummed (``TritonOps(fold_split_k_reduce=True)``); here it changes nothing."""
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """linear(silu_and_mul(gate_up), weight), through this object's own two ops."""
         return self.linear(self.silu_and_mul(gate_up), weight, None)
 
     def rotary(self, q, k, positions, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:

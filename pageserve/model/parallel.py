@@ -219,8 +219,8 @@ class ParallelAttention(Attention):
 class ParallelMLP(MLP):
     """SwiGLU over this rank's slice of the intermediate width; down_proj all-reduced."""
 
-    def forward(self, h, defer_sum: bool = False):
-        return all_reduce(super().forward(h))  # the all-reduce needs the sum: never deferred
+    def forward(self, h):
+        return all_reduce(super().forward(h))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -16,7 +16,6 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
-from ..kernels.gemv import SplitSum
 from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from .attention import AttentionMetadata
 from .ops import TorchOps
@@ -51,10 +50,6 @@ class TritonOps(TorchOps):
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
-    ``fold_split_k_reduce``: where the fused SiLU·down GEMV splits K (the down projection at one row),
-    its partials go to the next residual add + RMSNorm, which sums them as the reduce kernel would
-    (``gemv.SplitSum``): the same bits, one launch fewer a layer. Only where the caller asks
-    (``silu_mul_linear(defer_sum=True)``: ``DecoderLayer``, whose next op is that norm).
 
     Launch settings, held by this object and passed to every kernel call (two objects with
     different settings run side by side):
@@ -90,8 +85,7 @@ class TritonOps(TorchOps):
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
-                 fold_split_k_reduce: bool = True) -> None:
+                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -122,7 +116,6 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
-        self.fold_split_k_reduce = fold_split_k_reduce
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         if pdl not in PDL_MODES:
@@ -165,18 +158,15 @@ class TritonOps(TorchOps):
         # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
         return torch.nn.functional.linear(x, dequantize_int8(w.qweight, w.scale), bias)
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-                        defer_sum: bool = False) -> "torch.Tensor | SplitSum":
-        keep = defer_sum and self.fold_split_k_reduce
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
-                                          configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]),
-                                          keep_splits=keep)
+                                          configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
             return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
         if self.fuse_silu_down and self._gemv_fits(gate_up):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
-                                 pdl=self.pdl_for(gate_up.shape[0]), keep_splits=keep)
+                                 pdl=self.pdl_for(gate_up.shape[0]))
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
