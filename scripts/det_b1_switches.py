@@ -57,6 +57,12 @@ VARIANTS = {
     # "int8_l2pf_32" ran TritonOps(l2_prefetch_mb=...) at 3f7c02f, the only commit that has it: a kernel after each
     # qkv projection asking L2 for o, gate|up and down; +0.10-0.13 ms at b1 in every mode
     # (diagnostics/det_b1_switches_l2_prefetch_3f7c02f.*)
+    # session 22: "default_fold_reduce" / "default_no_fold" / "int8_no_fold" ran TritonOps(fold_split_k_reduce=) at
+    # 04a45f0, the only commit that has it (the down GEMV's split-K partials summed by the next norm): +0.027 ms at
+    # b1 (diagnostics/det_b1_switches_fold_reduce_04a45f0.*)
+    # session 22: torch's preferred BLAS library for the engine's cuBLAS products (decode batches of 2+ rows),
+    # set before the engine is built and put back after ("_blas" is this script's, not a TritonOps option)
+    "default_cublaslt": (False, {"_blas": "cublaslt"}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),
@@ -122,6 +128,11 @@ def main() -> None:
             if base.endswith(suffix):
                 base, old = base.removesuffix(suffix), paths
         det, options, *quant = VARIANTS[base]
+        blas = options.get("_blas")
+        options = {k: v for k, v in options.items() if k != "_blas"}
+        blas_before = torch.backends.cuda.preferred_blas_library()
+        if blas:
+            torch.backends.cuda.preferred_blas_library(blas)
         if options.get("int8_tuned_configs") == "cuda_cores_2_8":
             options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
         llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(64, *batches),
@@ -129,16 +140,18 @@ def main() -> None:
                   quantization=quant[0] if quant else None)
         use_old_paths(llm.engine.runner, old)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
-        row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()}}
+        row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()},
+               "blas": str(torch.backends.cuda.preferred_blas_library())}
         for b in batches:
             row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
             row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)
         rec["variants"][name] = row
-        print(name, {k: round(v, 3) for k, v in row.items() if k != "options" and v is not None}, flush=True)
+        print(name, {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}, flush=True)
         out.write_text(json.dumps(rec, indent=1))
         llm.shutdown()
         del llm
         bench.free_device_memory()
+        torch.backends.cuda.preferred_blas_library(blas_before)
 
 
 if __name__ == "__main__":
