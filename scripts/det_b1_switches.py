@@ -63,6 +63,9 @@ VARIANTS = {
     # session 22: torch's preferred BLAS library for the engine's cuBLAS products (decode batches of 2+ rows),
     # set before the engine is built and put back after ("_blas" is this script's, not a TritonOps option)
     "default_cublaslt": (False, {"_blas": "cublaslt"}),
+    # session 22: SiLU·mul in the gate_up product's epilogue (the invariant matmul) for decode batches in a row range
+    "default_gate_up_silu_9_256": (False, {"gate_up_silu_rows": (9, 256)}),
+    "default_gate_up_silu_2_256": (False, {"gate_up_silu_rows": (2, 256)}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),

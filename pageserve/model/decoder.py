@@ -81,10 +81,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, silu_done: bool | None = None) -> torch.Tensor:
         # h: the gate_up_proj output [T, 2I] (the layer fuses that projection with its norm), or,
-        # where the ops put SiLU·mul in that projection (``silu_in_gate_up``), SiLU(gate) * up [T, I]
-        if self.ops.silu_in_gate_up:
+        # where the ops put SiLU·mul in that projection (``silu_done``; None: ``ops.silu_in_gate_up``),
+        # SiLU(gate) * up [T, I]
+        if self.ops.silu_in_gate_up if silu_done is None else silu_done:
             return self.ops.linear(h, self.down_proj.weight, None)  # [T, H]
         return self.ops.silu_mul_linear(h, self.down_proj.weight)  # [T, H]
 
@@ -100,9 +101,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, cos_sin, attn):
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(qkv, positions, cos_sin, attn)
-        h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj,
-                                                            silu_mul=self.mlp.ops.silu_in_gate_up)
-        return self.mlp(h), residual
+        silu = self.mlp.ops.silu_in_gate_up_for(x.shape[0], self.mlp.gate_up_proj.weight)
+        h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_mul=silu)
+        return self.mlp(h, silu_done=silu), residual
 
 
 class Decoder(nn.Module):

@@ -64,6 +64,11 @@ class TorchOps:
     # (``gate_up_silu_mul``, then a plain ``linear`` for down: ``DeterministicOps``).
     silu_in_gate_up = False
 
+    def silu_in_gate_up_for(self, rows: int, weight) -> bool:
+        """``silu_in_gate_up`` for a step of ``rows`` rows whose gate|up matrix is ``weight``: a
+        backend may put SiLU·mul in the gate_up product for some batches only (``TritonOps``)."""
+        return self.silu_in_gate_up
+
     def gate_up_silu_mul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """silu_and_mul(linear(x, weight)): x [T, K], weight the gate|up matrix [2I, K] -> [T, I]."""
         return self.silu_and_mul(self.linear(x, weight, None))

@@ -219,8 +219,8 @@ class ParallelAttention(Attention):
 class ParallelMLP(MLP):
     """SwiGLU over this rank's slice of the intermediate width; down_proj all-reduced."""
 
-    def forward(self, h):
-        return all_reduce(super().forward(h))
+    def forward(self, h, silu_done: bool | None = None):
+        return all_reduce(super().forward(h, silu_done))
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 
 import torch
 
-from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, paged_decode_attention,
-                       paged_prefill_attention, rms_norm, rotary, rotary_write_kv, silu_and_mul, silu_mul_gemv,
-                       write_kv)
+from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, matmul_invariant,
+                       paged_decode_attention, paged_prefill_attention, rms_norm, rotary, rotary_write_kv,
+                       silu_and_mul, silu_mul_gemv, write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
@@ -50,6 +50,9 @@ class TritonOps(TorchOps):
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
+    ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
+    SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
+    of cuBLAS followed by the SiLU·mul kernel; float weights only.
 
     Launch settings, held by this object and passed to every kernel call (two objects with
     different settings run side by side):
@@ -85,7 +88,8 @@ class TritonOps(TorchOps):
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split") -> None:
+                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
+                 gate_up_silu_rows: tuple[int, int] | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -116,6 +120,10 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
+        if gate_up_silu_rows is not None and not (len(gate_up_silu_rows) == 2 and 1 <= gate_up_silu_rows[0]
+                                                  <= gate_up_silu_rows[1]):
+            raise ValueError(f"gate_up_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {gate_up_silu_rows!r}")
+        self.gate_up_silu_rows = gate_up_silu_rows
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         if pdl not in PDL_MODES:
@@ -168,6 +176,20 @@ class TritonOps(TorchOps):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
                                  pdl=self.pdl_for(gate_up.shape[0]))
         return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
+
+    def _gate_up_silu_fits(self, rows: int, weight) -> bool:
+        r = self.gate_up_silu_rows
+        return r is not None and r[0] <= rows <= r[1] and not isinstance(weight, QuantizedWeight)
+
+    def silu_in_gate_up_for(self, rows: int, weight) -> bool:
+        return self.silu_in_gate_up or self._gate_up_silu_fits(rows, weight)
+
+    def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
+        if not self._gate_up_silu_fits(x.shape[0], weight) or self.silu_in_gate_up:
+            return super().gate_up_silu_mul(x, weight)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        # the generic compile: one per tile config, not one per graph bucket's row count
+        return matmul_invariant(x, weight, None, pdl=self.pdl_for(x.shape[0]), silu_mul=True, specialize=False)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, pdl=self.pdl_for(x.shape[0]))
