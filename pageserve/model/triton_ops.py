@@ -27,6 +27,11 @@ INT8_GEMV_ROWS = 8
 
 INT8_GEMM_MODES = ("auto", "triton", "dequant")
 
+# decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
+# + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
+# 2.53 -> 2.42 ms, 16 2.73 -> 2.69, 64 3.15 -> 3.03, but 256 5.35 -> 5.61
+GATE_UP_SILU_ROWS = (2, 128)
+
 
 class TritonOps(TorchOps):
     """Same methods and signatures as ``TorchOps``; each runs a Triton kernel.
@@ -52,7 +57,7 @@ class TritonOps(TorchOps):
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
     ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
-    of cuBLAS followed by the SiLU·mul kernel; float weights only.
+    of cuBLAS followed by the SiLU·mul kernel; float weights only. Default ``GATE_UP_SILU_ROWS``.
 
     Launch settings, held by this object and passed to every kernel call (two objects with
     different settings run side by side):
@@ -89,7 +94,7 @@ class TritonOps(TorchOps):
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
-                 gate_up_silu_rows: tuple[int, int] | None = None) -> None:
+                 gate_up_silu_rows: tuple[int, int] | None = GATE_UP_SILU_ROWS) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
