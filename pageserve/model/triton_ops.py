@@ -29,8 +29,8 @@ INT8_GEMM_MODES = ("auto", "triton", "dequant")
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
-# 2.53 -> 2.42 ms, 16 2.73 -> 2.69, 64 3.15 -> 3.03, but 256 5.35 -> 5.61
-GATE_UP_SILU_ROWS = (2, 128)
+# 2.53 -> 2.42 ms, 16 2.73 -> 2.69, 64 3.15 -> 3.03, but 128 3.84 -> 3.99 and 256 5.35 -> 5.61 (..._21f46ad.*)
+GATE_UP_SILU_ROWS = (2, 64)
 
 
 class TritonOps(TorchOps):
