@@ -224,6 +224,9 @@ def test_gate_up_silu_rows_puts_silu_mul_in_the_gate_up_product_for_those_batche
     epilogues.clear()
     assert checks.rel_err(run(qmodel, ops, 3), run(qmodel, TorchOps(), 3)) < 1e-5
     assert epilogues == []
-    for bad in ((0, 4), (5, 4), (3,)):
+    for bad in ((0, 4), (5, 4), (3,), "always", "ab", (2.0, 4)):
         with pytest.raises(ValueError, match="gate_up_silu_rows"):
             TritonOps(gate_up_silu_rows=bad)
+    # the default: on Hopper only (where it was measured), off on other GPUs and on the interpreter
+    hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
+    assert TritonOps(tuned_configs=False).gate_up_silu_rows == (triton_ops.GATE_UP_SILU_ROWS if hopper else None)

@@ -30,6 +30,7 @@ INT8_GEMM_MODES = ("auto", "triton", "dequant")
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
 # 2.53 -> 2.42 ms, 16 2.73 -> 2.69, 64 3.15 -> 3.03, but 128 3.84 -> 3.99 and 256 5.35 -> 5.61 (..._21f46ad.*)
+# (Hopper only, where it was measured: elsewhere, a T4 among them, cuBLAS keeps every batch)
 GATE_UP_SILU_ROWS = (2, 64)
 
 
@@ -57,7 +58,8 @@ class TritonOps(TorchOps):
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
     ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
-    of cuBLAS followed by the SiLU·mul kernel; float weights only. Default ``GATE_UP_SILU_ROWS``.
+    of cuBLAS followed by the SiLU·mul kernel; float weights only. "auto" (default): ``GATE_UP_SILU_ROWS``
+    on Hopper GPUs (sm_90+, measured on the H200), None elsewhere (GPUs not measured, the interpreter).
 
     Launch settings, held by this object and passed to every kernel call (two objects with
     different settings run side by side):
@@ -94,7 +96,7 @@ class TritonOps(TorchOps):
                  int8_gemv_max_m: int = 64,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
-                 gate_up_silu_rows: tuple[int, int] | None = GATE_UP_SILU_ROWS) -> None:
+                 gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -125,10 +127,14 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
-        if gate_up_silu_rows is not None and not (len(gate_up_silu_rows) == 2 and 1 <= gate_up_silu_rows[0]
-                                                  <= gate_up_silu_rows[1]):
+        if gate_up_silu_rows == "auto":
+            hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
+            gate_up_silu_rows = GATE_UP_SILU_ROWS if hopper else None
+        if gate_up_silu_rows is not None and not (
+                isinstance(gate_up_silu_rows, (tuple, list)) and len(gate_up_silu_rows) == 2
+                and all(isinstance(r, int) for r in gate_up_silu_rows) and 1 <= gate_up_silu_rows[0] <= gate_up_silu_rows[1]):
             raise ValueError(f"gate_up_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {gate_up_silu_rows!r}")
-        self.gate_up_silu_rows = gate_up_silu_rows
+        self.gate_up_silu_rows = None if gate_up_silu_rows is None else tuple(gate_up_silu_rows)
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         if pdl not in PDL_MODES:
