@@ -64,7 +64,8 @@ VARIANTS = {
     # set before the engine is built and put back after ("_blas" is this script's, not a TritonOps option)
     "default_cublaslt": (False, {"_blas": "cublaslt"}),
     # session 22: SiLU·mul in the gate_up product's epilogue (the invariant matmul) for decode batches in a row range
-    # (at 0807ae7 the default had it off: diagnostics/det_b1_switches_gate_up_silu_0807ae7.*); the default since is 2..128
+    # (at 0807ae7 the default had it off: diagnostics/det_b1_switches_gate_up_silu_0807ae7.*); 2..128 at 21f46ad, 2..64 on
+    # Hopper since f9fa8a0 (..._gate_up_silu_range_21f46ad.*)
     "default_gate_up_silu_9_256": (False, {"gate_up_silu_rows": (9, 256)}),
     "default_gate_up_silu_2_256": (False, {"gate_up_silu_rows": (2, 256)}),
     "default_gate_up_silu_2_64": (False, {"gate_up_silu_rows": (2, 64)}),

@@ -196,7 +196,7 @@ class TritonOps(TorchOps):
         return self.silu_in_gate_up or self._gate_up_silu_fits(rows, weight)
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
-        if not self._gate_up_silu_fits(x.shape[0], weight) or self.silu_in_gate_up:
+        if not self._gate_up_silu_fits(x.shape[0], weight):
             return super().gate_up_silu_mul(x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
         # the generic compile: one per tile config, not one per graph bucket's row count
