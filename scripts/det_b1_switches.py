@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from pageserve.engine import model_runner
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
@@ -80,6 +81,22 @@ VARIANTS = {
     "det_silu_kernel": (True, {"silu_in_gate_up_max_rows": 0}),
     "det_generic_in_graphs": (True, {"matmul_specialize": False}),
     "det_all_three_off": (True, {"pdl": False, "silu_in_gate_up_max_rows": 0, "matmul_specialize": False}),
+    # session 23: the deterministic batch-1 step, part by part. "_mix" (this script's, not an ops option) hands
+    # some of DeterministicOps' methods to a default-options TritonOps (not invariant: attribution only):
+    # the default decode attention, or the default linears (the GEMVs at one row, cuBLAS above)
+    "det_mix_default_attention": (True, {"_mix": "attention"}),
+    "det_mix_default_linears": (True, {"_mix": "linears"}),
+    # and the batch-1 switches built for it (attention launches change no bit; K splits give their own bits)
+    "det_attn_unroll": (True, {"attention_launch": {"unroll": True}}),
+    "det_attn_unroll_no_ahead": (True, {"attention_launch": {"unroll": True, "ahead": False}}),
+    "det_attn_fold4": (True, {"attention_launch": {"fold": 4}}),
+    "det_attn_unroll_fold4": (True, {"attention_launch": {"unroll": True, "fold": 4}}),
+    "det_ksplit2": (True, {"matmul_k_splits": 2}),
+    "det_ksplit3": (True, {"matmul_k_splits": 3}),
+    "det_ksplit4": (True, {"matmul_k_splits": 4}),
+    "det_silu_in_down": (True, {"silu_in_down_max_rows": 4}),
+    "det_all_new": (True, {"attention_launch": {"unroll": True, "fold": 4}, "matmul_k_splits": 2,
+                           "silu_in_down_max_rows": 4}),
     # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
     # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
     # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.
@@ -102,6 +119,22 @@ def use_old_paths(runner, paths) -> None:
         runner.graphs._stage = stage_decode_inputs
     if "argmax" in paths:
         runner.sampler._argmax = sampler._torch_argmax
+
+
+MIXES = {"attention": ("paged_attention",),
+         "linears": ("linear", "silu_mul_linear", "gate_up_silu_mul", "silu_in_gate_up_for")}
+
+
+def mixed_select_ops(select, names):
+    """``model_runner.select_ops`` whose ops object runs ``names`` as a default TritonOps does."""
+    def mixed(*args, **kwargs):
+        from pageserve.model.triton_ops import TritonOps
+
+        ops, plain = select(*args, **kwargs), TritonOps()
+        for name in names:
+            setattr(ops, name, getattr(plain, name))
+        return ops
+    return mixed
 
 
 def int8_cuda_core_configs() -> dict:
@@ -137,8 +170,11 @@ def main() -> None:
             if base.endswith(suffix):
                 base, old = base.removesuffix(suffix), paths
         det, options, *quant = VARIANTS[base]
-        blas = options.get("_blas")
-        options = {k: v for k, v in options.items() if k != "_blas"}
+        blas, mix = options.get("_blas"), options.get("_mix")
+        options = {k: v for k, v in options.items() if k not in ("_blas", "_mix")}
+        select_before = model_runner.select_ops
+        if mix:
+            model_runner.select_ops = mixed_select_ops(select_before, MIXES[mix])
         blas_before = torch.backends.cuda.preferred_blas_library()
         if blas:
             torch.backends.cuda.preferred_blas_library(blas)
@@ -149,8 +185,9 @@ def main() -> None:
                   quantization=quant[0] if quant else None)
         use_old_paths(llm.engine.runner, old)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
+        model_runner.select_ops = select_before
         row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()},
-               "blas": str(torch.backends.cuda.preferred_blas_library())}
+               "blas": str(torch.backends.cuda.preferred_blas_library()), "mix": mix}
         for b in batches:
             row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
             row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)

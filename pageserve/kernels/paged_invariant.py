@@ -79,6 +79,8 @@ BLOCK_N = 64  # keys per tile
 # next tile's loads ahead; the merge folds this many splits a trip. To be set from the H200 sweep
 UNROLL = False
 FOLD = 1
+# paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
+LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "unroll", "ahead", "fold", "split_warps")
 
 
 def invariant_block_m(group: int) -> int:
