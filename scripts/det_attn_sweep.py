@@ -43,6 +43,7 @@ WALKS = {
     "unroll": {"flat": False, "unroll": True},
     "unroll_no_ahead": {"flat": False, "unroll": True, "ahead": False},
     "unroll_warps8": {"flat": False, "unroll": True, "split_warps": 8},
+    "per_split_warps8": {"flat": False, "split_warps": 8},
     "fold2": {"flat": False, "fold": 2},
     "fold4": {"flat": False, "fold": 4},
     "fold8": {"flat": False, "fold": 8},

@@ -95,8 +95,11 @@ VARIANTS = {
     "det_ksplit3": (True, {"matmul_k_splits": 3}),
     "det_ksplit4": (True, {"matmul_k_splits": 4}),
     "det_silu_in_down": (True, {"silu_in_down_max_rows": 4}),
-    "det_all_new": (True, {"attention_launch": {"unroll": True, "fold": 4}, "matmul_k_splits": 2,
-                           "silu_in_down_max_rows": 4}),
+    "det_attn_warps8": (True, {"attention_launch": {"split_warps": 8}}),
+    "det_attn_unroll_warps8": (True, {"attention_launch": {"unroll": True, "split_warps": 8}}),
+    "det_ksplit3_silu_in_down": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4}),
+    "det_ksplit3_silu_in_down_attn_warps8": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4,
+                                                    "attention_launch": {"split_warps": 8, "fold": 4}}),
     # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
     # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
     # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.

@@ -244,7 +244,7 @@ def test_k_splits_sum_the_same_splits_in_the_same_order_at_every_m(dtype, gen):
     if _tma_ok(x, w):
         cfg = invariant_config(40, N, dtype, sms=132, K=K)
         tiles = [dataclasses.replace(cfg, tma=True), dataclasses.replace(cfg, tma=True, persistent=True)]
-        if CUDA:  # another tile and BLOCK_K (the interpreter's sums follow BLOCK_K: module docstring)
+        if CUDA and dtype != torch.float32:  # another tile and BLOCK_K (the interpreter's sums follow BLOCK_K)
             tiles.append(dataclasses.replace(cfg, block_m=128, block_n=128, block_k=64, tma=True))
         for tile in tiles:
             assert torch.equal(matmul_invariant(x, w, bias, k_splits=splits, config=tile),

@@ -396,7 +396,8 @@ def paged_attention_invariant(
             raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
         walk_flat = (P == 1 and bm == small_m) if flat is None else flat
         stages = split_stages or (2 if bm == small_m else 3)
-        walk_unroll = (UNROLL and bm == small_m and meta.max_query_len == 1) if unroll is None else unroll
+        # small tiles only: a tall tile's unrolled chain would hold every key tile in shared memory
+        walk_unroll = bm == small_m and ((UNROLL and meta.max_query_len == 1) if unroll is None else unroll)
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

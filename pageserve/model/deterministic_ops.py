@@ -133,7 +133,10 @@ class DeterministicOps(TritonOps):
         _refuse_int8(weight)
         rows = x.shape[0]
         if rows > self.silu_in_gate_up_max_rows or use_pdl(x, rows, self.pdl_for(rows)):
-            return super().gate_up_silu_mul(x, weight)
+            # the product, then the SiLU·mul kernel (TorchOps' composition of this object's own ops): not
+            # TritonOps', which at 2-64 rows on Hopper is this epilogue again, under PDL (batch 4: 3.07 ms a
+            # graphed 3B step against 2.74, diagnostics/det_b1_switches_det_b1_parts_3416e93.*)
+            return TorchOps.gate_up_silu_mul(self, x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
         return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=False, silu_mul=True,
                                 specialize=self.matmul_specialize)
