@@ -100,6 +100,8 @@ VARIANTS = {
     "det_ksplit3_silu_in_down": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4}),
     "det_ksplit3_silu_in_down_attn_warps8": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4,
                                                     "attention_launch": {"split_warps": 8, "fold": 4}}),
+    "det_ksplit3_silu_in_down_fold4": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4,
+                                              "attention_launch": {"fold": 4}}),
     # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
     # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
     # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.
@@ -161,10 +163,15 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--w1", type=int, default=0,
+                    help="also run W1 (this many 512 -> 256 requests) --w1-passes times per variant, on engines sized "
+                         "as notebook 09's (512 sequences, the default graph sizes)")
+    ap.add_argument("--w1-passes", type=int, default=2)
+    ap.add_argument("--name", default="det_b1_switches", help="the JSON's file name (without .json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("det_b1_switches times CUDA-graphed engine steps: it needs a GPU")
-    out = Path(args.out) / "det_b1_switches.json"
+    out = Path(args.out) / f"{args.name}.json"
     batches = [int(b) for b in args.batches.split(",")]
     rec = {**provenance(), "model": "qwen2.5-3b", "context": args.context, "variants": {}}
     for name in args.variants.split(","):
@@ -183,9 +190,9 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library(blas)
         if options.get("int8_tuned_configs") == "cuda_cores_2_8":
             options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
-        llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, max_num_seqs=max(64, *batches),
-                  cuda_graph_max_bs=max(batches), deterministic=det, triton_options=options,
-                  quantization=quant[0] if quant else None)
+        sizes = dict(max_num_seqs=512) if args.w1 else dict(max_num_seqs=max(64, *batches), cuda_graph_max_bs=max(batches))
+        llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, deterministic=det,
+                  triton_options=options, quantization=quant[0] if quant else None, **sizes)
         use_old_paths(llm.engine.runner, old)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         model_runner.select_ops = select_before
@@ -194,6 +201,11 @@ def main() -> None:
         for b in batches:
             row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)
             row[f"b{b}_graph_ms"] = graph_replay_ms(llm.engine.runner, b)
+        if args.w1:
+            vocab = bench.prompt_vocab_size(llm)
+            for p in range(args.w1_passes):  # the first pass compiles the eager steps' kernels
+                w1 = bench.random_workload(args.w1, 512, 256, vocab, seed=p, name="W1")
+                row[f"w1_pass{p + 1}_total_tok_s"] = bench.run_pageserve(llm, w1).total_tok_s
         rec["variants"][name] = row
         print(name, {k: round(v, 3) for k, v in row.items() if isinstance(v, float)}, flush=True)
         out.write_text(json.dumps(rec, indent=1))
