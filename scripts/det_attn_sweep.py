@@ -38,16 +38,11 @@ WALKS = {
     "flat": {"flat": True, "split_stages": 2},
     "flat_stages3": {"flat": True, "split_stages": 3},
     "as_shipped": {},  # the launch's own choice (paged_attention_invariant's defaults)
-    # session 23: each split's key tiles unrolled, the next tile's loads ahead (or not), and the merge
-    # folding 2-8 splits a trip with their loads in flight together
-    "unroll": {"flat": False, "unroll": True},
-    "unroll_no_ahead": {"flat": False, "unroll": True, "ahead": False},
-    "unroll_warps8": {"flat": False, "unroll": True, "split_warps": 8},
+    # session 23 also timed "unroll*" and "fold*" walks (each split's key tiles unrolled with the next tile's
+    # loads ahead; the merge folding 2-8 splits a trip) at 3416e93-943114a, the only commits with those
+    # keywords (diagnostics/det_attn_sweep_{unroll_fold_3416e93,ksplit_silu_in_943114a}.*): no gain at one row
+    "per_split_warps4": {"flat": False, "split_warps": 4},  # the launch before the small-batch policy
     "per_split_warps8": {"flat": False, "split_warps": 8},
-    "fold2": {"flat": False, "fold": 2},
-    "fold4": {"flat": False, "fold": 4},
-    "fold8": {"flat": False, "fold": 8},
-    "unroll_fold4": {"flat": False, "unroll": True, "fold": 4},
     # 0b4076b also timed *_no_prefetch walks against a prefetch of the block-table entries a tile ahead (then
     # the default; slower: diagnostics/det_attn_sweep_prefetch_0b4076b.*, removed with its keyword)
 }

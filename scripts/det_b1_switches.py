@@ -86,22 +86,12 @@ VARIANTS = {
     # the default decode attention, or the default linears (the GEMVs at one row, cuBLAS above)
     "det_mix_default_attention": (True, {"_mix": "attention"}),
     "det_mix_default_linears": (True, {"_mix": "linears"}),
-    # and the batch-1 switches built for it (attention launches change no bit; K splits give their own bits)
-    "det_attn_unroll": (True, {"attention_launch": {"unroll": True}}),
-    "det_attn_unroll_no_ahead": (True, {"attention_launch": {"unroll": True, "ahead": False}}),
-    "det_attn_fold4": (True, {"attention_launch": {"fold": 4}}),
-    "det_attn_unroll_fold4": (True, {"attention_launch": {"unroll": True, "fold": 4}}),
-    "det_ksplit2": (True, {"matmul_k_splits": 2}),
-    "det_ksplit3": (True, {"matmul_k_splits": 3}),
-    "det_ksplit4": (True, {"matmul_k_splits": 4}),
-    "det_silu_in_down": (True, {"silu_in_down_max_rows": 4}),
-    "det_attn_warps8": (True, {"attention_launch": {"split_warps": 8}}),
-    "det_attn_unroll_warps8": (True, {"attention_launch": {"unroll": True, "split_warps": 8}}),
-    "det_ksplit3_silu_in_down": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4}),
-    "det_ksplit3_silu_in_down_attn_warps8": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4,
-                                                    "attention_launch": {"split_warps": 8, "fold": 4}}),
-    "det_ksplit3_silu_in_down_fold4": (True, {"matmul_k_splits": 3, "silu_in_down_max_rows": 4,
-                                              "attention_launch": {"fold": 4}}),
+    # and the switches built for it at 3416e93-943114a (diagnostics/det_b1_switches_{det_b1_parts_3416e93,
+    # ksplit_silu_in_943114a}.*): "det_attn_unroll[_no_ahead|_fold4|_warps8]", "det_attn_fold4" (the attention's
+    # split tiles unrolled, the merge folding 4 splits a trip), "det_ksplit{2,3,4}" (the down projection's K in
+    # fixed splits), "det_silu_in_down" (SiLU·mul on down's x tiles) and their combinations ran DeterministicOps
+    # options that only those commits have: none faster at one row but 8 attention warps, now the policy's
+    "det_attn_warps4": (True, {"attention_launch": {"split_warps": 4}}),  # the launch before the policy
     # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
     # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
     # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.

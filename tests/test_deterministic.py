@@ -83,39 +83,16 @@ def test_deterministic_triton_path_same_logprobs_alone_batched_chunked_and_prefi
     assert {k: r[k] for k in want} == want
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16] if not ON_GPU else [torch.bfloat16, torch.float16])
-def test_deterministic_with_k_splits_silu_in_down_and_unrolled_attention_stays_invariant(tiny_qwen2_config, dtype):
-    # the batch-1 switches of session 23: the down projection's K in two fixed splits (a program per split
-    # + reduce at small M, one program walking both above), SiLU·mul on its x tiles up to 4 rows, and the
-    # attention's split tiles unrolled with the merge folding two splits a trip; every comparison still 3/3
-    import dataclasses
-    device = "cuda" if ON_GPU else "cpu"
-    cfg = dataclasses.replace(tiny_qwen2_config, intermediate_size=512)  # K 512 >= 2 x 64: two splits of 256
-    model = _tiny_model(cfg, dtype, device)
-    opts = {"matmul_k_splits": 2, "silu_in_down_max_rows": 4, "attention_launch": {"unroll": True, "fold": 2}}
-
-    def make(**kw):
-        c = dict(device=device, num_blocks=128, max_model_len=256, deterministic=True, use_triton=True,
-                 enforce_eager=not ON_GPU, triton_options=opts) | kw
-        return LLM.from_model(model, None, **c)
-
-    ops = make().engine.runner.ops
-    assert ops.k_splits_for(model.layers[0].mlp.down_proj.weight) == 2
-    assert ops.k_splits_for(model.layers[0].mlp.gate_up_proj.weight) == 0
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    r = D.invariance_suite(make, prompts, max_tokens=4, logprobs=3, chunk_budgets=(7, 16), graphs=ON_GPU)
-    want = {k: 3 for k in ("alone", "chunk_7", "chunk_16", "prefix", "sync") + (("eager",) if ON_GPU else ())}
-    assert {k: r[k] for k in want} == want
-
-
-def test_deterministic_ops_refuse_unknown_attention_launch_options_and_negative_counts():
-    from pageserve.model.deterministic_ops import DeterministicOps
+def test_deterministic_ops_pass_attention_launch_options_and_refuse_bit_changing_ones(monkeypatch):
+    from pageserve.model import deterministic_ops as DO
 
     with pytest.raises(ValueError, match="unknown options"):
-        DeterministicOps(attention_launch={"kv_split": 64})  # a bit-changing choice is not a launch option
-    with pytest.raises(ValueError, match="counts >= 0"):
-        DeterministicOps(matmul_k_splits=-1)
+        DO.DeterministicOps(attention_launch={"kv_split": 64})  # a bit-changing choice is not a launch option
+    seen = {}
+    monkeypatch.setattr("pageserve.kernels.paged_attention_invariant", lambda *a, **kw: seen.update(kw))
+    DO.DeterministicOps(attention_launch={"split_warps": 8}, kv_split=128).paged_attention(
+        torch.zeros(1, 2, 16), None, None, None, 0.25)
+    assert seen["split_warps"] == 8 and seen["kv_split"] == 128
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

@@ -219,68 +219,6 @@ def test_silu_mul_refuses_a_bias_and_an_odd_gate_up_width(gen):
         matmul_invariant(x, w, silu_mul=True, out=torch.empty(3, 20, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_k_splits_sum_the_same_splits_in_the_same_order_at_every_m(dtype, gen):
-    # fixed K splits (deterministic mode's down projection): a program per split + the reduce at small
-    # M, one program walking the splits (its sum so far in a workspace) above; the same bits both ways,
-    # for every row alone or in any batch, close to the float64 product, and other bits than no split
-    from pageserve.kernels.matmul_invariant import _tma_ok, k_split_len
-    K = 5376 if CUDA else 700  # splits of 2816 + 2560 (CUDA) or 256 + 256 + 188 (interpreter)
-    N = 301 if CUDA else 37
-    w, bias = _rand(gen, N, K, dtype=dtype, scale=K**-0.5), _rand(gen, N, dtype=dtype)
-    splits = 2 if CUDA else 3
-    assert k_split_len(K, splits) == (2816 if CUDA else 256) and k_split_len(K, 1) == 0 and k_split_len(256, 2) == 0
-    x = _rand(gen, 40, K, dtype=dtype)
-    for M in (1, 3, 17, 40):
-        across = matmul_invariant(x[:M], w, bias, k_splits=splits, split_mode="across")
-        within = matmul_invariant(x[:M], w, bias, k_splits=splits, split_mode="within")
-        assert torch.equal(across, within), M
-        assert torch.equal(matmul_invariant(x[:M], w, bias, k_splits=splits), across), M  # the policy's choice
-        assert torch.equal(across, matmul_invariant(x, w, bias, k_splits=splits)[:M]), M
-        ref = matmul_invariant_reference(x[:M].double(), w.double(), bias.double())
-        assert rel_err(across, ref) <= TIGHT[dtype], M
-    mism = invariance_mismatches(lambda t: matmul_invariant(t, w, bias, k_splits=splits), x[:4], (2, 9, 33), gen)
-    assert not any(mism.values()), mism
-    if _tma_ok(x, w):
-        cfg = invariant_config(40, N, dtype, sms=132, K=K)
-        tiles = [dataclasses.replace(cfg, tma=True), dataclasses.replace(cfg, tma=True, persistent=True)]
-        if CUDA and dtype != torch.float32:  # another tile and BLOCK_K (the interpreter's sums follow BLOCK_K)
-            tiles.append(dataclasses.replace(cfg, block_m=128, block_n=128, block_k=64, tma=True))
-        for tile in tiles:
-            assert torch.equal(matmul_invariant(x, w, bias, k_splits=splits, config=tile),
-                               matmul_invariant(x, w, bias, k_splits=splits, split_mode="across")), tile
-    if dtype == torch.float32:  # re-associated fp32 sums, stored unrounded: the split shows in some bits
-        assert not torch.equal(matmul_invariant(x, w, bias), matmul_invariant(x, w, bias, k_splits=splits))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 5])
-def test_silu_in_gives_silu_and_mul_then_the_product_bit_for_bit(dtype, M, gen):
-    # SiLU(gate) * up computed on the down projection's x tiles: bitwise silu_and_mul then the matmul,
-    # with and without K splits, row by row
-    from pageserve.kernels import silu_and_mul
-    I, N = (2056, 301) if CUDA else (520, 37)
-    gate_up, w = _rand(gen, M, 2 * I, dtype=dtype), _rand(gen, N, I, dtype=dtype, scale=I**-0.5)
-    for splits in (0, 2):
-        separate = matmul_invariant(silu_and_mul(gate_up), w, k_splits=splits)
-        fused = matmul_invariant(gate_up, w, silu_in=True, k_splits=splits)
-        assert torch.equal(fused, separate), splits
-        assert all(torch.equal(matmul_invariant(gate_up[i:i + 1].clone(), w, silu_in=True, k_splits=splits)[0],
-                               fused[i]) for i in range(M))
-
-
-def test_k_splits_and_silu_in_refuse_what_they_cannot_compute(gen):
-    x, w = _rand(gen, 3, 600), _rand(gen, 40, 600)
-    with pytest.raises(ValueError, match="not with silu_mul"):
-        matmul_invariant(x, w, silu_mul=True, k_splits=2)
-    with pytest.raises(ValueError, match="split_mode"):
-        matmul_invariant(x, w, k_splits=2, split_mode="sideways")
-    with pytest.raises(ValueError, match="even width"):
-        matmul_invariant(x[:, :599], w[:, :299], silu_in=True)
-    with pytest.raises(ValueError):  # gate|up of 2 x 600 columns against w's 300: the widths disagree
-        matmul_invariant(x, w, silu_in=True)
-
-
 def test_tma_is_refused_where_descriptors_cannot_address_the_operands(gen):
     from pageserve.kernels.matmul_invariant import TensorDescriptor, _tma_ok
     x, w = _rand(gen, 4, 72), _rand(gen, 8, 72)

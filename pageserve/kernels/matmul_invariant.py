@@ -223,36 +223,11 @@ def _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ty: tl.constexpr, HAS_BIAS: t
     return acc.to(out_ty)
 
 
-@triton.jit
-def _ptr_k_range(x_rows, w_rows, mmask, nmask, N, K, stride_wn, k_lo, k_hi,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                 UPCAST: tl.constexpr, SILU_MUL: tl.constexpr, SILU_IN: tl.constexpr):
-    """The MMA chain over K slices k_lo, k_lo + BLOCK_K, ... < k_hi, from zero: (acc, acc_up).
-    SILU_IN: x rows hold gate|up (2K columns) and the x tile is SiLU(gate) * up rounded to x's
-    dtype, the values ``silu_and_mul`` stores, computed on the tile as it is loaded."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up columns, rows N.. of w
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < k_hi
-        xmask = mmask[:, None] & kmask[None, :]
-        a = tl.load(x_rows + k[None, :], mask=xmask, other=0.0)  # [BLOCK_M, BLOCK_K]
-        if SILU_IN:
-            u = tl.load(x_rows + K + k[None, :], mask=xmask, other=0.0)
-            a = silu_mul_f32(a.to(tl.float32), u.to(tl.float32)).to(u.dtype)
-        b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        acc = _acc_dot(a, b, acc, PREC, UPCAST)
-        if SILU_MUL:
-            b_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc_up = _acc_dot(a, b_up, acc_up, PREC, UPCAST)
-    return acc, acc_up
-
-
 def _matmul_invariant_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, SPLIT_LEN: tl.constexpr, ACROSS: tl.constexpr, SILU_IN: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -261,113 +236,61 @@ def _matmul_invariant_kernel(
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     pdl_enter(USE_PDL)
-    if SPLIT_LEN == 0:
-        # the same K slices in the same order for every tile, the whole of K in one program
-        acc, acc_up = _ptr_k_range(x_rows, w_rows, mmask, nmask, N, K, stride_wn, 0, K,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, SILU_IN)
-    elif ACROSS:
-        # K split s of SPLIT_LEN columns, one program each: its chain from zero, stored in fp32 for
-        # _split_reduce_kernel (the row's sum of the splits in order, as the loop below adds them)
-        s = tl.program_id(1)
-        acc, acc_up = _ptr_k_range(x_rows, w_rows, mmask, nmask, N, K, stride_wn, s * SPLIT_LEN,
-                                   tl.minimum(K, (s + 1) * SPLIT_LEN),
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, SILU_IN)
-        ws = ws_ptr + (s * M + m.to(tl.int64))[:, None] * N + n[None, :]
-        tl.store(ws, acc, mask=mmask[:, None] & nmask[None, :])
-        return
-    else:
-        acc, acc_up = _ptr_k_range(x_rows, w_rows, mmask, nmask, N, K, stride_wn, 0, tl.minimum(K, SPLIT_LEN),
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, SILU_IN)
-        ws = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
-        wsmask = mmask[:, None] & nmask[None, :]
-        for k_lo in range(SPLIT_LEN, K, SPLIT_LEN):
-            tl.store(ws, acc, mask=wsmask)  # the sum so far, out of registers while the next chain runs
-            part, acc_up = _ptr_k_range(x_rows, w_rows, mmask, nmask, N, K, stride_wn, k_lo,
-                                        tl.minimum(K, k_lo + SPLIT_LEN),
-                                        BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, SILU_IN)
-            tl.debug_barrier()  # the stash's stores visible to whichever thread loads each element
-            acc = tl.load(ws, mask=wsmask, other=0.0) + part
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up columns, rows N.. of w
+    # the same K slices in the same order for every tile, the whole of K in one program
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc = _acc_dot(a, b, acc, PREC, UPCAST)
+        if SILU_MUL:
+            b_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc_up = _acc_dot(a, b_up, acc_up, PREC, UPCAST)
     y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
     tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _split_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """out = ((p0 + p1) + p2) ... [+ bias], rounded once: the sum the one-program loop computes
-    (there the running sum is stash + p_s, here acc + p_s: fp32 addition commutes exactly)."""
-    pdl_enter(USE_PDL)
-    m = tl.program_id(1).to(tl.int64)
-    n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    nmask = n < N
-    acc = tl.load(ws_ptr + m * N + n, mask=nmask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc = acc + tl.load(ws_ptr + (s * M + m) * N + n, mask=nmask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _tma_k_range(x_desc, w_desc, pid_m, pid_n, N, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
-    """``_ptr_k_range`` with x and w fetched by TMA descriptors: rows past M and columns past K come
-    back as zeros (the descriptor's bounds), as the masked loads give. k_hi is K or a multiple of
-    BLOCK_K (a split's end), so a slice never reads past it. With SILU_MUL the gate tile of a last
-    column tile may read up rows past N: columns that are never stored (each column is its own chain)."""
+def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
+    # the pointer kernel's tile with x and w fetched by TMA descriptors: rows past M and columns
+    # past K come back as zeros (the descriptor's bounds), as the masked loads give. With
+    # SILU_MUL the gate tile of a last column tile may read up rows past N: columns that are
+    # never stored (each output column is its own chain)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
         acc = _acc_dot(a, w_desc.load([pid_n * BLOCK_N, k0]), acc, PREC, UPCAST)  # w tile: [BLOCK_N, BLOCK_K]
         if SILU_MUL:
             acc_up = _acc_dot(a, w_desc.load([N + pid_n * BLOCK_N, k0]), acc_up, PREC, UPCAST)
-    return acc, acc_up
-
-
-@triton.jit
-def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, pid_m, pid_n, M, N, K, stride_om,
-              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr, SPLIT_LEN: tl.constexpr):
-    # the pointer kernel's tile (its one-program split loop included) with TMA loads
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    if SPLIT_LEN == 0:
-        acc, acc_up = _tma_k_range(x_desc, w_desc, pid_m, pid_n, N, 0, K, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST,
-                                   SILU_MUL)
-    else:
-        acc, acc_up = _tma_k_range(x_desc, w_desc, pid_m, pid_n, N, 0, tl.minimum(K, SPLIT_LEN),
-                                   BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL)
-        ws = ws_ptr + m.to(tl.int64)[:, None] * N + n[None, :]
-        wsmask = (m < M)[:, None] & nmask[None, :]
-        for k_lo in range(SPLIT_LEN, K, SPLIT_LEN):
-            tl.store(ws, acc, mask=wsmask)
-            part, acc_up = _tma_k_range(x_desc, w_desc, pid_m, pid_n, N, k_lo, tl.minimum(K, k_lo + SPLIT_LEN),
-                                        BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL)
-            tl.debug_barrier()
-            acc = tl.load(ws, mask=wsmask, other=0.0) + part
     y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
     tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], y, mask=(m < M)[:, None] & nmask[None, :])
 
 
 def _matmul_invariant_tma_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_om,
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pdl_enter(USE_PDL)
-    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, pid_m, pid_n, M, N, K, stride_om,
-              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, SPLIT_LEN)
+    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL)
 
 
 def _matmul_invariant_persistent_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, M, N, K, stride_om, num_programs,
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, SPLIT_LEN: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
     # the TMA kernel's tile, for tiles pid, pid + num_programs, ...: one launch wave, and a
     # program's next tile's loads can start under its last one's epilogue. Each tile is the
@@ -376,8 +299,8 @@ def _matmul_invariant_persistent_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, ws_ptr, pid_m, pid_n, M, N, K, stride_om,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, SPLIT_LEN)
+        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL)
 
 
 def _two_compiles(fn):
@@ -409,29 +332,10 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * es) % 16 == 0 for t in (x, w))
 
 
-# K splits (``k_splits``): each split a multiple of this many columns, so that every BLOCK_K of every
-# config (64 to 256) tiles it and a split's chain is whole k16 steps, whatever the tile
-SPLIT_UNIT = 256
-# K splits run as one program per split (+ _split_reduce_kernel) up to this many rows, where the
-# pointer kernel's tiles alone give too few programs (down at one row: 128 tiles on 132 SMs); above,
-# each program walks its tile's splits (the same sums, in the same order)
-ACROSS_MAX_M = 16
-
-
-def k_split_len(K: int, k_splits: int) -> int:
-    """Columns per K split for ``k_splits`` splits of K (0: no split). The split points depend on K
-    alone, so a row's sum has the same association at every M."""
-    if k_splits <= 1:
-        return 0
-    length = cdiv(cdiv(K, SPLIT_UNIT), k_splits) * SPLIT_UNIT
-    return 0 if length >= K else length
-
-
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
                      config: InvariantMatmulConfig | None = None, silu_mul: bool = False,
-                     specialize: bool | None = None, k_splits: int = 0, split_mode: str | None = None,
-                     silu_in: bool = False) -> torch.Tensor:
+                     specialize: bool | None = None) -> torch.Tensor:
     """x: [M, K], w: [N, K] row-major, bias: [N] or None -> x @ w^T + bias: [M, N] in x's dtype
     (fp32, fp16, bf16), fp32 accumulation, each row's bits independent of the batch (module
     docstring). ``out``: a [M, N] buffer to write (row stride free). ``block_m``: force another
@@ -444,38 +348,16 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     the [M, 2I] intermediate or the second launch. Each program computes a gate tile and the
     matching up tile (BLOCK_N / 2 columns each, at least 16: the work of the config's tile). No bias.
 
-    ``silu_in``: x is the gate|up activation [M, 2K] and the product is ``silu_and_mul(x) @ w^T``,
-    bitwise, the SiLU·mul computed on each x tile as it is loaded (no [M, K] intermediate, no launch
-    of its own). The pointer kernel (the tiles of small M) whatever the config says.
-
-    ``k_splits``: cut K into this many splits at fixed points (``k_split_len``), each summed from zero,
-    the splits' sums added in order in fp32: other bits than no split, the same at every M (so one
-    setting per run). Up to ``ACROSS_MAX_M`` rows on the pointer kernel a program per split and a
-    reduce launch (more programs for a narrow N); else one program walks the splits, keeping the sum
-    so far in an fp32 workspace while the next runs. ``split_mode`` "across" / "within" forces one
-    (tests: the two give the same bits). Not with ``silu_mul``.
-
     ``specialize``: which compile of the kernel (``_two_compiles``): None = the M-specialized one
     inside a CUDA-graph capture, the generic one otherwise; the bits are the same.
     No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
-    if silu_in:
-        check("x", x, ndim=2)
-        if x.shape[1] % 2:
-            raise ValueError(f"silu_in: x must stack gate and up columns (an even width), got {x.shape[1]}")
-        M, N, K = check_linear(x[:, :x.shape[1] // 2], w, bias, "w")
-    else:
-        M, N, K = check_linear(x, w, bias, "w")
+    M, N, K = check_linear(x, w, bias, "w")
     if silu_mul:
         if bias is not None:
             raise ValueError("silu_mul: the gate|up product takes no bias")
         if N % 2:
             raise ValueError(f"silu_mul: w must stack gate and up rows (an even row count), got {N}")
         N //= 2
-    if split_mode not in (None, "across", "within"):
-        raise ValueError(f"split_mode must be None, 'across' or 'within', got {split_mode!r}")
-    split_len = k_split_len(K, k_splits)
-    if split_len and silu_mul:
-        raise ValueError("k_splits: not with silu_mul (the gate|up product is not split)")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     check("out", out, shape=(M, N), dtype=x.dtype)
     if M == 0 or N == 0:
@@ -485,50 +367,29 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     cfg = config or invariant_config(M, w.shape[0], x.dtype, sm_count_for(x), block_m, K=K, smem_bytes=smem_budget(x))
     if silu_mul:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
-    across = bool(split_len) and (split_mode == "across" or (
-        split_mode is None and M <= ACROSS_MAX_M and not (cfg.tma and _tma_ok(x, w))))
-    if silu_in or across:  # the pointer kernel (the same bits as TMA loads)
-        cfg = dataclasses.replace(cfg, tma=False, persistent=False)
-    if split_len % cfg.block_k:
-        raise ValueError(f"k split of {split_len} columns is not a multiple of BLOCK_K {cfg.block_k}")
     if specialize is None:
         specialize = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize, split_len, across, silu_in)
+    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize)
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            cfg: InvariantMatmulConfig, pdl: bool | None, silu_mul: bool = False, specialize: bool = False,
-            split_len: int = 0, across: bool = False, silu_in: bool = False):
+            cfg: InvariantMatmulConfig, pdl: bool | None, silu_mul: bool = False, specialize: bool = False):
     """One launch over checked arguments (``silu_mul``: w holds gate then up rows, out the up
-    rows' count of columns; ``split_len``/``across``: ``matmul_invariant``'s K splits; ``silu_in``: x
-    holds gate|up); returns Triton's compiled kernel (the lab reads its PTX to see which MMA
-    instruction a config got). ``specialize``: ``_two_compiles``."""
+    rows' count of columns); returns Triton's compiled kernel (the lab reads its PTX to see which
+    MMA instruction a config got). ``specialize``: ``_two_compiles``."""
     M, N, K = x.shape[0], out.shape[1], w.shape[1]
     pick = 0 if specialize else 1
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
-    launch = pdl_args(x, M, pdl)
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-                  SILU_MUL=silu_mul, SPLIT_LEN=split_len, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **launch)
+                  SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
     b = bias if bias is not None else w
-    splits = cdiv(K, split_len) if split_len else 1
-    # the workspace: each split's sums (across), or the sum so far of each tile (within)
-    ws = (torch.empty((splits, M, N) if across else (M, N), dtype=torch.float32, device=x.device)
-          if split_len else out)
     if cfg.tma and _tma_ok(x, w):
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
                  TensorDescriptor(w, [w.shape[0], K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]))
         if cfg.persistent:
             programs = min(grid[0], sm_count_for(x))
-            return _PERSISTENT_KERNELS[pick][(programs,)](*descs, b, out, ws, M, N, K, out.stride(0), programs,
-                                                           **consts)
-        return _TMA_KERNELS[pick][grid](*descs, b, out, ws, M, N, K, out.stride(0), **consts)
-    kernel = _POINTER_KERNELS[pick][(grid[0], splits if across else 1)](
-        x, w, b, out, ws, M, N, K, x.stride(0), w.stride(0), out.stride(0), ACROSS=across, SILU_IN=silu_in,
-        **consts)
-    if across:
-        _split_reduce_kernel[(cdiv(N, 256), M)](ws, b, out, M, N, out.stride(0), SPLITS=splits,
-                                                HAS_BIAS=bias is not None, BLOCK=256, num_warps=2, **launch)
-    return kernel
+            return _PERSISTENT_KERNELS[pick][(programs,)](*descs, b, out, M, N, K, out.stride(0), programs, **consts)
+        return _TMA_KERNELS[pick][grid](*descs, b, out, M, N, K, out.stride(0), **consts)
+    return _POINTER_KERNELS[pick][grid](x, w, b, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), **consts)

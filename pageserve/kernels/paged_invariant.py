@@ -75,12 +75,14 @@ LOG2E = 1.4426950408889634
 KV_SPLIT = 256  # keys per split (a multiple of BLOCK_N): a row at position p has p // KV_SPLIT + 1 splits
 #                (512: faster at batch 64 @ 4k and in prefill, slower at batch 1; module docstring)
 BLOCK_N = 64  # keys per tile
-# launch policy (no bit depends on either): decode batches walk each split's tiles unrolled with the
-# next tile's loads ahead; the merge folds this many splits a trip. To be set from the H200 sweep
-UNROLL = False
-FOLD = 1
+# decode launches of at most this many (sequence, KV head) tiles run the split kernel at 8 warps where the row
+# sums are MMAs (ROWSUM_DOT, Hopper): H200, graphed 3B step (diagnostics/det_b1_switches_ksplit_silu_in_943114a.*),
+# batch 1 2.603 -> 2.558 ms, batch 4 2.747 -> 2.702; at 64 sequences 8 warps cost +0.40 ms (19 -> 31 us a
+# call). Warps change which thread holds which element, not a bit, where every sum is an MMA chain (bits
+# equal in every walk of the sweeps); a tl.sum tree (ROWSUM_DOT off) follows the layout, so there 4 always
+WIDE_WARPS_MAX_TILES = 8
 # paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
-LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "unroll", "ahead", "fold", "split_warps")
+LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps")
 
 
 def invariant_block_m(group: int) -> int:
@@ -137,7 +139,7 @@ def _split_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    FLAT: tl.constexpr, UNROLL: tl.constexpr, AHEAD: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     pdl_enter_before_inputs(USE_PDL)
     # step inputs (the tile map, query_start_loc, seq_lens): before the wait (_util)
@@ -195,42 +197,14 @@ def _split_kernel(
             m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            if UNROLL:
-                # the split's KV_SPLIT // BLOCK_N tiles unrolled, tile i + 1's block-table entries and K/V
-                # loaded before tile i is folded (AHEAD), so the loads of a short decode chain overlap
-                # instead of each waiting on the one before; tiles past kv_end load nothing and fold as
-                # exact no-ops (point 3 of the module docstring): the loop's arithmetic, tile for tile
-                kpos = split_start + tl.arange(0, BLOCK_N)
-                kmask = kpos < kv_end
-                k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,
+            for n0 in range(split_start, kv_end, BLOCK_N):
+                kpos = n0 + tl.arange(0, BLOCK_N)
+                kmask = kpos < kv_end  # past it: zeros, never unwritten slots
+                k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-                for i in tl.static_range(KV_SPLIT // BLOCK_N):
-                    if AHEAD and i + 1 < KV_SPLIT // BLOCK_N:
-                        kpos_next = kpos + BLOCK_N
-                        kmask_next = kpos_next < kv_end
-                        k_next, v_next = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos_next, kmask_next, h, d, dmask,
-                                                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                                      stride_vh, PAGE)
-                    scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
-                    scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-                    m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
-                    if i + 1 < KV_SPLIT // BLOCK_N:
-                        if AHEAD:
-                            kpos, kmask, k, v = kpos_next, kmask_next, k_next, v_next
-                        else:
-                            kpos = kpos + BLOCK_N
-                            kmask = kpos < kv_end
-                            k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,
-                                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-            else:
-                for n0 in range(split_start, kv_end, BLOCK_N):
-                    kpos = n0 + tl.arange(0, BLOCK_N)
-                    kmask = kpos < kv_end  # past it: zeros, never unwritten slots
-                    k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
-                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-                    scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-                    scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-                    m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
+                scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+                scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+                m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
             _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, head, d, dmask,
                          rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
 
@@ -259,7 +233,6 @@ def _merge_kernel(
     split_rows,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, Q_TOK: tl.constexpr,
     KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
-    FOLD: tl.constexpr,
 ):
     pdl_enter_before_inputs(USE_PDL)
     t = tl.program_id(0)  # step inputs first, before the wait (see _split_kernel)
@@ -283,24 +256,20 @@ def _merge_kernel(
     m = tl.load(part_ml_ptr + prow * 2, mask=active, other=0.0)
     l = tl.load(part_ml_ptr + prow * 2 + 1, mask=active, other=1.0)
     acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=amask, other=0.0)
-    # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own. FOLD splits a trip,
-    # unrolled: their loads do not depend on the fold, so they are in flight together (a split past a
-    # row's count is held by tl.where, exactly)
-    for s0 in range(1, n_max, FOLD):
-        for j in tl.static_range(FOLD):
-            s = s0 + j
-            take = active & (s < n_row)
-            prow_s = prow + s * split_rows
-            m_s = tl.load(part_ml_ptr + prow_s * 2, mask=take, other=0.0)
-            l_s = tl.load(part_ml_ptr + prow_s * 2 + 1, mask=take, other=0.0)
-            acc_s = tl.load(part_acc_ptr + prow_s[:, None] * HEAD_DIM + d[None, :],
-                            mask=take[:, None] & dmask[None, :], other=0.0)
-            m_new = tl.maximum(m, m_s)
-            a = tl.exp2(m - m_new)
-            c = tl.exp2(m_s - m_new)
-            l = tl.where(take, l * a + l_s * c, l)
-            acc = tl.where(take[:, None], acc * a[:, None] + acc_s * c[:, None], acc)
-            m = tl.where(take, m_new, m)
+    # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own
+    for s in range(1, n_max):
+        take = active & (s < n_row)
+        prow_s = prow + s * split_rows
+        m_s = tl.load(part_ml_ptr + prow_s * 2, mask=take, other=0.0)
+        l_s = tl.load(part_ml_ptr + prow_s * 2 + 1, mask=take, other=0.0)
+        acc_s = tl.load(part_acc_ptr + prow_s[:, None] * HEAD_DIM + d[None, :],
+                        mask=take[:, None] & dmask[None, :], other=0.0)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp2(m - m_new)
+        c = tl.exp2(m_s - m_new)
+        l = tl.where(take, l * a + l_s * c, l)
+        acc = tl.where(take[:, None], acc * a[:, None] + acc_s * c[:, None], acc)
+        m = tl.where(take, m_new, m)
     out = acc / l[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=amask)
@@ -311,7 +280,7 @@ def paged_attention_invariant(
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
-    unroll: bool | None = None, ahead: bool = True, fold: int | None = None, split_warps: int | None = None,
+    split_warps: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -339,11 +308,10 @@ def paged_attention_invariant(
     tiles: no faster where it matters, det_attn_sweep_0960f7a; the knob left with that commit.)
     (Block-table entries one key tile ahead, as the default decode kernel's ``prefetch``: slower at 2
     stages, b64c640 19.1 -> 24.3 µs, diagnostics/det_attn_sweep_prefetch_0b4076b.*; removed.)
-    ``unroll``: a program's loop per split (not ``flat``) unrolled over the split's key tiles, with
-    ``ahead`` the next tile's loads issued before a tile is folded (None: the policy, ``UNROLL``;
-    no bit depends on either). ``fold``: splits the merge folds a trip, their loads in flight together
-    (None: ``FOLD``; no bit depends on it). ``split_warps``: the split kernel's warps (None: 4 for
-    small tiles, 8 for tall ones; no bit depends on it on the GPU, measured by the sweeps).
+    ``split_warps``: the split kernel's warps (None: 8 for decode launches of at most
+    ``WIDE_WARPS_MAX_TILES`` small tiles with MMA row sums, else 4 for small tiles, 8 for tall ones).
+    Tried and removed at 943114a (no gain at one row, or a loss at large batches): each split's key tiles
+    unrolled with the next tile's loads ahead, and the merge folding several splits a trip.
     ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``)."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
@@ -396,8 +364,8 @@ def paged_attention_invariant(
             raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
         walk_flat = (P == 1 and bm == small_m) if flat is None else flat
         stages = split_stages or (2 if bm == small_m else 3)
-        # small tiles only: a tall tile's unrolled chain would hold every key tile in shared memory
-        walk_unroll = bm == small_m and ((UNROLL and meta.max_query_len == 1) if unroll is None else unroll)
+        warps = split_warps or (8 if bm > 64 or (
+            prefill_block_m is not None and meta.max_query_len == 1 and n_tiles * Hkv <= WIDE_WARPS_MAX_TILES) else 4)
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -406,8 +374,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, UNROLL=bool(walk_unroll) and not walk_flat, AHEAD=bool(ahead),
-            num_warps=split_warps or (4 if bm <= 64 else 8), num_stages=stages, **common,
+            FLAT=walk_flat, num_warps=warps, num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
@@ -415,7 +382,7 @@ def paged_attention_invariant(
         tiles = query_tile_map(meta, small_m // group, B, q.device)
         _merge_kernel[(tiles.shape[1], Hkv)](
             part_acc, part_ml, out, meta.seq_lens, meta.query_start_loc, tiles, out.stride(0), out.stride(1), S,
-            tiles.shape[1], T * Hq, Q_TOK=small_m // group, BLOCK_M=small_m, FOLD=fold or FOLD,
+            tiles.shape[1], T * Hq, Q_TOK=small_m // group, BLOCK_M=small_m,
             num_warps=4, **common,
         )
     return out

@@ -48,16 +48,18 @@ class DeterministicOps(TritonOps):
     its speed, else None (16-row tiles: a T4's 64 KB of shared memory, and GPUs not measured).
     ``silu_in_gate_up_max_rows``: the most rows whose SiLU·mul runs in the gate_up matmul's
     epilogue (below). ``matmul_specialize``: which compile of the matmul kernels (None: the
-    M-specialized one inside graph captures; ``kernels.matmul_invariant``). Neither changes a bit:
-    they are there to time the batch-1 step with and without each (scripts/det_b1_switches.py)."""
+    M-specialized one inside graph captures; ``kernels.matmul_invariant``). ``attention_launch``:
+    keywords of ``paged_attention_invariant`` that choose a launch (``LAUNCH_OPTIONS``: programs, walk,
+    stages, warps; None: its policy). None of these changes a bit: they are there to time the batch-1
+    step with and without each (scripts/det_b1_switches.py)."""
 
     name = "deterministic"
     cublas_linears = False  # every linear is kernels.matmul_invariant
 
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
-                 matmul_specialize: bool | None = None, matmul_k_splits: int = 0, silu_in_down_max_rows: int = 0,
-                 attention_launch: dict | None = None, **triton_options) -> None:
+                 matmul_specialize: bool | None = None, attention_launch: dict | None = None,
+                 **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # PDL up to 4 rows: on the H200 the graphed 3B decode step at batch 8 took 3.17 ms with it,
@@ -71,22 +73,12 @@ class DeterministicOps(TritonOps):
         self.attention_prefill_block_m = attention_prefill_block_m
         self.silu_in_gate_up_max_rows = silu_in_gate_up_max_rows
         self.matmul_specialize = matmul_specialize
-        if matmul_k_splits < 0 or silu_in_down_max_rows < 0:
-            raise ValueError(f"matmul_k_splits {matmul_k_splits} and silu_in_down_max_rows {silu_in_down_max_rows}: "
-                             "counts >= 0")
-        self.matmul_k_splits = matmul_k_splits
-        self.silu_in_down_max_rows = silu_in_down_max_rows
         from ..kernels.paged_invariant import LAUNCH_OPTIONS
         unknown = set(attention_launch or {}) - set(LAUNCH_OPTIONS)
         if unknown:
             raise ValueError(f"attention_launch: unknown options {sorted(unknown)} (known: {LAUNCH_OPTIONS})")
         self.attention_launch = dict(attention_launch or {})
 
-    def k_splits_for(self, weight: torch.Tensor) -> int:
-        """K splits for a product with ``weight`` [N, K]: ``matmul_k_splits`` where K >= 2N (the MLP's
-        down projection, whose few output columns give too few programs at one row), else none. The
-        choice follows the weight alone, so every call of a weight sums its splits alike."""
-        return self.matmul_k_splits if weight.shape[1] >= 2 * weight.shape[0] else 0
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
@@ -94,23 +86,10 @@ class DeterministicOps(TritonOps):
         _refuse_int8(weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
-                                specialize=self.matmul_specialize, k_splits=self.k_splits_for(weight))
+                                specialize=self.matmul_specialize)
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
-        from ..kernels import matmul_invariant
-
-        _refuse_int8(weight)
-        rows = gate_up.shape[0]
-        if rows > self.silu_in_down_max_rows or gate_up.stride(-1) != 1:
-            return self.linear(self.silu_and_mul(gate_up), weight, None)
-        # SiLU·mul on the down product's x tiles (``matmul_invariant(silu_in=True)``): the values
-        # silu_and_mul stores, without its launch
-        return matmul_invariant(gate_up, weight, None, block_m=self.matmul_block_m, pdl=self.pdl_for(rows),
-                                specialize=self.matmul_specialize, k_splits=self.k_splits_for(weight), silu_in=True)
-
-    def silu_in_gate_up_for(self, rows: int, weight) -> bool:
-        # steps of at most silu_in_down_max_rows rows take SiLU·mul in the down product instead
-        return rows > self.silu_in_down_max_rows
+        return self.linear(self.silu_and_mul(gate_up), weight, None)
 
     # SiLU·mul in the gate_up matmul's epilogue up to ``silu_in_gate_up_max_rows`` rows: no [T, 2I]
     # intermediate and no launch of its own, bit for bit the separate kernel's values
