@@ -29,7 +29,8 @@ INT8_GEMM_MODES = ("auto", "triton", "dequant")
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
-# 2.53 -> 2.42 ms, 16 2.73 -> 2.69, 64 3.15 -> 3.03, but 128 3.84 -> 3.99 and 256 5.35 -> 5.61 (..._21f46ad.*)
+# 2.53 -> 2.42 ms, 16 2.73 -> 2.69, 64 3.15 -> 3.03, but 128 3.84 -> 3.99 and 256 5.35 -> 5.61 (..._21f46ad.*),
+# and 80 / 96 / 112 rows +0.22-0.27 ms (..._gate_up_silu_80_112_82a5456.*)
 # (Hopper only, where it was measured: elsewhere, a T4 among them, cuBLAS keeps every batch)
 GATE_UP_SILU_ROWS = (2, 64)
 
