@@ -77,8 +77,8 @@ KV_SPLIT = 256  # keys per split (a multiple of BLOCK_N): a row at position p ha
 BLOCK_N = 64  # keys per tile
 # decode launches of at most this many (sequence, KV head) tiles run the split kernel at 8 warps where the row
 # sums are MMAs (ROWSUM_DOT, Hopper): H200, graphed 3B step (diagnostics/det_b1_switches_ksplit_silu_in_943114a.*),
-# batch 1 2.603 -> 2.558 ms, batch 4 2.747 -> 2.702; at 64 sequences 8 warps cost +0.40 ms (19 -> 31 us a
-# call). Warps change which thread holds which element, not a bit, where every sum is an MMA chain (bits
+# batch 1 2.603 -> 2.558 ms, batch 4 2.747 -> 2.702; two more pairs with this policy at 004f872 (..._attn_warps_
+# 004f872.*): 2.609 -> 2.561, 2.744 -> 2.713; at 64 sequences 8 warps cost +0.40 ms (19 -> 31 us a call). Warps change which thread holds which element, not a bit, where every sum is an MMA chain (bits
 # equal in every walk of the sweeps); a tl.sum tree (ROWSUM_DOT off) follows the layout, so there 4 always
 WIDE_WARPS_MAX_TILES = 8
 # paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
@@ -364,8 +364,8 @@ def paged_attention_invariant(
             raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
         walk_flat = (P == 1 and bm == small_m) if flat is None else flat
         stages = split_stages or (2 if bm == small_m else 3)
-        warps = split_warps or (8 if bm > 64 or (
-            prefill_block_m is not None and meta.max_query_len == 1 and n_tiles * Hkv <= WIDE_WARPS_MAX_TILES) else 4)
+        small_decode = prefill_block_m is not None and meta.max_query_len == 1 and n_tiles * Hkv <= WIDE_WARPS_MAX_TILES
+        warps = split_warps or (8 if bm > 64 or small_decode else 4)
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -79,7 +79,6 @@ class DeterministicOps(TritonOps):
             raise ValueError(f"attention_launch: unknown options {sorted(unknown)} (known: {LAUNCH_OPTIONS})")
         self.attention_launch = dict(attention_launch or {})
 
-
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
 
