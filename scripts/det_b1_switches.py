@@ -14,7 +14,11 @@ with PDL to 8 rows, or with CUDA-core tiles at 2-8 rows; (session 14) any of the
 copy-in and the sampler's argmax as before (``*_torch_copy_in``) or only the argmax (``*_torch_argmax``). Per variant and batch: the step's wall time over consecutive ``engine.step()`` calls
 (what 09 reports) and its graph's GPU time alone (replays).
 
-    python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...]
+(session 23) ``det_mix_*`` run the deterministic engine with some ops handed to the default ones, to split its
+batch-1 step into parts (attribution only: not invariant); ``--w1 N`` sizes the engines as notebook 09's and runs
+W1 per variant too (stage ``detw1``).
+
+    python scripts/det_b1_switches.py --out DIR [--batches 1,2,4,8] [--variants name,...] [--w1 500 --name NAME]
 
 Writes DIR/det_b1_switches.json (with the commit) after every variant. On the H200: stage ``detb1``
 of scripts/h200_run.sh.
