@@ -26,6 +26,7 @@ import torch
 
 from ..kernels import reference
 from ..kernels._util import use_pdl
+from ..kernels.paged_invariant import LAUNCH_OPTIONS
 from .ops import TorchOps
 from .quant import QuantizedWeight
 from .triton_ops import TritonOps
@@ -62,6 +63,11 @@ class DeterministicOps(TritonOps):
                  **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
+        # the default mode's gate_up epilogue policy (2-64 rows on Hopper) is not this mode's: its own
+        # gate_up_silu_mul decides, and its fallback under PDL must be the product + the SiLU·mul kernel (with
+        # that policy inherited, batch 4 ran the epilogue under PDL: 3.07 ms a graphed 3B step against 2.74,
+        # diagnostics/det_b1_switches_det_b1_parts_3416e93.*)
+        triton_options.setdefault("gate_up_silu_rows", None)
         # PDL up to 4 rows: on the H200 the graphed 3B decode step at batch 8 took 3.17 ms with it,
         # 3.01 without; at 1-4 rows it gains 0.17-0.19 ms (diagnostics/det_b1_switches_6bad32f.*)
         triton_options.setdefault("pdl_max_rows", 4)
@@ -73,7 +79,6 @@ class DeterministicOps(TritonOps):
         self.attention_prefill_block_m = attention_prefill_block_m
         self.silu_in_gate_up_max_rows = silu_in_gate_up_max_rows
         self.matmul_specialize = matmul_specialize
-        from ..kernels.paged_invariant import LAUNCH_OPTIONS
         unknown = set(attention_launch or {}) - set(LAUNCH_OPTIONS)
         if unknown:
             raise ValueError(f"attention_launch: unknown options {sorted(unknown)} (known: {LAUNCH_OPTIONS})")
@@ -111,10 +116,7 @@ class DeterministicOps(TritonOps):
         _refuse_int8(weight)
         rows = x.shape[0]
         if rows > self.silu_in_gate_up_max_rows or use_pdl(x, rows, self.pdl_for(rows)):
-            # the product, then the SiLU·mul kernel (TorchOps' composition of this object's own ops): not
-            # TritonOps', which at 2-64 rows on Hopper is this epilogue again, under PDL (batch 4: 3.07 ms a
-            # graphed 3B step against 2.74, diagnostics/det_b1_switches_det_b1_parts_3416e93.*)
-            return TorchOps.gate_up_silu_mul(self, x, weight)
+            return super().gate_up_silu_mul(x, weight)  # the product, then the SiLU·mul kernel
         x = x if x.stride(-1) == 1 else x.contiguous()
         return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=False, silu_mul=True,
                                 specialize=self.matmul_specialize)
