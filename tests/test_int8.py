@@ -366,3 +366,99 @@ def test_int8_keeps_the_real_default_model_close_on_2048_positions_of_english(sm
     # 0.97 top-1 target is not met by per-channel int8 on this 135M model (kernels/NOTES.md, 06b)
     assert acc.top1_agreement >= 0.94, acc
     assert abs(acc.ppl_ratio - 1) <= 0.03, acc
+
+
+# ------------------------------------------------------------------ the digit-plane kernel (int8_planes)
+PLANE_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", PLANE_DTYPES)
+def test_int8_planes_match_the_float64_reference_at_decode_batches_and_odd_shapes(dtype, gen):
+    from pageserve.kernels.int8_planes import planes_config
+
+    for M in (1, 3, 4, 5, 9):
+        _ok(checks.check_gemv_int8_planes(M, 45, 200, dtype, DEVICE, gen, bias=M % 2 == 1), dtype)
+    _ok(checks.check_gemv_int8_planes(2, 45, 200, dtype, DEVICE, gen, config=GemvConfig(16, 32, 3)), dtype)  # split
+    _ok(checks.check_gemv_int8_planes(1, 33, 150, dtype, DEVICE, gen, silu_mul=True), dtype)
+    _ok(checks.check_gemv_int8_planes(6, 33, 150, dtype, DEVICE, gen, silu_mul=True,
+                                      config=GemvConfig(32, 64, 2)), dtype)
+    assert planes_config(1, 2048, 11008, 132).split_k > 1  # a skinny N gets its programs from K
+
+
+@pytest.mark.parametrize("dtype", PLANE_DTYPES)
+def test_int8_planes_carry_every_activation_within_the_tiles_range_exactly(dtype):
+    """Each x element meets one weight of 1 (q = identity, scale 1): the output is x itself, so
+    every digit split and recombination must be exact, for exponents down to 14 below the tile's
+    largest (bf16; 11 for fp16's longer mantissa: the 22 bits of the digits), both signs, and
+    an all-zero row."""
+    from pageserve.kernels.int8_planes import gemv_int8_planes
+
+    K = 64
+    span = 14 if dtype == torch.bfloat16 else 11
+    g = torch.Generator().manual_seed(7)
+    mant = 1 + torch.rand(3, K, generator=g)  # [1, 2): the exponent is expo's
+    expo = torch.randint(5 - span, 6, (3, K), generator=g).float()
+    sign = torch.where(torch.rand(3, K, generator=g) < 0.5, -1.0, 1.0)
+    x = (sign * mant * 2.0 ** expo).to(dtype)
+    x[:, 0] = -1.75 * 2.0 ** 5  # every row's largest |x| has exponent 5
+    x = torch.cat([x, torch.zeros(1, K, dtype=dtype)])
+    q = torch.eye(K, dtype=torch.int8)
+    cfg = GemvConfig(16, 32, 1)
+    out = gemv_int8_planes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg)
+    assert torch.equal(out.cpu(), x)
+
+
+@pytest.mark.parametrize("dtype", PLANE_DTYPES)
+def test_int8_planes_multiply_every_weight_value_exactly(dtype):
+    """One x element of 1 (the rest 0) against every int8 value from -127 to 127: out = q exactly."""
+    from pageserve.kernels.int8_planes import gemv_int8_planes
+
+    q = torch.arange(-127, 129, dtype=torch.int32).clamp(max=127).to(torch.int8)[:, None].repeat(1, 32)
+    x = torch.zeros(1, 32, dtype=dtype)
+    x[0, 5] = 1
+    out = gemv_int8_planes(x.to(DEVICE), q.to(DEVICE), torch.ones(256, dtype=dtype, device=DEVICE),
+                           config=GemvConfig(64, 32, 1))
+    assert torch.equal(out.cpu()[0], q[:, 0].to(dtype))
+
+
+def test_int8_planes_refuse_fp32_and_oversized_batches_with_clear_errors():
+    from pageserve.kernels.int8_planes import gemv_int8_planes
+
+    q = torch.zeros(16, 32, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        gemv_int8_planes(torch.zeros(1, 32, device=DEVICE), q, torch.ones(16, device=DEVICE))
+    x = torch.zeros(65, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="M <= 64"):
+        gemv_int8_planes(x, q, torch.ones(16, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="block_k <= 1024"):
+        gemv_int8_planes(x[:1], q, torch.ones(16, dtype=torch.bfloat16, device=DEVICE), config=GemvConfig(16, 2048, 1))
+
+
+def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path(tiny_qwen2_config, monkeypatch):
+    """bf16 decoder, int8 weights: with ``int8_planes_max_m`` the decode step's linears (the fused
+    SiLU·down too) go through the digit-plane kernels, and the logits stay within bf16 noise of the
+    int8 GEMV path's."""
+    from pageserve.kernels import int8_planes
+    from pageserve.lab.naive import ContiguousKVCache, forward_tokens
+    from pageserve.model import triton_ops
+
+    _, qmodel = _tiny_pair(tiny_qwen2_config)
+    qmodel = qmodel.to(torch.bfloat16)
+    calls = []
+    for name in ("gemv_int8_planes", "silu_mul_gemv_int8_planes"):
+        real = getattr(int8_planes, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    ids = torch.randint(0, tiny_qwen2_config.vocab_size, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for planes in (0, 8):
+        qmodel.set_ops(TritonOps(int8_planes_max_m=planes))
+        cache = ContiguousKVCache.for_model(qmodel, 32)
+        forward_tokens(qmodel, cache, ids[:8])  # M = 8: planes when on
+        logits[planes] = torch.cat([qmodel.compute_logits(forward_tokens(qmodel, cache, [t])) for t in ids[8:]]).float()
+    layers = tiny_qwen2_config.num_layers
+    assert calls.count("silu_mul_gemv_int8_planes") == 3 * layers  # the prompt's 8 rows and two single rows
+    assert calls.count("gemv_int8_planes") == 3 * 3 * layers  # qkv, o, gate_up
+    err = ((logits[8] - logits[0]).norm() / logits[0].norm()).item()
+    assert err < 2e-2, err
+    with pytest.raises(ValueError, match="int8_planes_max_m"):
+        TritonOps(int8_planes_max_m=65)

@@ -314,6 +314,23 @@ def check_dequant_linear_int8(M, N, K, dtype, device, gen, bias=True) -> float:
     return rel_err(out, _int8_reference(x, q, s, b))
 
 
+def check_gemv_int8_planes(M, N, K, dtype, device, gen, bias=True, config=None, silu_mul=False) -> float:
+    """``int8_planes``' kernel (digit planes of x on the integer MMAs), plain or with SiLU·mul."""
+    from ..kernels.int8_planes import gemv_int8_planes, silu_mul_gemv_int8_planes
+    from ..kernels.reference import silu_and_mul
+
+    q, s = _int8_weight(N, K, dtype, device, gen)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
+    if silu_mul:
+        gate_up = _rand((M, 2 * K), dtype, device, gen, 2.0)
+        silu_mul_gemv_int8_planes(gate_up, q, s, config=config, out=out)
+        return rel_err(out, _int8_reference(silu_and_mul(gate_up.double()), q, s, None))
+    x = _rand((M, K), dtype, device, gen)
+    b = _rand((N,), dtype, device, gen) if bias else None
+    gemv_int8_planes(x, q, s, b, config=config, out=out)
+    return rel_err(out, _int8_reference(x, q, s, b))
+
+
 def _split_gemm():
     from ..kernels.gemv_int8 import Int8GemmConfig
 
@@ -324,6 +341,8 @@ def int8_checks(dtype, device, gen, full: bool = False) -> dict:
     """The int8 kernels against float64, one name -> thunk returning a relative error. ``full``:
     the 3B shapes (qkv 2560x2048 with bias, down 2048x11008, gate_up 22016x2048) on the GPU; else
     small odd shapes the CPU interpreter runs in seconds."""
+    from ..kernels.int8_planes import supported as planes_supported
+
     if full:
         qkv, o, gu, down = (2560, 2048), (2048, 2048), (22016, 2048), (2048, 11008)
         return {
@@ -341,7 +360,13 @@ def int8_checks(dtype, device, gen, full: bool = False) -> dict:
             "gemm_int8_m64_down": lambda: check_gemm_int8(64, *down, dtype, device, gen, bias=False),
             "gemm_int8_m512_gate_up": lambda: check_gemm_int8(512, *gu, dtype, device, gen, bias=False),
             "dequant_linear_int8_m2048_qkv": lambda: check_dequant_linear_int8(2048, *qkv, dtype, device, gen),
-        }
+        } | ({} if dtype == torch.float32 or not planes_supported(torch.device(device)) else {  # 16-bit x, sm_80+
+            "planes_int8_m1_qkv": lambda: check_gemv_int8_planes(1, *qkv, dtype, device, gen),
+            "planes_int8_m1_gate_up": lambda: check_gemv_int8_planes(1, *gu, dtype, device, gen, bias=False),
+            "planes_int8_m1_silu_down": lambda: check_gemv_int8_planes(1, *down, dtype, device, gen, silu_mul=True),
+            "planes_int8_m8_o": lambda: check_gemv_int8_planes(8, *o, dtype, device, gen, bias=False),
+            "planes_int8_m64_down": lambda: check_gemv_int8_planes(64, *down, dtype, device, gen, bias=False),
+        })
     return {
         "gemv_int8_m1": lambda: check_gemv_int8(1, 45, 200, dtype, device, gen),
         "gemv_int8_m1_split": lambda: check_gemv_int8(1, 45, 200, dtype, device, gen, config=GemvConfig(2, 64, 3)),

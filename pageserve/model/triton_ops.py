@@ -15,6 +15,8 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        paged_decode_attention, paged_prefill_attention, rms_norm, rotary, rotary_write_kv,
                        silu_and_mul, silu_mul_gemv, write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
+from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
+from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from .attention import AttentionMetadata
@@ -85,6 +87,9 @@ class TritonOps(TorchOps):
     ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
+    ``int8_planes_max_m``: up to this many rows (0: never) int8 linears, the fused SiLU·down
+    included, run ``kernels/int8_planes.py`` instead: x as int8 digit planes on the integer MMAs,
+    the weights never converted (bf16/fp16 x on sm_80+; elsewhere the paths above).
     """
 
     name = "triton"
@@ -94,7 +99,7 @@ class TritonOps(TorchOps):
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
-                 int8_gemv_max_m: int = 64,
+                 int8_gemv_max_m: int = 64, int8_planes_max_m: int = 0,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
                  gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
@@ -113,6 +118,9 @@ class TritonOps(TorchOps):
         if not 0 <= int8_gemv_max_m <= 64:
             raise ValueError(f"int8_gemv_max_m must be in 0..64 (the GEMV's limit), got {int8_gemv_max_m}")
         self.int8_gemv_max_m = int8_gemv_max_m
+        if not 0 <= int8_planes_max_m <= PLANES_MAX_M:
+            raise ValueError(f"int8_planes_max_m must be in 0..{PLANES_MAX_M}, got {int8_planes_max_m}")
+        self.int8_planes_max_m = int8_planes_max_m
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -165,7 +173,13 @@ class TritonOps(TorchOps):
                         pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
+    def _planes_fit(self, x: torch.Tensor) -> bool:
+        return (self._gemv_fits(x, self.int8_planes_max_m) and x.dtype in (torch.bfloat16, torch.float16)
+                and planes_supported(x.device))
+
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._planes_fit(x):
+            return gemv_int8_planes(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         if self._gemv_fits(x, INT8_GEMV_ROWS):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
                              pdl=self.pdl_for(x.shape[0]))
@@ -180,6 +194,9 @@ class TritonOps(TorchOps):
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
+            if self.fuse_silu_down and self._planes_fit(gate_up):
+                return silu_mul_gemv_int8_planes(gate_up, weight.qweight, weight.scale, configs=self.int8_configs,
+                                                 pdl=self.pdl_for(gate_up.shape[0]))
             if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
                                           configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
