@@ -3,7 +3,7 @@ rotated out of L2), for the 3B shapes: bf16 as the engine runs it (its GEMV at o
 int8 as the engine runs it today (``gemv_int8``: each weight converted on the CUDA cores), and
 ``int8_planes`` (x as int8 digit planes on the integer MMAs) with its heuristic and a small sweep of tiles.
 
-    python scripts/int8_planes_bench.py --out DIR [--ms 1,2,4,8,16,64] [--sweep-ms 1,8,64]
+    python scripts/int8_planes_bench.py --out DIR [--ms 1,2,4,8,16,64] [--sweep-ms 1,64]
 
 Writes DIR/int8_planes_bench.json (with the commit) after every shape: microseconds per call, each
 planes candidate's, the best config per (M, shape) under ``planes_config_key`` (the form of the device
@@ -33,18 +33,19 @@ SHAPES = {name: GEMV_SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 
 def candidates(M: int, N: int, K: int, sms: int, silu: bool, wide: bool) -> list[GemvConfig]:
     """The heuristic, then tiles around it: 32-128 weight rows, 128-512 int8 columns, the split
-    that gives ~4 programs per SM halved and doubled, 4 or 8 warps, 3 to 5 stages (``wide``: all of
-    them; else two tiles at one launch shape)."""
+    that gives ~4 programs per SM and its double, 4 warps x 3 stages or 8 x 4, the product
+    plain or transposed (``wide``: all of them; else two tiles at one launch shape)."""
     out = [planes_config(M, N, K, sms, silu)]
-    tiles = [(64, 256), (128, 256), (64, 512), (128, 128), (32, 256), (128, 512)] if wide else [(64, 256), (128, 256)]
+    tiles = [(64, 256), (128, 256), (64, 512), (128, 128)] if wide else [(64, 256), (128, 256)]
     rows = -(-M // max(4, 1 << (M - 1).bit_length()))
     for bn, bk in tiles:
         split = max(1, min(-(-4 * sms // (-(-N // bn) * rows)), K // (2 * bk)))
-        for sp in sorted({split, max(1, split // 2), min(2 * split, max(1, K // bk))}):
-            for warps, stages in ([(4, 3), (4, 5), (8, 4)] if wide else [(4, 4)]):
-                cfg = GemvConfig(bn, bk, sp, warps, stages)
-                if cfg not in out:
-                    out.append(cfg)
+        for sp in sorted({split, min(2 * split, max(1, K // bk))} if wide else {split}):
+            for warps, stages in ([(4, 3), (8, 4)] if wide else [(4, 4)]):
+                for swap in ((False, True) if bn >= 64 else (False,)):  # swap: the weights as wgmma's M side
+                    cfg = GemvConfig(bn, bk, sp, warps, stages, swap_ab=swap)
+                    if cfg not in out:
+                        out.append(cfg)
     return out
 
 
@@ -52,8 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,2,4,8,16,64")
-    ap.add_argument("--sweep-ms", default="1,8,64", help="row counts that get the wide sweep")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="stop sweeping (heuristics only) after this long")
+    ap.add_argument("--sweep-ms", default="1,64", help="row counts that get the wide sweep")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="stop sweeping (heuristics only) after this long")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("int8_planes_bench times CUDA graphs: it needs a GPU")

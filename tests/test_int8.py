@@ -379,6 +379,9 @@ def test_int8_planes_match_the_float64_reference_at_decode_batches_and_odd_shape
     for M in (1, 3, 4, 5, 9):
         _ok(checks.check_gemv_int8_planes(M, 45, 200, dtype, DEVICE, gen, bias=M % 2 == 1), dtype)
     _ok(checks.check_gemv_int8_planes(2, 45, 200, dtype, DEVICE, gen, config=GemvConfig(16, 32, 3)), dtype)  # split
+    for M in (1, 7):  # the weights as the MMA's M side
+        _ok(checks.check_gemv_int8_planes(M, 45, 200, dtype, DEVICE, gen, config=GemvConfig(32, 64, 2, swap_ab=True)),
+            dtype)
     _ok(checks.check_gemv_int8_planes(1, 33, 150, dtype, DEVICE, gen, silu_mul=True), dtype)
     _ok(checks.check_gemv_int8_planes(6, 33, 150, dtype, DEVICE, gen, silu_mul=True,
                                       config=GemvConfig(32, 64, 2)), dtype)
@@ -403,9 +406,9 @@ def test_int8_planes_carry_every_activation_within_the_tiles_range_exactly(dtype
     x[:, 0] = -1.75 * 2.0 ** 5  # every row's largest |x| has exponent 5
     x = torch.cat([x, torch.zeros(1, K, dtype=dtype)])
     q = torch.eye(K, dtype=torch.int8)
-    cfg = GemvConfig(16, 32, 1)
-    out = gemv_int8_planes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg)
-    assert torch.equal(out.cpu(), x)
+    for cfg in (GemvConfig(16, 32, 1), GemvConfig(64, 32, 1, swap_ab=True)):
+        out = gemv_int8_planes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg)
+        assert torch.equal(out.cpu(), x), cfg
 
 
 @pytest.mark.parametrize("dtype", PLANE_DTYPES)

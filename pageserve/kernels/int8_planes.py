@@ -74,9 +74,11 @@ def _planes_kernel(
     x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, SWAP_AB: tl.constexpr,
 ):
-    """Program (n, s, r): BLOCK_N output columns of the r-th ROWS rows over the s-th K slice."""
+    """Program (n, s, r): BLOCK_N output columns of the r-th ROWS rows over the s-th K slice.
+    SWAP_AB: the product taken transposed, [BLOCK_N, 4 * ROWS] = w @ planes^T, so that the weight
+    tile is the MMA's M side (64+ rows: Hopper's wgmma) and the planes its N side."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -88,16 +90,26 @@ def _planes_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
     pdl_enter(USE_PDL)
-    acc = tl.zeros([4 * ROWS, BLOCK_N], tl.float32)  # one row per (plane, x row)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, 4 * ROWS], tl.float32)
+    else:
+        acc = tl.zeros([4 * ROWS, BLOCK_N], tl.float32)  # one row per (plane, x row)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
         x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, False)  # [ROWS, BLOCK_K]
         planes, weights = _digit_planes(x, ROWS)
-        sums = tl.dot(planes, tl.trans(w), out_dtype=tl.int32)  # [4 * ROWS, BLOCK_N], exact
-        acc += sums.to(tl.float32) * weights[:, None]
-    y = tl.sum(tl.reshape(acc, (4, ROWS, BLOCK_N)), axis=0)  # [ROWS, BLOCK_N]
+        if SWAP_AB:
+            sums = tl.dot(w, tl.trans(planes), out_dtype=tl.int32)  # [BLOCK_N, 4 * ROWS], exact
+            acc += sums.to(tl.float32) * weights[None, :]
+        else:
+            sums = tl.dot(planes, tl.trans(w), out_dtype=tl.int32)  # [4 * ROWS, BLOCK_N], exact
+            acc += sums.to(tl.float32) * weights[:, None]
+    if SWAP_AB:
+        y = tl.trans(tl.sum(tl.reshape(acc, (BLOCK_N, 4, ROWS)), axis=1))  # [ROWS, BLOCK_N]
+    else:
+        y = tl.sum(tl.reshape(acc, (4, ROWS, BLOCK_N)), axis=0)
     omask = mmask[:, None] & nmask[None, :]
     if SPLIT:  # unscaled partials: gemv's reduce kernel scales and biases their sum
         tl.store(part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :], y, mask=omask)
@@ -154,7 +166,7 @@ def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False) 
         x, qweight, scale, bias if bias is not None else scale, out, part,
         M, N, K, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, ROWS=rows,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
         reduce_splits(part, scale, bias, out, launch)
