@@ -382,6 +382,10 @@ def test_int8_planes_match_the_float64_reference_at_decode_batches_and_odd_shape
     for M in (1, 7):  # the weights as the MMA's M side
         _ok(checks.check_gemv_int8_planes(M, 45, 200, dtype, DEVICE, gen, config=GemvConfig(32, 64, 2, swap_ab=True)),
             dtype)
+    for M in (2, 12):  # the digits made once by their own kernel (the default above FUSED_MAX_M rows)
+        _ok(checks.check_gemv_int8_planes(M, 45, 200, dtype, DEVICE, gen, prepass=True,
+                                          config=GemvConfig(32, 64, 2, swap_ab=M > 2)), dtype)
+        _ok(checks.check_gemv_int8_planes(M, 33, 150, dtype, DEVICE, gen, silu_mul=True, prepass=True), dtype)
     _ok(checks.check_gemv_int8_planes(1, 33, 150, dtype, DEVICE, gen, silu_mul=True), dtype)
     _ok(checks.check_gemv_int8_planes(6, 33, 150, dtype, DEVICE, gen, silu_mul=True,
                                       config=GemvConfig(32, 64, 2)), dtype)
@@ -406,9 +410,11 @@ def test_int8_planes_carry_every_activation_within_the_tiles_range_exactly(dtype
     x[:, 0] = -1.75 * 2.0 ** 5  # every row's largest |x| has exponent 5
     x = torch.cat([x, torch.zeros(1, K, dtype=dtype)])
     q = torch.eye(K, dtype=torch.int8)
-    for cfg in (GemvConfig(16, 32, 1), GemvConfig(64, 32, 1, swap_ab=True)):
-        out = gemv_int8_planes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg)
-        assert torch.equal(out.cpu(), x), cfg
+    for cfg, prepass in ((GemvConfig(16, 32, 1), False), (GemvConfig(64, 32, 1, swap_ab=True), False),
+                         (GemvConfig(64, 32, 1, swap_ab=True), True)):
+        out = gemv_int8_planes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg,
+                               prepass=prepass)
+        assert torch.equal(out.cpu(), x), (cfg, prepass)
 
 
 @pytest.mark.parametrize("dtype", PLANE_DTYPES)
@@ -438,7 +444,7 @@ def test_int8_planes_refuse_fp32_and_oversized_batches_with_clear_errors():
 
 
 def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path(tiny_qwen2_config, monkeypatch):
-    """bf16 decoder, int8 weights: with ``int8_planes_max_m`` the decode step's linears (the fused
+    """bf16 decoder, int8 weights: with ``int8_planes_rows`` the decode step's linears (the fused
     SiLU·down too) go through the digit-plane kernels, and the logits stay within bf16 noise of the
     int8 GEMV path's."""
     from pageserve.kernels import int8_planes
@@ -453,15 +459,17 @@ def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path
         monkeypatch.setattr(triton_ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     ids = torch.randint(0, tiny_qwen2_config.vocab_size, (10,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = {}
-    for planes in (0, 8):
-        qmodel.set_ops(TritonOps(int8_planes_max_m=planes))
+    for planes in (None, (1, 8)):
+        qmodel.set_ops(TritonOps(int8_planes_rows=planes))
         cache = ContiguousKVCache.for_model(qmodel, 32)
         forward_tokens(qmodel, cache, ids[:8])  # M = 8: planes when on
         logits[planes] = torch.cat([qmodel.compute_logits(forward_tokens(qmodel, cache, [t])) for t in ids[8:]]).float()
     layers = tiny_qwen2_config.num_layers
     assert calls.count("silu_mul_gemv_int8_planes") == 3 * layers  # the prompt's 8 rows and two single rows
     assert calls.count("gemv_int8_planes") == 3 * 3 * layers  # qkv, o, gate_up
-    err = ((logits[8] - logits[0]).norm() / logits[0].norm()).item()
+    err = ((logits[(1, 8)] - logits[None]).norm() / logits[None].norm()).item()
     assert err < 2e-2, err
-    with pytest.raises(ValueError, match="int8_planes_max_m"):
-        TritonOps(int8_planes_max_m=65)
+    for bad in ((1, 65), (3, 2), (0, 4), 8):
+        with pytest.raises(ValueError, match="int8_planes_rows"):
+            TritonOps(int8_planes_rows=bad)
+    assert TritonOps().int8_planes_rows is None  # "auto" on this machine: not a Hopper GPU

@@ -47,11 +47,11 @@ def supported(device: torch.device) -> bool:
 
 
 @triton.jit
-def _digit_planes(x, ROWS: tl.constexpr):
-    """x [ROWS, BLOCK_K] (bf16/fp16) -> (planes [4 * ROWS, BLOCK_K] int8: row groups d2, d1, d0, 0;
-    weights [4 * ROWS] fp32: 2^(8 * place) / the row's scale, 0 for the zero group)."""
+def _digits(x):
+    """x [R, BLOCK_K] (bf16/fp16) -> (d2, d1, d0: [R, BLOCK_K] int32 digits in [-128, 127],
+    inv: [R] fp32, 1 / the row's scale)."""
     xf = x.to(tl.float32)
-    amax = tl.max(tl.abs(xf), axis=1)  # [ROWS]
+    amax = tl.max(tl.abs(xf), axis=1)  # [R]
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the row's largest |x|
     # scale 2^(21 - (e - 127)) as a biased exponent, kept normal both ways (all-zero rows: any scale)
     se = tl.minimum(tl.maximum(275 - e, 17), 237)
@@ -62,23 +62,66 @@ def _digit_planes(x, ROWS: tl.constexpr):
     r = (v - d0) >> 8  # exact: v - d0 is a multiple of 256
     d1 = ((r + 128) & 255) - 128
     d2 = (r - d1) >> 8
+    return d2, d1, d0, ((254 - se) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _digit_planes(x, ROWS: tl.constexpr):
+    """x [ROWS, BLOCK_K] (bf16/fp16) -> (planes [4 * ROWS, BLOCK_K] int8: row groups d2, d1, d0, 0;
+    weights [4 * ROWS] fp32: 2^(8 * place) / the row's scale, 0 for the zero group)."""
+    d2, d1, d0, inv = _digits(x)
     planes = tl.join(tl.join(d2, d1), tl.join(d0, tl.zeros_like(d0)))  # [ROWS, BLOCK_K, 2, 2]
     planes = tl.reshape(tl.permute(planes, (3, 2, 0, 1)), (4 * ROWS, x.shape[1])).to(tl.int8)
-    inv = ((254 - se) << 23).to(tl.float32, bitcast=True)  # 1 / s, exactly
     w = tl.join(tl.join(inv * 65536.0, inv * 256.0), tl.join(inv, inv * 0.0))  # [ROWS, 2, 2]
     return planes, tl.reshape(tl.permute(w, (2, 1, 0)), (4 * ROWS,))
 
 
 @triton.jit
+def _digits_kernel(x_ptr, p_ptr, inv_ptr, M, K, stride_xm, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """Program (r, t): row r's t-th BLOCK_K tile of x as its three digit planes, p[0..2, r, tile]
+    (int8), and 1 / its scale, inv[r, t]: what ``_digit_planes`` computes inside the product, done
+    once for all the product's programs (``prepass``)."""
+    r = tl.program_id(0)
+    t = tl.program_id(1)
+    k = t * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = k < K
+    m = r + tl.arange(0, 1)
+    pdl_enter(USE_PDL)
+    x = _load_x(x_ptr, m, k, m < M, kmask, stride_xm, K, SILU_MUL, False)  # [1, BLOCK_K]
+    d2, d1, d0, inv = _digits(x)
+    plane = M.to(tl.int64) * K
+    row = p_ptr + r.to(tl.int64) * K + k[None, :]
+    tl.store(row, d2.to(tl.int8), mask=kmask[None, :])
+    tl.store(row + plane, d1.to(tl.int8), mask=kmask[None, :])
+    tl.store(row + 2 * plane, d0.to(tl.int8), mask=kmask[None, :])
+    tl.store(inv_ptr + r * tl.cdiv(K, BLOCK_K) + t + tl.arange(0, 1), inv)
+
+
+@triton.jit
+def _load_planes(p_ptr, inv_ptr, m0, k, kmask, k0, M, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``_digit_planes``' result for rows m0..m0 + ROWS - 1 from the prepass's buffers."""
+    i = tl.arange(0, 4 * ROWS)
+    place, row = i // ROWS, m0 + i % ROWS
+    ok = (place < 3) & (row < M)
+    planes = tl.load(p_ptr + (place.to(tl.int64) * M + row)[:, None] * K + k[None, :],
+                     mask=ok[:, None] & kmask[None, :], other=0)  # [4 * ROWS, BLOCK_K] int8
+    inv = tl.load(inv_ptr + row * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=ok, other=0.0)
+    return planes, inv * tl.where(place == 0, 65536.0, tl.where(place == 1, 256.0, 1.0))
+
+
+@triton.jit
 def _planes_kernel(
-    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, p_ptr, inv_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, SWAP_AB: tl.constexpr,
+    PREPASS: tl.constexpr,
 ):
     """Program (n, s, r): BLOCK_N output columns of the r-th ROWS rows over the s-th K slice.
     SWAP_AB: the product taken transposed, [BLOCK_N, 4 * ROWS] = w @ planes^T, so that the weight
-    tile is the MMA's M side (64+ rows: Hopper's wgmma) and the planes its N side."""
+    tile is the MMA's M side (64+ rows: Hopper's wgmma) and the planes its N side. PREPASS: the
+    planes come from ``_digits_kernel``'s buffers (p_ptr, inv_ptr) instead of x."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -98,8 +141,11 @@ def _planes_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
-        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, False)  # [ROWS, BLOCK_K]
-        planes, weights = _digit_planes(x, ROWS)
+        if PREPASS:
+            planes, weights = _load_planes(p_ptr, inv_ptr, pid_m * ROWS, k, kmask, k0, M, K, ROWS, BLOCK_K)
+        else:
+            x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, False)  # [ROWS, BLOCK_K]
+            planes, weights = _digit_planes(x, ROWS)
         if SWAP_AB:
             sums = tl.dot(w, tl.trans(planes), out_dtype=tl.int32)  # [BLOCK_N, 4 * ROWS], exact
             acc += sums.to(tl.float32) * weights[None, :]
@@ -135,20 +181,27 @@ def planes_config_key(M: int, N: int, K: int, silu_mul: bool = False) -> tuple:
 
 def planes_config(M: int, N: int, K: int, sms: int, silu_mul: bool = False,
                   configs: Int8Configs | None = None) -> GemvConfig:
-    """The tuned entry of ``configs`` (``planes_config_key``), else the heuristic: 64-row weight tiles (128 where N is wide) of 256 int8 columns, K split until the grid covers
-    the SMs ~4x with each split at least two tiles long. Wide tiles share the digits' work over
-    more weights; the split gives the programs back (fp32 partials, then the reduce kernel)."""
+    """The tuned entry of ``configs`` (``planes_config_key``), else the heuristic, what the H200 bench
+    (6df6c74) ranked first or close at 1-16 rows: 64-row weight tiles of 256 int8 columns, the
+    product transposed (the weight tile as wgmma's M side), K split until the grid covers the SMs
+    ~4x with each split at least two tiles long. Wide tiles share the digits' work over more
+    weights; the split gives the programs back (fp32 partials, then the reduce kernel)."""
     tuned = (configs or {}).get(planes_config_key(M, N, K, silu_mul))
     if isinstance(tuned, GemvConfig):
         return tuned
-    block_n = 128 if N >= 8192 else 64
-    block_k = 256
+    block_n, block_k = 64, 256
     tiles = cdiv(N, block_n) * cdiv(M, planes_rows(M))
     split = max(1, min(cdiv(4 * sms, tiles), K // (2 * block_k)))
-    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4)
+    return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4, swap_ab=True)
 
 
-def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False) -> torch.Tensor:
+# Above this many rows the digits are made once by ``_digits_kernel`` (one more launch) instead of in
+# every program: each program's digit work grows with its rows while its weights do not (H200 bench at
+# 6df6c74, fused: 49 us for the four 3B linears at 8 rows, 70 at 16 where gemv_int8 takes 45).
+FUSED_MAX_M = 8
+
+
+def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False, prepass=None) -> torch.Tensor:
     M, N, K = x.shape[0], qweight.shape[0], qweight.shape[1]
     if M == 0 or N == 0:
         return out
@@ -157,16 +210,25 @@ def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False) 
         raise ValueError(f"int8 planes need block_n >= 16 and block_k >= 32 (tl.dot), got {cfg}")
     if cfg.block_k > 1024:  # keeps each tile's int32 sums below 2^24 (exact in fp32)
         raise ValueError(f"int8 planes need block_k <= 1024, got {cfg.block_k}")
+    prepass = M > FUSED_MAX_M if prepass is None else prepass
     rows = planes_rows(M)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     launch = pdl_args(x, M, pdl)
+    if prepass:  # [3, M, K] digits and [M, K tiles] inverse scales, made once
+        planes = torch.empty((3, M, K), dtype=torch.int8, device=x.device)
+        inv = torch.empty((M, cdiv(K, cfg.block_k)), dtype=torch.float32, device=x.device)
+        _digits_kernel[(M, cdiv(K, cfg.block_k))](x, planes, inv, M, K, x.stride(0), SILU_MUL=silu_mul,
+                                                  BLOCK_K=cfg.block_k, num_warps=4, **launch)
+    else:
+        planes = inv = scale  # unused pointers
     _planes_kernel[(cdiv(N, cfg.block_n), splits, cdiv(M, rows))](
-        x, qweight, scale, bias if bias is not None else scale, out, part,
+        x, qweight, scale, bias if bias is not None else scale, out, part, planes, inv,
         M, N, K, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, ROWS=rows,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, PREPASS=prepass,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
         reduce_splits(part, scale, bias, out, launch)
@@ -182,22 +244,26 @@ def _check_x(x: torch.Tensor) -> None:
 
 def gemv_int8_planes(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                      config: GemvConfig | None = None, out: torch.Tensor | None = None,
-                     configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
+                     configs: Int8Configs | None = None, pdl: bool | None = None,
+                     prepass: bool | None = None) -> torch.Tensor:
     """x: [M, K] bf16/fp16 (M <= ``PLANES_MAX_M``), qweight: [N, K] int8, scale: [N] and bias: [N] or
-    None in x's dtype -> [M, N]. ``config``: block_n, block_k, split_k, warps, stages (else the
-    entry of ``configs`` or the heuristic: ``planes_config``); ``pdl``: see ``_util.use_pdl``."""
+    None in x's dtype -> [M, N]. ``config``: block_n, block_k, split_k, warps, stages, swap_ab (else
+    the entry of ``configs`` or the heuristic: ``planes_config``); ``pdl``: see ``_util.use_pdl``;
+    ``prepass``: the digits made by a kernel of their own first (None: above ``FUSED_MAX_M`` rows)."""
     M, N, K = _check_linear_int8(x, qweight, scale, bias)
     _check_x(x)
     if M > PLANES_MAX_M:
         raise ValueError(f"gemv_int8_planes is for M <= {PLANES_MAX_M} (got M={M})")
-    return _launch(x, qweight, scale, bias, _out(out, M, N, x), config, configs, pdl)
+    return _launch(x, qweight, scale, bias, _out(out, M, N, x), config, configs, pdl, prepass=prepass)
 
 
 def silu_mul_gemv_int8_planes(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                               config: GemvConfig | None = None, out: torch.Tensor | None = None,
-                              configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
+                              configs: Int8Configs | None = None, pdl: bool | None = None,
+                              prepass: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up), qweight: [N, I] int8, scale: [N] -> (SiLU(gate) * up) @ (q * scale)^T:
-    [M, N], the activation applied to each K tile as it is loaded (``gemv._load_x``)."""
+    [M, N], the activation applied to each K tile as it is loaded (``gemv._load_x``; by the
+    prepass where there is one)."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -207,4 +273,5 @@ def silu_mul_gemv_int8_planes(gate_up: torch.Tensor, qweight: torch.Tensor, scal
     _check_x(gate_up)
     if M > PLANES_MAX_M:
         raise ValueError(f"silu_mul_gemv_int8_planes is for M <= {PLANES_MAX_M} (got M={M})")
-    return _launch(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, configs, pdl, silu_mul=True)
+    return _launch(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, configs, pdl, silu_mul=True,
+                   prepass=prepass)

@@ -28,6 +28,10 @@ from .quant import QuantizedWeight
 INT8_GEMV_ROWS = 8
 
 INT8_GEMM_MODES = ("auto", "triton", "dequant")
+# int8 launches of these many rows run on the digit planes on Hopper (``int8_planes_rows="auto"``). H200 bench at
+# 6df6c74, the four 3B linears (the fused SiLU·down in down's place): 40-49 us at 2-8 rows where gemv_int8 took
+# 78-83 and bf16 55; at one row 35.6 against gemv_int8's 31.8, so one row keeps the GEMV.
+INT8_PLANES_ROWS = (2, 8)
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
@@ -87,9 +91,10 @@ class TritonOps(TorchOps):
     ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
-    ``int8_planes_max_m``: up to this many rows (0: never) int8 linears, the fused SiLU·down
+    ``int8_planes_rows``: (lo, hi): launches of lo..hi rows with int8 weights, the fused SiLU·down
     included, run ``kernels/int8_planes.py`` instead: x as int8 digit planes on the integer MMAs,
-    the weights never converted (bf16/fp16 x on sm_80+; elsewhere the paths above).
+    the weights never converted (bf16/fp16 x on sm_80+; elsewhere the paths above). None: never;
+    "auto": ``INT8_PLANES_ROWS`` on Hopper (where it was measured), else None.
     """
 
     name = "triton"
@@ -99,7 +104,7 @@ class TritonOps(TorchOps):
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
-                 int8_gemv_max_m: int = 64, int8_planes_max_m: int = 0,
+                 int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
                  gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
@@ -118,9 +123,16 @@ class TritonOps(TorchOps):
         if not 0 <= int8_gemv_max_m <= 64:
             raise ValueError(f"int8_gemv_max_m must be in 0..64 (the GEMV's limit), got {int8_gemv_max_m}")
         self.int8_gemv_max_m = int8_gemv_max_m
-        if not 0 <= int8_planes_max_m <= PLANES_MAX_M:
-            raise ValueError(f"int8_planes_max_m must be in 0..{PLANES_MAX_M}, got {int8_planes_max_m}")
-        self.int8_planes_max_m = int8_planes_max_m
+        if int8_planes_rows == "auto":
+            hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
+            int8_planes_rows = INT8_PLANES_ROWS if hopper else None
+        if int8_planes_rows is not None and not (
+                isinstance(int8_planes_rows, (tuple, list)) and len(int8_planes_rows) == 2
+                and all(isinstance(r, int) for r in int8_planes_rows)
+                and 1 <= int8_planes_rows[0] <= int8_planes_rows[1] <= PLANES_MAX_M):
+            raise ValueError(f"int8_planes_rows must be None, 'auto' or (lo, hi) with 1 <= lo <= hi <= {PLANES_MAX_M}, "
+                             f"got {int8_planes_rows!r}")
+        self.int8_planes_rows = None if int8_planes_rows is None else tuple(int8_planes_rows)
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -174,8 +186,9 @@ class TritonOps(TorchOps):
         return torch.nn.functional.linear(x, weight, bias)
 
     def _planes_fit(self, x: torch.Tensor) -> bool:
-        return (self._gemv_fits(x, self.int8_planes_max_m) and x.dtype in (torch.bfloat16, torch.float16)
-                and planes_supported(x.device))
+        r = self.int8_planes_rows
+        return (r is not None and self._gemv_fits(x, r[1]) and x.shape[0] >= r[0]
+                and x.dtype in (torch.bfloat16, torch.float16) and planes_supported(x.device))
 
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self._planes_fit(x):
