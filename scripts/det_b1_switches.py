@@ -103,10 +103,11 @@ VARIANTS = {
     "int8_pdl_8_rows": (False, {"pdl_max_rows": 8}, "int8"),
     "int8_cuda_cores": (False, {"int8_tuned_configs": "cuda_cores_2_8"}, "int8"),
     # session 24: int8 linears on the integer MMAs with x as digit planes (kernels/int8_planes.py): "int8" runs them
-    # at 2-8 rows since then (INT8_PLANES_ROWS); without them, from 1 row, and up to 64 rows
+    # at 2-8 rows since then (INT8_PLANES_ROWS); without them, and from 1 row. ("int8_planes_2_64" ran them to 64
+    # rows at f307388, with the digits by a prepass kernel above 8 rows: slower in the kernel bench, out of shared
+    # memory at 64 rows in the engine; removed)
     "int8_no_planes": (False, {"int8_planes_rows": None}, "int8"),
     "int8_planes_1_8": (False, {"int8_planes_rows": (1, 8)}, "int8"),
-    "int8_planes_2_64": (False, {"int8_planes_rows": (2, 64)}, "int8"),
 }
 # session 14: the step's copy-in as PyTorch copies (5 launches, more when padded) and torch.argmax in the
 # sampler, as before kernels/step_inputs.py and kernels/argmax.py: "<variant>_torch_copy_in" (both as

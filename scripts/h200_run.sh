@@ -82,11 +82,11 @@ for st in $stages; do
           -p SHORT_OUTPUT_LEN 256 -p NUM_LONG 16 -p LONG_PROMPT_LEN 8192 -p LONG_OUTPUT_LEN 8 -p LONG_FIRST_STEP 8 \
           -p LONG_EVERY_STEPS 16 -p CHUNK_BUDGETS "256,512,1024,2048,4096,8192" -p NUM_BLOCKS 16384 ;;
     04) run_nb "$t" 04_cuda_graphs $Q3B -p NUM_SEQS 64 -p MIN_OUTPUT 256 -p MAX_OUTPUT 320 -p CHECK_BF16 True \
-          -p TIMING_BATCHES "1,64" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 \
+          -p TIMING_BATCHES "1,2,4,8,64" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 \
           -p MIXED_DECODES 128 -p MIXED_PREFILL_TOKENS 512 -p CHAT_NUM_REQUESTS 1000 -p CHAT_MAX_LEN 4096 ;;
     06b) realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf  # the accuracy part's real weights, as 07
          [ -f "$realw" ] || { echo "06b: no carried real weights: the accuracy part is skipped"; realw=/tmp/realw/not-carried.gguf; }
-         run_nb "$t" 06b_int8_quantization $Q3B -p REAL_MODEL "$realw" -p REAL_DTYPE bfloat16 -p TIMING_BATCHES "1,64" \
+         run_nb "$t" 06b_int8_quantization $Q3B -p REAL_MODEL "$realw" -p REAL_DTYPE bfloat16 -p TIMING_BATCHES "1,2,4,8,64" \
            -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 -p W1_NUM_REQUESTS 500 -p MAX_NUM_SEQS 512 -p MAX_MODEL_LEN 2048 \
            -p TUNE_INT8 True -p KERNEL_BENCH True -p PREFILL_MS "16,32,64,128,256,512,2048" ;;
     07) realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf  # the default model's real weights (model-pack.sh)

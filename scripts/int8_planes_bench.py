@@ -3,7 +3,7 @@ rotated out of L2), for the 3B shapes: bf16 as the engine runs it (its GEMV at o
 int8 as the engine runs it today (``gemv_int8``: each weight converted on the CUDA cores), and
 ``int8_planes`` (x as int8 digit planes on the integer MMAs) with its heuristic and a small sweep of tiles.
 
-    python scripts/int8_planes_bench.py --out DIR [--ms 1,2,4,8,16,32,64] [--sweep-ms 1,64]
+    python scripts/int8_planes_bench.py --out DIR [--ms 1,2,4,8] [--sweep-ms 1,8]
 
 Writes DIR/int8_planes_bench.json (with the commit) after every shape: microseconds per call, each
 planes candidate's, the best config per (M, shape) under ``planes_config_key`` (the form of the device
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from pageserve.kernels.gemv import GemvConfig
-from pageserve.kernels.int8_planes import (FUSED_MAX_M, gemv_int8_planes, planes_config, planes_config_key, planes_rows,
+from pageserve.kernels.int8_planes import (gemv_int8_planes, planes_config, planes_config_key, planes_rows,
                                            silu_mul_gemv_int8_planes)
 from pageserve.kernels.reference import quantize_int8
 from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
@@ -32,13 +32,12 @@ from pageserve.model.triton_ops import TritonOps
 SHAPES = {name: GEMV_SHAPES[name] for name in ("qkv", "o", "gate_up", "down")}
 
 
-def candidates(M: int, N: int, K: int, sms: int, silu: bool, wide: bool) -> list[tuple[GemvConfig, bool]]:
-    """(config, prepass) pairs: the heuristic's, then tiles around it: 64-128 weight rows, 128-512
-    int8 columns, the split that gives ~4 programs per SM and its double, 4 warps x 3 stages or
-    8 x 4, the product plain or transposed (``wide``: all of them; else two tiles at one launch
-    shape, transposed); above ``FUSED_MAX_M`` rows each with and without the digits' prepass."""
-    prepasses = (True, False) if M > FUSED_MAX_M else (False,)
-    out = [(planes_config(M, N, K, sms, silu), M > FUSED_MAX_M)]
+def candidates(M: int, N: int, K: int, sms: int, silu: bool, wide: bool) -> list[GemvConfig]:
+    """The heuristic, then tiles around it: 64-128 weight rows, 128-512 int8 columns, the split that
+    gives ~4 programs per SM and its double, 4 warps x 3 stages or 8 x 4, the product plain or
+    transposed (``wide``: all of them; else two tiles at one launch shape, transposed). (At f307388
+    the bench also ran 16-64 rows, with the digits made by a prepass kernel: slower than gemv_int8.)"""
+    out = [planes_config(M, N, K, sms, silu)]
     tiles = [(64, 256), (128, 256), (64, 512), (128, 128)] if wide else [(64, 256), (128, 256)]
     rows = -(-M // planes_rows(M))
     for bn, bk in tiles:
@@ -46,18 +45,17 @@ def candidates(M: int, N: int, K: int, sms: int, silu: bool, wide: bool) -> list
         for sp in sorted({split, min(2 * split, max(1, K // bk))} if wide else {split}):
             for warps, stages in ([(4, 3), (8, 4)] if wide else [(4, 4)]):
                 for swap in ((False, True) if wide else (True,)):  # swap: the weights as wgmma's M side
-                    for pre in prepasses:
-                        cand = (GemvConfig(bn, bk, sp, warps, stages, swap_ab=swap), pre)
-                        if cand not in out:
-                            out.append(cand)
+                    cand = GemvConfig(bn, bk, sp, warps, stages, swap_ab=swap)
+                    if cand not in out:
+                        out.append(cand)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="1,2,4,8,16,32,64")
-    ap.add_argument("--sweep-ms", default="1,64", help="row counts that get the wide sweep")
+    ap.add_argument("--ms", default="1,2,4,8")
+    ap.add_argument("--sweep-ms", default="1,8", help="row counts that get the wide sweep")
     ap.add_argument("--budget-s", type=float, default=170.0, help="stop sweeping (heuristics only) after this long")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -90,27 +88,27 @@ def main() -> None:
             fn = silu_mul_gemv_int8_planes if silu else gemv_int8_planes
             cands = candidates(M, N, K, sms, silu, M in sweep_ms and time.time() - t0 < args.budget_s)
             timed = {}
-            for cfg, pre in cands:
+            for cfg in cands:
                 if time.time() - t0 > args.budget_s and timed:
                     break
                 try:
-                    timed[cfg, pre] = graph_ms(lambda i: fn(x, qs[i % len(qs)].qweight, qs[i % len(qs)].scale,
-                                                            config=cfg, prepass=pre), calls=len(qs)) * 1e3
+                    timed[cfg] = graph_ms(lambda i: fn(x, qs[i % len(qs)].qweight, qs[i % len(qs)].scale, config=cfg),
+                                          calls=len(qs)) * 1e3
                 except Exception as e:  # noqa: BLE001 - a config that does not compile or fit is skipped, named
-                    rec["us"][f"{name}/M={M}/planes {cfg} prepass={pre}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                    rec["us"][f"{name}/M={M}/planes {cfg}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
             if not timed:
                 print(name, M, "no planes config ran", flush=True)
                 continue
             row["planes_heuristic"] = timed.get(cands[0], float("nan"))
             best = min(timed, key=timed.get)
             row["planes_best"] = timed[best]
-            for (cfg, pre), us in timed.items():
-                rec["us"][f"{name}/M={M}/planes {cfg} prepass={pre}"] = us
+            for cfg, us in timed.items():
+                rec["us"][f"{name}/M={M}/planes {cfg}"] = us
             for k, v in row.items():
                 rec["us"][f"{name}/M={M}/{k}"] = v
                 stack[k] += v
-            rec["best"][f"{name}/M={M}"] = f"{best[0]!r} prepass={best[1]}"
-            rec["tuned_configs"][str(planes_config_key(M, N, K, silu))] = repr(best[0])
+            rec["best"][f"{name}/M={M}"] = repr(best)
+            rec["tuned_configs"][str(planes_config_key(M, N, K, silu))] = repr(best)
             print(name, M, {k: round(v, 2) for k, v in row.items()}, "best", best, flush=True)
             out.write_text(json.dumps(rec, indent=1))
         rec["stack_us"][str(M)] = stack

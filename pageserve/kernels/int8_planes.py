@@ -36,7 +36,12 @@ from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args
 from .gemv import GemvConfig, _load_x, reduce_splits
 from .gemv_int8 import Int8Configs, _check_int8, _check_linear_int8, _out
 
-PLANES_MAX_M = 64  # decode batches; prefill chunks stay on dequantize + cuBLAS
+# Small decode batches only. Each program makes the digits of its rows of x, work that grows with the rows
+# while its weights do not: on the H200 (int8_planes_bench at 6df6c74 / f307388) the four 3B linears took
+# 40-49 us at 2-8 rows (gemv_int8: 78-83) but 58-70 at 16 rows against gemv_int8's tuned 45; with the
+# digits made once by a kernel of their own (f307388's prepass) 58 at 16 rows, 78 at 32 (int8 55), and
+# 94 us for gate_up alone at 64 rows (int8 34). Larger batches keep gemv_int8 and dequantize + cuBLAS.
+PLANES_MAX_M = 8
 
 
 def supported(device: torch.device) -> bool:
@@ -77,51 +82,15 @@ def _digit_planes(x, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _digits_kernel(x_ptr, p_ptr, inv_ptr, M, K, stride_xm, SILU_MUL: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    """Program (r, t): row r's t-th BLOCK_K tile of x as its three digit planes, p[0..2, r, tile]
-    (int8), and 1 / its scale, inv[r, t]: what ``_digit_planes`` computes inside the product, done
-    once for all the product's programs (``prepass``)."""
-    r = tl.program_id(0)
-    t = tl.program_id(1)
-    k = t * BLOCK_K + tl.arange(0, BLOCK_K)
-    kmask = k < K
-    m = r + tl.arange(0, 1)
-    pdl_enter(USE_PDL)
-    x = _load_x(x_ptr, m, k, m < M, kmask, stride_xm, K, SILU_MUL, False)  # [1, BLOCK_K]
-    d2, d1, d0, inv = _digits(x)
-    plane = M.to(tl.int64) * K
-    row = p_ptr + r.to(tl.int64) * K + k[None, :]
-    tl.store(row, d2.to(tl.int8), mask=kmask[None, :])
-    tl.store(row + plane, d1.to(tl.int8), mask=kmask[None, :])
-    tl.store(row + 2 * plane, d0.to(tl.int8), mask=kmask[None, :])
-    tl.store(inv_ptr + r * tl.cdiv(K, BLOCK_K) + t + tl.arange(0, 1), inv)
-
-
-@triton.jit
-def _load_planes(p_ptr, inv_ptr, m0, k, kmask, k0, M, K, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``_digit_planes``' result for rows m0..m0 + ROWS - 1 from the prepass's buffers."""
-    i = tl.arange(0, 4 * ROWS)
-    place, row = i // ROWS, m0 + i % ROWS
-    ok = (place < 3) & (row < M)
-    planes = tl.load(p_ptr + (place.to(tl.int64) * M + row)[:, None] * K + k[None, :],
-                     mask=ok[:, None] & kmask[None, :], other=0)  # [4 * ROWS, BLOCK_K] int8
-    inv = tl.load(inv_ptr + row * tl.cdiv(K, BLOCK_K) + k0 // BLOCK_K, mask=ok, other=0.0)
-    return planes, inv * tl.where(place == 0, 65536.0, tl.where(place == 1, 256.0, 1.0))
-
-
-@triton.jit
 def _planes_kernel(
-    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr, p_ptr, inv_ptr,
+    x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, K, K_PER_SPLIT, stride_xm, stride_qn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, SWAP_AB: tl.constexpr,
-    PREPASS: tl.constexpr,
 ):
     """Program (n, s, r): BLOCK_N output columns of the r-th ROWS rows over the s-th K slice.
     SWAP_AB: the product taken transposed, [BLOCK_N, 4 * ROWS] = w @ planes^T, so that the weight
-    tile is the MMA's M side (64+ rows: Hopper's wgmma) and the planes its N side. PREPASS: the
-    planes come from ``_digits_kernel``'s buffers (p_ptr, inv_ptr) instead of x."""
+    tile is the MMA's M side (64+ rows: Hopper's wgmma) and the planes its N side."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -141,11 +110,8 @@ def _planes_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(q_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0)  # [BLOCK_N, BLOCK_K] int8
-        if PREPASS:
-            planes, weights = _load_planes(p_ptr, inv_ptr, pid_m * ROWS, k, kmask, k0, M, K, ROWS, BLOCK_K)
-        else:
-            x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, False)  # [ROWS, BLOCK_K]
-            planes, weights = _digit_planes(x, ROWS)
+        x = _load_x(x_ptr, m, k, mmask, kmask, stride_xm, K, SILU_MUL, False)  # [ROWS, BLOCK_K]
+        planes, weights = _digit_planes(x, ROWS)
         if SWAP_AB:
             sums = tl.dot(w, tl.trans(planes), out_dtype=tl.int32)  # [BLOCK_N, 4 * ROWS], exact
             acc += sums.to(tl.float32) * weights[None, :]
@@ -195,13 +161,7 @@ def planes_config(M: int, N: int, K: int, sms: int, silu_mul: bool = False,
     return GemvConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=4, num_stages=4, swap_ab=True)
 
 
-# Above this many rows the digits are made once by ``_digits_kernel`` (one more launch) instead of in
-# every program: each program's digit work grows with its rows while its weights do not (H200 bench at
-# 6df6c74, fused: 49 us for the four 3B linears at 8 rows, 70 at 16 where gemv_int8 takes 45).
-FUSED_MAX_M = 8
-
-
-def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False, prepass=None) -> torch.Tensor:
+def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False) -> torch.Tensor:
     M, N, K = x.shape[0], qweight.shape[0], qweight.shape[1]
     if M == 0 or N == 0:
         return out
@@ -210,24 +170,16 @@ def _launch(x, qweight, scale, bias, out, config, configs, pdl, silu_mul=False, 
         raise ValueError(f"int8 planes need block_n >= 16 and block_k >= 32 (tl.dot), got {cfg}")
     if cfg.block_k > 1024:  # keeps each tile's int32 sums below 2^24 (exact in fp32)
         raise ValueError(f"int8 planes need block_k <= 1024, got {cfg.block_k}")
-    prepass = M > FUSED_MAX_M if prepass is None else prepass
     rows = planes_rows(M)
     k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = cdiv(K, k_per_split)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     launch = pdl_args(x, M, pdl)
-    if prepass:  # [3, M, K] digits and [M, K tiles] inverse scales, made once
-        planes = torch.empty((3, M, K), dtype=torch.int8, device=x.device)
-        inv = torch.empty((M, cdiv(K, cfg.block_k)), dtype=torch.float32, device=x.device)
-        _digits_kernel[(M, cdiv(K, cfg.block_k))](x, planes, inv, M, K, x.stride(0), SILU_MUL=silu_mul,
-                                                  BLOCK_K=cfg.block_k, num_warps=4, **launch)
-    else:
-        planes = inv = scale  # unused pointers
     _planes_kernel[(cdiv(N, cfg.block_n), splits, cdiv(M, rows))](
-        x, qweight, scale, bias if bias is not None else scale, out, part, planes, inv,
+        x, qweight, scale, bias if bias is not None else scale, out, part,
         M, N, K, k_per_split, x.stride(0), qweight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_MUL=silu_mul, ROWS=rows,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab, PREPASS=prepass,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
@@ -244,26 +196,22 @@ def _check_x(x: torch.Tensor) -> None:
 
 def gemv_int8_planes(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                      config: GemvConfig | None = None, out: torch.Tensor | None = None,
-                     configs: Int8Configs | None = None, pdl: bool | None = None,
-                     prepass: bool | None = None) -> torch.Tensor:
+                     configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] bf16/fp16 (M <= ``PLANES_MAX_M``), qweight: [N, K] int8, scale: [N] and bias: [N] or
     None in x's dtype -> [M, N]. ``config``: block_n, block_k, split_k, warps, stages, swap_ab (else
-    the entry of ``configs`` or the heuristic: ``planes_config``); ``pdl``: see ``_util.use_pdl``;
-    ``prepass``: the digits made by a kernel of their own first (None: above ``FUSED_MAX_M`` rows)."""
+    the entry of ``configs`` or the heuristic: ``planes_config``); ``pdl``: see ``_util.use_pdl``."""
     M, N, K = _check_linear_int8(x, qweight, scale, bias)
     _check_x(x)
     if M > PLANES_MAX_M:
         raise ValueError(f"gemv_int8_planes is for M <= {PLANES_MAX_M} (got M={M})")
-    return _launch(x, qweight, scale, bias, _out(out, M, N, x), config, configs, pdl, prepass=prepass)
+    return _launch(x, qweight, scale, bias, _out(out, M, N, x), config, configs, pdl)
 
 
 def silu_mul_gemv_int8_planes(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                               config: GemvConfig | None = None, out: torch.Tensor | None = None,
-                              configs: Int8Configs | None = None, pdl: bool | None = None,
-                              prepass: bool | None = None) -> torch.Tensor:
+                              configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up), qweight: [N, I] int8, scale: [N] -> (SiLU(gate) * up) @ (q * scale)^T:
-    [M, N], the activation applied to each K tile as it is loaded (``gemv._load_x``; by the
-    prepass where there is one)."""
+    [M, N], the activation applied to each K tile as it is loaded (``gemv._load_x``)."""
     check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
     M, I2 = gate_up.shape
     if I2 % 2:
@@ -273,5 +221,4 @@ def silu_mul_gemv_int8_planes(gate_up: torch.Tensor, qweight: torch.Tensor, scal
     _check_x(gate_up)
     if M > PLANES_MAX_M:
         raise ValueError(f"silu_mul_gemv_int8_planes is for M <= {PLANES_MAX_M} (got M={M})")
-    return _launch(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, configs, pdl, silu_mul=True,
-                   prepass=prepass)
+    return _launch(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, configs, pdl, silu_mul=True)

@@ -314,10 +314,8 @@ def check_dequant_linear_int8(M, N, K, dtype, device, gen, bias=True) -> float:
     return rel_err(out, _int8_reference(x, q, s, b))
 
 
-def check_gemv_int8_planes(M, N, K, dtype, device, gen, bias=True, config=None, silu_mul=False,
-                           prepass=None) -> float:
-    """``int8_planes``' kernel (digit planes of x on the integer MMAs), plain or with SiLU·mul, the
-    digits made in the product or by the prepass kernel."""
+def check_gemv_int8_planes(M, N, K, dtype, device, gen, bias=True, config=None, silu_mul=False) -> float:
+    """``int8_planes``' kernel (digit planes of x on the integer MMAs), plain or with SiLU·mul."""
     from ..kernels.int8_planes import gemv_int8_planes, silu_mul_gemv_int8_planes
     from ..kernels.reference import silu_and_mul
 
@@ -325,11 +323,11 @@ def check_gemv_int8_planes(M, N, K, dtype, device, gen, bias=True, config=None, 
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
     if silu_mul:
         gate_up = _rand((M, 2 * K), dtype, device, gen, 2.0)
-        silu_mul_gemv_int8_planes(gate_up, q, s, config=config, out=out, prepass=prepass)
+        silu_mul_gemv_int8_planes(gate_up, q, s, config=config, out=out)
         return rel_err(out, _int8_reference(silu_and_mul(gate_up.double()), q, s, None))
     x = _rand((M, K), dtype, device, gen)
     b = _rand((N,), dtype, device, gen) if bias else None
-    gemv_int8_planes(x, q, s, b, config=config, out=out, prepass=prepass)
+    gemv_int8_planes(x, q, s, b, config=config, out=out)
     return rel_err(out, _int8_reference(x, q, s, b))
 
 
@@ -367,9 +365,7 @@ def int8_checks(dtype, device, gen, full: bool = False) -> dict:
             "planes_int8_m1_gate_up": lambda: check_gemv_int8_planes(1, *gu, dtype, device, gen, bias=False),
             "planes_int8_m1_silu_down": lambda: check_gemv_int8_planes(1, *down, dtype, device, gen, silu_mul=True),
             "planes_int8_m8_o": lambda: check_gemv_int8_planes(8, *o, dtype, device, gen, bias=False),
-            "planes_int8_m64_down": lambda: check_gemv_int8_planes(64, *down, dtype, device, gen, bias=False),
-            "planes_int8_m16_silu_down": lambda: check_gemv_int8_planes(16, *down, dtype, device, gen, silu_mul=True),
-            "planes_int8_m1_qkv_prepass": lambda: check_gemv_int8_planes(1, *qkv, dtype, device, gen, prepass=True),
+            "planes_int8_m8_silu_down": lambda: check_gemv_int8_planes(8, *down, dtype, device, gen, silu_mul=True),
         })
     return {
         "gemv_int8_m1": lambda: check_gemv_int8(1, 45, 200, dtype, device, gen),
