@@ -466,4 +466,5 @@ def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path
     for bad in ((1, 9), (3, 2), (0, 4), 8):
         with pytest.raises(ValueError, match="int8_planes_rows"):
             TritonOps(int8_planes_rows=bad)
-    assert TritonOps().int8_planes_rows is None  # "auto" on this machine: not a Hopper GPU
+    hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
+    assert TritonOps().int8_planes_rows == (triton_ops.INT8_PLANES_ROWS if hopper else None)  # "auto": measured on Hopper
