@@ -272,16 +272,24 @@ def _gemv_kernel(
         acc2 = tl.trans(acc)
     else:
         acc2 = acc
+    store_rows(acc2, m, n, mmask, nmask, pid_k, M, N, part_ptr, out_ptr, scale_ptr, bias_ptr, stride_om,
+               SPLIT, QUANT, HAS_BIAS)
+
+
+@triton.jit
+def store_rows(y, m, n, mmask, nmask, pid_k, M, N, part_ptr, out_ptr, scale_ptr, bias_ptr, stride_om,
+               SPLIT: tl.constexpr, QUANT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A program's [rows, BLOCK_N] fp32 result y: with SPLIT its unscaled partial for K slice pid_k
+    (the reduce kernel scales (QUANT) and biases their sum), else y [* scale] [+ bias], rounded once."""
     omask = mmask[:, None] & nmask[None, :]
-    if SPLIT:  # unscaled partials: the reduce kernel scales (QUANT) and biases their sum
-        part = part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :]
-        tl.store(part, acc2, mask=omask)
+    if SPLIT:
+        tl.store(part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :], y, mask=omask)
     else:
         if QUANT:
-            acc2 = acc2 * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            y = y * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
-            acc2 += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], acc2.to(out_ptr.dtype.element_ty), mask=omask)
+            y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * stride_om + n[None, :], y.to(out_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit

@@ -186,6 +186,17 @@ def _check_linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return M, N, K
 
 
+def _check_gate_up_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """M, N of the fused down projection: gate_up [M, 2I] (gate | up), qweight [N, I] int8, scale [N]."""
+    check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
+    M, I2 = gate_up.shape
+    if I2 % 2:
+        raise ValueError(f"gate_up: last dim must be even (gate|up), got {I2}")
+    N = _check_int8(gate_up, qweight, scale, I2 // 2)
+    check_device(gate_up=gate_up, qweight=qweight, scale=scale)
+    return M, N
+
+
 def _out(out: torch.Tensor | None, M: int, N: int, x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     check("out", out, shape=(M, N), dtype=x.dtype)
@@ -226,12 +237,7 @@ def silu_mul_gemv_int8(gate_up: torch.Tensor, qweight: torch.Tensor, scale: torc
     """gate_up: [M, 2I] (gate | up, M small), qweight: [N, I] int8, scale: [N] ->
     (SiLU(gate) * up) @ (q * scale)^T: [M, N], in one pass (plus the reduce when split); ``magic`` and
     ``match_x`` as ``gemv_int8``."""
-    check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
-    M, I2 = gate_up.shape
-    if I2 % 2:
-        raise ValueError(f"gate_up: last dim must be even (gate|up), got {I2}")
-    N = _check_int8(gate_up, qweight, scale, I2 // 2)
-    check_device(gate_up=gate_up, qweight=qweight, scale=scale)
+    M, N = _check_gate_up_int8(gate_up, qweight, scale)
     if M > 64:
         raise ValueError(f"silu_mul_gemv_int8 is for small M (got M={M})")
     return _launch_gemv(gate_up, qweight, scale, None, _out(out, M, N, gate_up), config, split_k, configs, pdl,

@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args, pdl_enter, sm_count_for
-from .gemv import GemvConfig, _load_x, reduce_splits
-from .gemv_int8 import Int8Configs, _check_int8, _check_linear_int8, _out
+from ._util import cdiv, next_pow2, pdl_args, pdl_enter, sm_count_for
+from .gemv import GemvConfig, _load_x, reduce_splits, store_rows
+from .gemv_int8 import Int8Configs, _check_gate_up_int8, _check_linear_int8, _out
 
 # Small decode batches only. Each program makes the digits of its rows of x, work that grows with the rows
 # while its weights do not: on the H200 (int8_planes_bench at 6df6c74 / f307388) the four 3B linears took
@@ -122,15 +122,8 @@ def _planes_kernel(
         y = tl.trans(tl.sum(tl.reshape(acc, (BLOCK_N, 4, ROWS)), axis=1))  # [ROWS, BLOCK_N]
     else:
         y = tl.sum(tl.reshape(acc, (4, ROWS, BLOCK_N)), axis=0)
-    omask = mmask[:, None] & nmask[None, :]
-    if SPLIT:  # unscaled partials: gemv's reduce kernel scales and biases their sum
-        tl.store(part_ptr + (pid_k * M + m)[:, None].to(tl.int64) * N + n[None, :], y, mask=omask)
-    else:
-        y = y * tl.load(scale_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m[:, None].to(tl.int64) * stride_om + n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=omask)
+    store_rows(y, m, n, mmask, nmask, pid_k, M, N, part_ptr, out_ptr, scale_ptr, bias_ptr, stride_om,
+               SPLIT, True, HAS_BIAS)
 
 
 def planes_rows(M: int) -> int:
@@ -212,12 +205,7 @@ def silu_mul_gemv_int8_planes(gate_up: torch.Tensor, qweight: torch.Tensor, scal
                               configs: Int8Configs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """gate_up: [M, 2I] (gate | up), qweight: [N, I] int8, scale: [N] -> (SiLU(gate) * up) @ (q * scale)^T:
     [M, N], the activation applied to each K tile as it is loaded (``gemv._load_x``)."""
-    check("gate_up", gate_up, ndim=2, dtype=KERNEL_DTYPES)
-    M, I2 = gate_up.shape
-    if I2 % 2:
-        raise ValueError(f"gate_up: last dim must be even (gate|up), got {I2}")
-    N = _check_int8(gate_up, qweight, scale, I2 // 2)
-    check_device(gate_up=gate_up, qweight=qweight, scale=scale)
+    M, N = _check_gate_up_int8(gate_up, qweight, scale)
     _check_x(gate_up)
     if M > PLANES_MAX_M:
         raise ValueError(f"silu_mul_gemv_int8_planes is for M <= {PLANES_MAX_M} (got M={M})")
