@@ -15,6 +15,8 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
 - ``argmax``        each row's first maximal index over the vocabulary (the sampler's pick)
 - ``gemv_int8``     int8 weight-only (W8A16) linears: the decode GEMV (and its SiLU·mul form),
                     a GEMM for larger M, and a dequantize kernel for dequantize-then-cuBLAS
+- ``int8_planes``   int8 weight-only linears for 1-8 rows on the integer MMAs: the activations as
+                    int8 digit planes, the weights never converted (and its SiLU·mul form)
 
 ``reference`` holds the plain-PyTorch math each kernel is checked against. This package
 imports torch and triton and nothing else of pageserve (``pageserve.model.triton_ops`` is
@@ -31,6 +33,7 @@ from .argmax import argmax_rows
 from ._util import interpreting
 from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
 from .gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, silu_mul_gemv_int8
+from .int8_planes import gemv_int8_planes, silu_mul_gemv_int8_planes
 from .kv_write import write_kv
 from .matmul_invariant import matmul_invariant
 from .norm import add_rms_norm, rms_norm
@@ -43,7 +46,8 @@ from .step_inputs import stage_decode_inputs
 
 __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
-    "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
+    "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8",
+    "gemv_int8_planes", "silu_mul_gemv_int8_planes", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "stage_decode_inputs", "argmax_rows", "paged_decode_attention", "paged_prefill_attention",
     "matmul_invariant", "paged_attention_invariant",  # batch-invariant (deterministic mode, issue 15)
 ]
