@@ -28,6 +28,8 @@ and bf16/fp16 x (fp32 x would lose its low mantissa bits to the 22-bit digits).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -45,10 +47,14 @@ PLANES_MAX_M = 8
 
 
 def supported(device: torch.device) -> bool:
-    """Integer MMAs in Triton: sm_80+ (and the CPU interpreter, for the tests)."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device)[0] >= 8
+    """Integer MMAs in Triton: sm_80+ (and the CPU interpreter, for the tests). Asked on every int8
+    decode linear (``TritonOps`` routes by it, the wrappers check it): one cached lookup per GPU."""
+    return device.type != "cuda" or _major(device.index if device.index is not None else torch.cuda.current_device()) >= 8
+
+
+@functools.cache
+def _major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 @triton.jit
