@@ -49,7 +49,9 @@ PLANES_MAX_M = 8
 def supported(device: torch.device) -> bool:
     """Integer MMAs in Triton: sm_80+ (and the CPU interpreter, for the tests). Asked on every int8
     decode linear (``TritonOps`` routes by it, the wrappers check it): one cached lookup per GPU."""
-    return device.type != "cuda" or _major(device.index if device.index is not None else torch.cuda.current_device()) >= 8
+    if device.type != "cuda":
+        return True
+    return _major(device.index if device.index is not None else torch.cuda.current_device()) >= 8
 
 
 @functools.cache
