@@ -468,3 +468,116 @@ def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path
             TritonOps(int8_planes_rows=bad)
     hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
     assert TritonOps().int8_planes_rows == (triton_ops.INT8_PLANES_ROWS if hopper else None)  # "auto": measured on Hopper
+
+
+# ------------------------------------------------------------------ x's digit planes per row (int8_rowplanes)
+@pytest.mark.parametrize("dtype", PLANE_DTYPES)
+def test_int8_rowplanes_match_the_float64_reference_at_decode_batches_and_odd_shapes(dtype, gen):
+    from pageserve.kernels.int8_rowplanes import RowPlanesConfig, rowplanes_config
+
+    for M in (1, 9, 17, 40):
+        _ok(checks.check_int8_rowplanes(M, 45, 200, dtype, DEVICE, gen, bias=M % 2 == 1), dtype)
+    for cfg in (RowPlanesConfig(16, 16, 32, 3), RowPlanesConfig(32, 16, 64, 2)):  # split K: int32 partials + reduce
+        _ok(checks.check_int8_rowplanes(33, 45, 200, dtype, DEVICE, gen, config=cfg), dtype)
+    _ok(checks.check_int8_rowplanes(3, 33, 150, dtype, DEVICE, gen, silu_mul=True), dtype)
+    _ok(checks.check_int8_rowplanes(20, 33, 150, dtype, DEVICE, gen, silu_mul=True,
+                                    config=RowPlanesConfig(16, 16, 32, 2)), dtype)
+    assert rowplanes_config(64, 2048, 11008, 132).split_k > 1  # a skinny N gets its programs from K
+    assert rowplanes_config(64, 22016, 2048, 132).split_k == 1
+
+
+@pytest.mark.parametrize("dtype", PLANE_DTYPES)
+def test_int8_row_planes_carry_every_activation_within_the_rows_range_exactly(dtype):
+    """The planes of a row are its values exactly (d2 * 2^16 + d1 * 2^8 + d0, over the row's scale) for
+    exponents down to 14 below the row's largest (bf16; 11 for fp16), both signs, an all-zero row, SiLU·mul's
+    rounded values too; and through the product with q = identity (scale 1) the output is x itself."""
+    from pageserve.kernels.activation import silu_and_mul
+    from pageserve.kernels.int8_rowplanes import RowPlanesConfig, linear_int8_rowplanes, row_planes
+
+    K = 300
+    span = 14 if dtype == torch.bfloat16 else 11
+    g = torch.Generator().manual_seed(7)
+    mant = 1 + 0.99 * torch.rand(3, K, generator=g)  # [1, 1.99]: no element rounds up to the next binade
+    expo = torch.randint(5 - span, 6, (3, K), generator=g).float()
+    sign = torch.where(torch.rand(3, K, generator=g) < 0.5, -1.0, 1.0)
+    x = (sign * mant * 2.0 ** expo).to(dtype)
+    x[:, 17] = -1.75 * 2.0 ** 5  # every row's largest |x| has exponent 5, away from the first tile
+    x = torch.cat([x, torch.zeros(1, K, dtype=dtype)])
+    planes, inv = row_planes(x.to(DEVICE))
+    v = planes.cpu().double()
+    joined = (v[0] * 65536 + v[1] * 256 + v[2]) * inv.cpu().double()[:, None]
+    assert torch.equal(joined.to(dtype), x)
+    assert torch.equal(joined, x.double())
+    assert planes[0].int().abs().max() <= 64  # |v| < 2^22: the top digit fits int8 with room
+    gate_up = torch.randn(4, 2 * K, generator=g).to(dtype) * 3
+    planes, inv = row_planes(gate_up.to(DEVICE), silu_mul=True)
+    v = planes.cpu().double()
+    h = silu_and_mul(gate_up.to(DEVICE)).cpu()  # SiLU(gate) * up rounded as the planes' kernel rounds it
+    joined = (v[0] * 65536 + v[1] * 256 + v[2]) * inv.cpu().double()[:, None]
+    small = h.double().abs() < h.double().abs().amax(1, keepdim=True) * 2.0 ** -span
+    assert torch.equal(joined[~small], h.double()[~small])  # below the span: rounded at 2^(e - 22)
+    q = torch.eye(K, dtype=torch.int8)
+    for cfg in (RowPlanesConfig(16, 16, 32, 1), RowPlanesConfig(64, 16, 64, 3)):
+        out = linear_int8_rowplanes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg)
+        assert torch.equal(out.cpu(), x), cfg
+
+
+@pytest.mark.parametrize("dtype", PLANE_DTYPES)
+def test_int8_rowplanes_multiply_every_weight_value_exactly(dtype):
+    """One x element of 1 (the rest 0) against every int8 value from -127 to 127: out = q exactly."""
+    from pageserve.kernels.int8_rowplanes import RowPlanesConfig, linear_int8_rowplanes
+
+    q = torch.arange(-127, 129, dtype=torch.int32).clamp(max=127).to(torch.int8)[:, None].repeat(1, 32)
+    x = torch.zeros(10, 32, dtype=dtype)
+    x[:, 5] = 1
+    out = linear_int8_rowplanes(x.to(DEVICE), q.to(DEVICE), torch.ones(256, dtype=dtype, device=DEVICE),
+                                config=RowPlanesConfig(64, 16, 32, 1))
+    assert torch.equal(out.cpu(), q[:, 0].to(dtype)[None, :].expand(10, -1))
+
+
+def test_int8_rowplanes_refuse_fp32_a_k_past_exact_int32_and_small_tiles_with_clear_errors():
+    from pageserve.kernels.int8_rowplanes import MAX_K, RowPlanesConfig, linear_int8_rowplanes
+
+    q = torch.zeros(16, 32, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        linear_int8_rowplanes(torch.zeros(9, 32, device=DEVICE), q, torch.ones(16, device=DEVICE))
+    x = torch.zeros(9, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="block_n, block_m, block_k >= 16"):
+        linear_int8_rowplanes(x, q, torch.ones(16, dtype=torch.bfloat16, device=DEVICE), config=RowPlanesConfig(8))
+    big = torch.zeros(1, MAX_K + 1, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="exact int32"):
+        linear_int8_rowplanes(torch.zeros(1, MAX_K + 1, dtype=torch.bfloat16, device=DEVICE), big,
+                              torch.ones(1, dtype=torch.bfloat16, device=DEVICE))
+
+
+def test_int8_rowplanes_serve_the_decoders_batches_and_agree_with_the_gemv_path(tiny_qwen2_config, monkeypatch):
+    """bf16 decoder, int8 weights: with ``int8_rowplanes_rows`` a 16-row prompt's linears (the fused SiLU·down
+    too) go through the row-plane kernels, the single decode rows do not, and the logits stay within bf16
+    noise of the int8 GEMV path's."""
+    from pageserve.kernels import int8_rowplanes
+    from pageserve.lab.naive import ContiguousKVCache, forward_tokens
+    from pageserve.model import triton_ops
+
+    _, qmodel = _tiny_pair(tiny_qwen2_config)
+    qmodel = qmodel.to(torch.bfloat16)
+    calls = []
+    for name in ("linear_int8_rowplanes", "silu_mul_linear_int8_rowplanes"):
+        real = getattr(int8_rowplanes, name)
+        monkeypatch.setattr(triton_ops, name,
+                            lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    ids = torch.randint(0, tiny_qwen2_config.vocab_size, (18,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for rows in (None, (9, 64)):
+        qmodel.set_ops(TritonOps(int8_planes_rows=None, int8_rowplanes_rows=rows))
+        cache = ContiguousKVCache.for_model(qmodel, 32)
+        first = qmodel.compute_logits(forward_tokens(qmodel, cache, ids[:16]))  # M = 16: row planes when on
+        logits[rows] = torch.cat([first] + [qmodel.compute_logits(forward_tokens(qmodel, cache, [t]))
+                                            for t in ids[16:]]).float()
+    layers = tiny_qwen2_config.num_layers
+    assert calls.count("silu_mul_linear_int8_rowplanes") == layers  # the prompt's 16 rows only
+    assert calls.count("linear_int8_rowplanes") == 3 * layers  # qkv, o, gate_up
+    err = ((logits[(9, 64)] - logits[None]).norm() / logits[None].norm()).item()
+    assert err < 2e-2, err
+    for bad in ((0, 4), (9, 8), 8):
+        with pytest.raises(ValueError, match="int8_rowplanes_rows"):
+            TritonOps(int8_rowplanes_rows=bad)

@@ -65,7 +65,13 @@ def _digits(x):
     inv: [R] fp32, 1 / the row's scale)."""
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)  # [R]
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the row's largest |x|
+    return _digits_under(xf, (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
+
+
+@triton.jit
+def _digits_under(xf, e):
+    """``_digits`` of fp32 values xf [R, C] under a given largest exponent per row (e [R]: the biased
+    exponent of a bound on the row's |x|); also used by ``int8_rowplanes``, whose bound is the whole row's."""
     # scale 2^(21 - (e - 127)) as a biased exponent, kept normal both ways (all-zero rows: any scale)
     se = tl.minimum(tl.maximum(275 - e, 17), 237)
     s = (se << 23).to(tl.float32, bitcast=True)
