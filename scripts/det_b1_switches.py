@@ -114,6 +114,7 @@ VARIANTS = {
     "int8_rowplanes_9_512": (False, {"int8_rowplanes_rows": (9, 512)}, "int8"),
     "int8_rowplanes_5_512": (False, {"int8_planes_rows": (2, 4), "int8_rowplanes_rows": (5, 512)}, "int8"),
     "int8_rowplanes_2_512": (False, {"int8_planes_rows": None, "int8_rowplanes_rows": (2, 512)}, "int8"),
+    "int8_rowplanes2_9_512": (False, {"int8_rowplanes_rows": (9, 512), "int8_rowplanes_digits": 2}, "int8"),
 }
 # session 14: the step's copy-in as PyTorch copies (5 launches, more when padded) and torch.argmax in the
 # sampler, as before kernels/step_inputs.py and kernels/argmax.py: "<variant>_torch_copy_in" (both as

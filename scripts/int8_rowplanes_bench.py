@@ -2,7 +2,8 @@
 (weights rotated out of L2), for the 3B shapes: bf16 as the engine runs it (cuBLAS), int8 as the engine
 runs it today (``gemv_int8``'s tl.dot tiles to 64 rows, dequantize + cuBLAS above), and
 ``int8_rowplanes`` (x's digit planes made once per launch, scaled per row, then the integer MMAs), its
-heuristic and a small sweep of tiles; the planes' prepass (``row_planes``) alone too.
+heuristic and a small sweep of tiles, its two-digit form at the heuristic; the planes' prepass
+(``row_planes``) alone too.
 
     python scripts/int8_rowplanes_bench.py --out DIR [--ms 8,16,32,64,128,256,512] [--sweep-ms 16,64,256]
 
@@ -76,7 +77,8 @@ def main() -> None:
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K ** -0.5 for _ in range(n)]
         weights[name] = (ws, [QuantizedWeight(*quantize_int8(w)) for w in ws])
     for M in (int(m) for m in args.ms.split(",")):
-        stack = {"bf16": 0.0, "int8": 0.0, "rowplanes_heuristic": 0.0, "rowplanes_best": 0.0, "prepass": 0.0}
+        stack = {"bf16": 0.0, "int8": 0.0, "rowplanes_heuristic": 0.0, "rowplanes_best": 0.0, "prepass": 0.0,
+                 "rowplanes2_heuristic": 0.0}
         for name, (N, K) in SHAPES.items():
             ws, qs = weights[name]
             silu = name == "down"  # the MLP's down runs fused with SiLU·mul in the engine
@@ -90,6 +92,8 @@ def main() -> None:
             row = {k: graph_ms(fn, calls=len(ws)) * 1e3 for k, fn in impls.items()}
             row["prepass"] = graph_ms(lambda i: row_planes(x, silu), calls=len(ws)) * 1e3
             fn = silu_mul_linear_int8_rowplanes if silu else linear_int8_rowplanes
+            row["rowplanes2_heuristic"] = graph_ms(  # two digits: two products
+                lambda i: fn(x, qs[i % len(qs)].qweight, qs[i % len(qs)].scale, planes=2), calls=len(qs)) * 1e3
             cands = candidates(M, N, K, sms, M in sweep_ms and time.time() - t0 < args.budget_s)
             timed = {}
             for cfg in cands:

@@ -482,6 +482,9 @@ def test_int8_rowplanes_match_the_float64_reference_at_decode_batches_and_odd_sh
     _ok(checks.check_int8_rowplanes(3, 33, 150, dtype, DEVICE, gen, silu_mul=True), dtype)
     _ok(checks.check_int8_rowplanes(20, 33, 150, dtype, DEVICE, gen, silu_mul=True,
                                     config=RowPlanesConfig(16, 16, 32, 2)), dtype)
+    for cfg in (None, RowPlanesConfig(16, 16, 32, 3)):  # two digits, unsplit and split
+        _ok(checks.check_int8_rowplanes(33, 45, 200, dtype, DEVICE, gen, config=cfg, planes=2), dtype)
+        _ok(checks.check_int8_rowplanes(20, 33, 150, dtype, DEVICE, gen, config=cfg, silu_mul=True, planes=2), dtype)
     assert rowplanes_config(64, 2048, 11008, 132).split_k > 1  # a skinny N gets its programs from K
     assert rowplanes_config(64, 22016, 2048, 132).split_k == 1
 
@@ -520,6 +523,17 @@ def test_int8_row_planes_carry_every_activation_within_the_rows_range_exactly(dt
     for cfg in (RowPlanesConfig(16, 16, 32, 1), RowPlanesConfig(64, 16, 64, 3)):
         out = linear_int8_rowplanes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE), config=cfg)
         assert torch.equal(out.cpu(), x), cfg
+    two, inv = row_planes(x.to(DEVICE), planes=2)  # two digits: exact within 6 binades (fp16: 3), the rest near
+    v = two.cpu().double()
+    joined = (v[0] * 256 + v[1]) * inv.cpu().double()[:, None]
+    amax = x.double().abs().amax(1, keepdim=True)
+    near = x.double().abs() >= amax * 2.0 ** -(span - 8)
+    assert torch.equal(joined[near], x.double()[near])
+    assert ((joined - x.double()).abs() <= amax * 2.0 ** -14).all()  # half a step, 2^(e - 14) <= amax * 2^-14
+    assert two[0].int().abs().max() <= 64
+    out = linear_int8_rowplanes(x.to(DEVICE), q.to(DEVICE), torch.ones(K, dtype=dtype, device=DEVICE),
+                                config=RowPlanesConfig(16, 16, 32, 3), planes=2)
+    assert torch.equal(out.cpu(), joined.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", PLANE_DTYPES)
@@ -542,6 +556,8 @@ def test_int8_rowplanes_refuse_fp32_a_k_past_exact_int32_and_small_tiles_with_cl
     with pytest.raises(ValueError, match="bf16/fp16"):
         linear_int8_rowplanes(torch.zeros(9, 32, device=DEVICE), q, torch.ones(16, device=DEVICE))
     x = torch.zeros(9, 32, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="2 or 3 digits"):
+        linear_int8_rowplanes(x, q, torch.ones(16, dtype=torch.bfloat16, device=DEVICE), planes=4)
     with pytest.raises(ValueError, match="block_n, block_m, block_k >= 16"):
         linear_int8_rowplanes(x, q, torch.ones(16, dtype=torch.bfloat16, device=DEVICE), config=RowPlanesConfig(8))
     big = torch.zeros(1, MAX_K + 1, dtype=torch.int8, device=DEVICE)
@@ -581,3 +597,5 @@ def test_int8_rowplanes_serve_the_decoders_batches_and_agree_with_the_gemv_path(
     for bad in ((0, 4), (9, 8), 8):
         with pytest.raises(ValueError, match="int8_rowplanes_rows"):
             TritonOps(int8_rowplanes_rows=bad)
+    with pytest.raises(ValueError, match="int8_rowplanes_digits"):
+        TritonOps(int8_rowplanes_digits=4)

@@ -69,11 +69,12 @@ def _digits(x):
 
 
 @triton.jit
-def _digits_under(xf, e):
+def _digits_under(xf, e, TOP: tl.constexpr = 21):
     """``_digits`` of fp32 values xf [R, C] under a given largest exponent per row (e [R]: the biased
-    exponent of a bound on the row's |x|); also used by ``int8_rowplanes``, whose bound is the whole row's."""
-    # scale 2^(21 - (e - 127)) as a biased exponent, kept normal both ways (all-zero rows: any scale)
-    se = tl.minimum(tl.maximum(275 - e, 17), 237)
+    exponent of a bound on the row's |x|); also used by ``int8_rowplanes``, whose bound is the whole row's.
+    TOP: |v| < 2^(TOP + 1); 21 gives three digits, 13 two (d2 = 0, |d1| <= 64)."""
+    # scale 2^(TOP - (e - 127)) as a biased exponent, kept normal both ways (all-zero rows: any scale)
+    se = tl.minimum(tl.maximum(254 + TOP - e, 17), 237)
     s = (se << 23).to(tl.float32, bitcast=True)
     v = xf * s[:, None]
     v = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero (exact values stay)

@@ -100,6 +100,7 @@ class TritonOps(TorchOps):
     ``int8_rowplanes_rows``: (lo, hi): launches of lo..hi rows with int8 weights (those ``int8_planes_rows``
     does not take) run ``kernels/int8_rowplanes.py``: x's digit planes made once a launch, scaled per
     row, then the integer MMAs (same conditions as the planes). None: never (until measured).
+    ``int8_rowplanes_digits``: 3 (x exact within 14 binades of its row's largest) or 2 (within 6; 2 products).
     """
 
     name = "triton"
@@ -110,7 +111,7 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
-                 int8_rowplanes_rows: tuple[int, int] | None = None,
+                 int8_rowplanes_rows: tuple[int, int] | None = None, int8_rowplanes_digits: int = 3,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
                  gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
@@ -146,6 +147,9 @@ class TritonOps(TorchOps):
             raise ValueError(f"int8_rowplanes_rows must be None or (lo, hi) with 1 <= lo <= hi, "
                              f"got {int8_rowplanes_rows!r}")
         self.int8_rowplanes_rows = None if int8_rowplanes_rows is None else tuple(int8_rowplanes_rows)
+        if int8_rowplanes_digits not in (2, 3):
+            raise ValueError(f"int8_rowplanes_digits must be 2 or 3, got {int8_rowplanes_digits!r}")
+        self.int8_rowplanes_digits = int8_rowplanes_digits
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -213,7 +217,7 @@ class TritonOps(TorchOps):
             return gemv_int8_planes(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         if self._rowplanes_fit(x) and w.qweight.shape[1] <= ROWPLANES_MAX_K:
             return linear_int8_rowplanes(x, w.qweight, w.scale, bias, configs=self.int8_configs,
-                                         pdl=self.pdl_for(x.shape[0]))
+                                         pdl=self.pdl_for(x.shape[0]), planes=self.int8_rowplanes_digits)
         if self._gemv_fits(x, INT8_GEMV_ROWS):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
                              pdl=self.pdl_for(x.shape[0]))
@@ -233,7 +237,8 @@ class TritonOps(TorchOps):
                                                  pdl=self.pdl_for(gate_up.shape[0]))
             if self.fuse_silu_down and self._rowplanes_fit(gate_up) and weight.qweight.shape[1] <= ROWPLANES_MAX_K:
                 return silu_mul_linear_int8_rowplanes(gate_up, weight.qweight, weight.scale,
-                                                      configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
+                                                      configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]),
+                                                      planes=self.int8_rowplanes_digits)
             if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
                                           configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
