@@ -70,6 +70,9 @@ def _row_planes_kernel(x_ptr, p_ptr, inv_ptr, M, K, stride_xm, SILU_MUL: tl.cons
         x = _load_x(x_ptr, row, k, rmask, k < K, stride_xm, K, SILU_MUL, False)  # [1, BLOCK_K]
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    top: tl.constexpr = 21 if PLANES == 3 else 13
+    se = tl.minimum(tl.maximum(254 + top - e, 17), 237)  # the scale's biased exponent, as _digits_under's
+    tl.store(inv_ptr + row, ((254 - se) << 23).to(tl.float32, bitcast=True), mask=rmask)
     plane = M.to(tl.int64) * K
     out = p_ptr + row.to(tl.int64)[:, None] * K
     for k0 in range(0, K, BLOCK_K):
@@ -77,15 +80,14 @@ def _row_planes_kernel(x_ptr, p_ptr, inv_ptr, M, K, stride_xm, SILU_MUL: tl.cons
         kmask = (k < K)[None, :]
         x = _load_x(x_ptr, row, k, rmask, k < K, stride_xm, K, SILU_MUL, False)
         if PLANES == 3:
-            d2, d1, d0, inv = _digits_under(x.to(tl.float32), e)
+            d2, d1, d0, _ = _digits_under(x.to(tl.float32), e)
             tl.store(out + k[None, :], d2.to(tl.int8), mask=kmask)
             tl.store(out + plane + k[None, :], d1.to(tl.int8), mask=kmask)
             tl.store(out + 2 * plane + k[None, :], d0.to(tl.int8), mask=kmask)
         else:
-            _, d1, d0, inv = _digits_under(x.to(tl.float32), e, 13)
+            _, d1, d0, _ = _digits_under(x.to(tl.float32), e, 13)
             tl.store(out + k[None, :], d1.to(tl.int8), mask=kmask)
             tl.store(out + plane + k[None, :], d0.to(tl.int8), mask=kmask)
-    tl.store(inv_ptr + row, inv, mask=rmask)
 
 
 @triton.jit
