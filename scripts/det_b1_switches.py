@@ -108,13 +108,9 @@ VARIANTS = {
     # memory at 64 rows in the engine; removed)
     "int8_no_planes": (False, {"int8_planes_rows": None}, "int8"),
     "int8_planes_1_8": (False, {"int8_planes_rows": (1, 8)}, "int8"),
-    # session 25: x's digit planes made once a launch under one scale per row, then the integer MMAs with int32
-    # sums over the whole K (kernels/int8_rowplanes.py), for the launches the planes do not take
-    "int8_rowplanes_9_64": (False, {"int8_rowplanes_rows": (9, 64)}, "int8"),
-    "int8_rowplanes_9_512": (False, {"int8_rowplanes_rows": (9, 512)}, "int8"),
-    "int8_rowplanes_5_512": (False, {"int8_planes_rows": (2, 4), "int8_rowplanes_rows": (5, 512)}, "int8"),
-    "int8_rowplanes_2_512": (False, {"int8_planes_rows": None, "int8_rowplanes_rows": (2, 512)}, "int8"),
-    "int8_rowplanes2_9_512": (False, {"int8_rowplanes_rows": (9, 512), "int8_rowplanes_digits": 2}, "int8"),
+    # session 25: kernels/int8_rowplanes.py (x's digits made once a launch under one scale per row, int32 sums over
+    # the whole K) was measured in its kernel bench only, slower than gemv_int8 / bf16 cuBLAS at 8-512 rows, and
+    # removed (code at 0b0a14e, diagnostics/int8_rowplanes_bench_0b0a14e.*)
 }
 # session 14: the step's copy-in as PyTorch copies (5 launches, more when padded) and torch.argmax in the
 # sampler, as before kernels/step_inputs.py and kernels/argmax.py: "<variant>_torch_copy_in" (both as

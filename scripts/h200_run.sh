@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes rowplanes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -128,8 +128,6 @@ for st in $stages; do
            echo "detw1 rc=$?"; tail -n 12 "$RES/det_w1_switches.log" ;;
     argmaxab) timeout "$t" python3 scripts/argmax_ab.py --out "$RES/diagnostics" ${ARGMAX_AB_ARGS:-} > "$RES/argmax_ab.log" 2>&1
               echo "argmaxab rc=$?"; tail -n 10 "$RES/argmax_ab.log" ;;
-    rowplanes) timeout "$t" python3 scripts/int8_rowplanes_bench.py --out "$RES/diagnostics" ${ROWPLANES_ARGS:-} > "$RES/int8_rowplanes_bench.log" 2>&1
-            echo "rowplanes rc=$?"; grep -E "^stack|Error" "$RES/int8_rowplanes_bench.log" | tail -n 12 ;;
     planes) timeout "$t" python3 scripts/int8_planes_bench.py --out "$RES/diagnostics" ${PLANES_ARGS:-} > "$RES/int8_planes_bench.log" 2>&1
             echo "planes rc=$?"; grep -E "^stack|Error" "$RES/int8_planes_bench.log" | tail -n 12 ;;
     detm1) timeout "$t" python3 scripts/det_m1_bench.py --out "$RES/diagnostics" ${DET_M1_ARGS:-} > "$RES/det_m1_bench.log" 2>&1

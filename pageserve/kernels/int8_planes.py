@@ -65,16 +65,9 @@ def _digits(x):
     inv: [R] fp32, 1 / the row's scale)."""
     xf = x.to(tl.float32)
     amax = tl.max(tl.abs(xf), axis=1)  # [R]
-    return _digits_under(xf, (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF)
-
-
-@triton.jit
-def _digits_under(xf, e, TOP: tl.constexpr = 21):
-    """``_digits`` of fp32 values xf [R, C] under a given largest exponent per row (e [R]: the biased
-    exponent of a bound on the row's |x|); also used by ``int8_rowplanes``, whose bound is the whole row's.
-    TOP: |v| < 2^(TOP + 1); 21 gives three digits, 13 two (d2 = 0, |d1| <= 64)."""
-    # scale 2^(TOP - (e - 127)) as a biased exponent, kept normal both ways (all-zero rows: any scale)
-    se = tl.minimum(tl.maximum(254 + TOP - e, 17), 237)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the row's largest |x|
+    # scale 2^(21 - (e - 127)) as a biased exponent, kept normal both ways (all-zero rows: any scale)
+    se = tl.minimum(tl.maximum(275 - e, 17), 237)
     s = (se << 23).to(tl.float32, bitcast=True)
     v = xf * s[:, None]
     v = tl.where(v >= 0, v + 0.5, v - 0.5).to(tl.int32)  # round half away from zero (exact values stay)

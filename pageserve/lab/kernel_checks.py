@@ -331,24 +331,6 @@ def check_gemv_int8_planes(M, N, K, dtype, device, gen, bias=True, config=None, 
     return rel_err(out, _int8_reference(x, q, s, b))
 
 
-def check_int8_rowplanes(M, N, K, dtype, device, gen, bias=True, config=None, silu_mul=False, planes=3) -> float:
-    """``int8_rowplanes``' kernels (x's digit planes made once, scaled per row; the integer MMAs), plain or
-    with SiLU·mul, three or two digits."""
-    from ..kernels.int8_rowplanes import linear_int8_rowplanes, silu_mul_linear_int8_rowplanes
-    from ..kernels.reference import silu_and_mul
-
-    q, s = _int8_weight(N, K, dtype, device, gen)
-    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    if silu_mul:
-        gate_up = _rand((M, 2 * K), dtype, device, gen, 2.0)
-        silu_mul_linear_int8_rowplanes(gate_up, q, s, config=config, out=out, planes=planes)
-        return rel_err(out, _int8_reference(silu_and_mul(gate_up.double()), q, s, None))
-    x = _rand((M, K), dtype, device, gen)
-    b = _rand((N,), dtype, device, gen) if bias else None
-    linear_int8_rowplanes(x, q, s, b, config=config, out=out, planes=planes)
-    return rel_err(out, _int8_reference(x, q, s, b))
-
-
 def _split_gemm():
     from ..kernels.gemv_int8 import Int8GemmConfig
 
@@ -384,16 +366,6 @@ def int8_checks(dtype, device, gen, full: bool = False) -> dict:
             "planes_int8_m1_silu_down": lambda: check_gemv_int8_planes(1, *down, dtype, device, gen, silu_mul=True),
             "planes_int8_m8_o": lambda: check_gemv_int8_planes(8, *o, dtype, device, gen, bias=False),
             "planes_int8_m8_silu_down": lambda: check_gemv_int8_planes(8, *down, dtype, device, gen, silu_mul=True),
-            "rowplanes_int8_m16_qkv": lambda: check_int8_rowplanes(16, *qkv, dtype, device, gen),
-            "rowplanes_int8_m64_o": lambda: check_int8_rowplanes(64, *o, dtype, device, gen, bias=False),
-            "rowplanes_int8_m64_gate_up": lambda: check_int8_rowplanes(64, *gu, dtype, device, gen, bias=False),
-            "rowplanes_int8_m64_silu_down": lambda: check_int8_rowplanes(64, *down, dtype, device, gen, silu_mul=True),
-            "rowplanes_int8_m256_silu_down": lambda: check_int8_rowplanes(256, *down, dtype, device, gen,
-                                                                          silu_mul=True),
-            "rowplanes2_int8_m64_gate_up": lambda: check_int8_rowplanes(64, *gu, dtype, device, gen, bias=False,
-                                                                        planes=2),
-            "rowplanes2_int8_m256_silu_down": lambda: check_int8_rowplanes(256, *down, dtype, device, gen,
-                                                                           silu_mul=True, planes=2),
         })
     return {
         "gemv_int8_m1": lambda: check_gemv_int8(1, 45, 200, dtype, device, gen),

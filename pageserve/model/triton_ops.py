@@ -17,8 +17,6 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
 from ..kernels.int8_planes import supported as planes_supported
-from ..kernels.int8_rowplanes import MAX_K as ROWPLANES_MAX_K
-from ..kernels.int8_rowplanes import linear_int8_rowplanes, silu_mul_linear_int8_rowplanes
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
 from .attention import AttentionMetadata
@@ -97,10 +95,6 @@ class TritonOps(TorchOps):
     included, run ``kernels/int8_planes.py`` instead: x as int8 digit planes on the integer MMAs,
     the weights never converted (bf16/fp16 x on sm_80+; elsewhere the paths above). None: never;
     "auto": ``INT8_PLANES_ROWS`` on Hopper (where it was measured), else None.
-    ``int8_rowplanes_rows``: (lo, hi): launches of lo..hi rows with int8 weights (those ``int8_planes_rows``
-    does not take) run ``kernels/int8_rowplanes.py``: x's digit planes made once a launch, scaled per
-    row, then the integer MMAs (same conditions as the planes). None: never (until measured).
-    ``int8_rowplanes_digits``: 3 (x exact within 14 binades of its row's largest) or 2 (within 6; 2 products).
     """
 
     name = "triton"
@@ -111,7 +105,6 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
-                 int8_rowplanes_rows: tuple[int, int] | None = None, int8_rowplanes_digits: int = 3,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
                  gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
@@ -140,16 +133,6 @@ class TritonOps(TorchOps):
             raise ValueError(f"int8_planes_rows must be None, 'auto' or (lo, hi) with 1 <= lo <= hi <= {PLANES_MAX_M}, "
                              f"got {int8_planes_rows!r}")
         self.int8_planes_rows = None if int8_planes_rows is None else tuple(int8_planes_rows)
-        if int8_rowplanes_rows is not None and not (
-                isinstance(int8_rowplanes_rows, (tuple, list)) and len(int8_rowplanes_rows) == 2
-                and all(isinstance(r, int) for r in int8_rowplanes_rows)
-                and 1 <= int8_rowplanes_rows[0] <= int8_rowplanes_rows[1]):
-            raise ValueError(f"int8_rowplanes_rows must be None or (lo, hi) with 1 <= lo <= hi, "
-                             f"got {int8_rowplanes_rows!r}")
-        self.int8_rowplanes_rows = None if int8_rowplanes_rows is None else tuple(int8_rowplanes_rows)
-        if int8_rowplanes_digits not in (2, 3):
-            raise ValueError(f"int8_rowplanes_digits must be 2 or 3, got {int8_rowplanes_digits!r}")
-        self.int8_rowplanes_digits = int8_rowplanes_digits
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -207,17 +190,9 @@ class TritonOps(TorchOps):
         return (r is not None and self._gemv_fits(x, r[1]) and x.shape[0] >= r[0]
                 and x.dtype in (torch.bfloat16, torch.float16) and planes_supported(x.device))
 
-    def _rowplanes_fit(self, x: torch.Tensor) -> bool:
-        r = self.int8_rowplanes_rows
-        return (r is not None and self._gemv_fits(x, r[1]) and x.shape[0] >= r[0]
-                and x.dtype in (torch.bfloat16, torch.float16) and planes_supported(x.device))
-
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self._planes_fit(x):
             return gemv_int8_planes(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
-        if self._rowplanes_fit(x) and w.qweight.shape[1] <= ROWPLANES_MAX_K:
-            return linear_int8_rowplanes(x, w.qweight, w.scale, bias, configs=self.int8_configs,
-                                         pdl=self.pdl_for(x.shape[0]), planes=self.int8_rowplanes_digits)
         if self._gemv_fits(x, INT8_GEMV_ROWS):
             return gemv_int8(x, w.qweight, w.scale, bias, split_k=self.gemv_split_k, configs=self.int8_configs,
                              pdl=self.pdl_for(x.shape[0]))
@@ -235,10 +210,6 @@ class TritonOps(TorchOps):
             if self.fuse_silu_down and self._planes_fit(gate_up):
                 return silu_mul_gemv_int8_planes(gate_up, weight.qweight, weight.scale, configs=self.int8_configs,
                                                  pdl=self.pdl_for(gate_up.shape[0]))
-            if self.fuse_silu_down and self._rowplanes_fit(gate_up) and weight.qweight.shape[1] <= ROWPLANES_MAX_K:
-                return silu_mul_linear_int8_rowplanes(gate_up, weight.qweight, weight.scale,
-                                                      configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]),
-                                                      planes=self.int8_rowplanes_digits)
             if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
                                           configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
