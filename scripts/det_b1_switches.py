@@ -108,6 +108,11 @@ VARIANTS = {
     # memory at 64 rows in the engine; removed)
     "int8_no_planes": (False, {"int8_planes_rows": None}, "int8"),
     "int8_planes_1_8": (False, {"int8_planes_rows": (1, 8)}, "int8"),
+    # session 25: 8 rows (int8 2.54 ms on the planes, level with bf16) against 16 (2.27 on gemv_int8's tuned 16-row
+    # tiles, SiLU·mul in its own kernel): planes to 4 rows, 5-8 rows on the 16-row tiles, the SiLU·down unfused
+    # (the fused one recomputes SiLU per row tile; fuse_silu_down also covers 1 row, so b1 is not this variant's)
+    "int8_m16_tiles_5_8": (False, {"int8_planes_rows": (2, 4), "int8_tuned_configs": "m16_for_8",
+                                   "fuse_silu_down": False}, "int8"),
     # session 25: kernels/int8_rowplanes.py (x's digits made once a launch under one scale per row, int32 sums over
     # the whole K) was measured in its kernel bench only, slower than gemv_int8 / bf16 cuBLAS at 8-512 rows, and
     # removed (code at 0b0a14e, diagnostics/int8_rowplanes_bench_0b0a14e.*)
@@ -159,6 +164,17 @@ def int8_cuda_core_configs() -> dict:
     return configs
 
 
+def int8_m16_configs_for_8() -> dict:
+    """This GPU's tuned int8 configs plus, for 8 rows (the bucket of 5-8), the tuned 16-row entries."""
+    from pageserve.kernels.gemv_int8 import load_int8_device_configs
+
+    configs = dict(load_int8_device_configs(torch.cuda.get_device_name()))
+    for key, cfg in list(configs.items()):
+        if key[0] == 16:
+            configs[(8, *key[1:])] = cfg
+    return configs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -193,6 +209,8 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library(blas)
         if options.get("int8_tuned_configs") == "cuda_cores_2_8":
             options = {**options, "int8_tuned_configs": int8_cuda_core_configs()}
+        if options.get("int8_tuned_configs") == "m16_for_8":
+            options = {**options, "int8_tuned_configs": int8_m16_configs_for_8()}
         sizes = dict(max_num_seqs=512) if args.w1 else dict(max_num_seqs=max(64, *batches), cuda_graph_max_bs=max(batches))
         llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, deterministic=det,
                   triton_options=options, quantization=quant[0] if quant else None, **sizes)
