@@ -113,6 +113,9 @@ VARIANTS = {
     # (the fused one recomputes SiLU per row tile; fuse_silu_down also covers 1 row, so b1 is not this variant's)
     "int8_m16_tiles_5_8": (False, {"int8_planes_rows": (2, 4), "int8_tuned_configs": "m16_for_8",
                                    "fuse_silu_down": False}, "int8"),
+    # after that A/B the int8 defaults are its winner (planes to 4 rows, the 16-row tiles at 5-8, SiLU·down fused at
+    # one row only); "int8_session24" is the default before it
+    "int8_session24": (False, {"int8_planes_rows": (2, 8), "int8_silu_down_rows": 8}, "int8"),
     # session 25: kernels/int8_rowplanes.py (x's digits made once a launch under one scale per row, int32 sums over
     # the whole K) was measured in its kernel bench only, slower than gemv_int8 / bf16 cuBLAS at 8-512 rows, and
     # removed (code at 0b0a14e, diagnostics/int8_rowplanes_bench_0b0a14e.*)

@@ -393,11 +393,13 @@ def test_mixed_buckets_cover_every_token_count_with_at_most_an_eighth_of_padding
     assert len(mixed_bucket_sizes(2048)) == 8 + 4 * 8
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-def test_mixed_steps_through_the_graph_runner_match_eager_ones(tiny_qwen2_config, use_triton):
+@pytest.mark.parametrize("use_triton, quantization", [(False, None), (True, None), (True, "int8")],
+                         ids=["torch", "triton", "triton_int8"])
+def test_mixed_steps_through_the_graph_runner_match_eager_ones(tiny_qwen2_config, use_triton, quantization):
     # the same chunked workload as the padding test, eager and through the mixed-step runner's
     # static buffers (graphs on CUDA, the same buffers run eagerly on the CPU): the same logits in
-    # every sampling step and the same tokens; the runner must really have run the mixed steps
+    # every sampling step and the same tokens; the runner must really have run the mixed steps.
+    # int8 weights too: their mixed steps take every int8 path (GEMV rows, dequantize + cuBLAS above 64)
     from pageserve.lab.decode_bench import capture_logits
 
     small = use_triton and DEVICE == "cpu"
@@ -411,10 +413,11 @@ def test_mixed_steps_through_the_graph_runner_match_eager_ones(tiny_qwen2_config
     for mixed in (False, True):
         llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
                              max_num_seqs=40, max_num_batched_tokens=61, max_model_len=256, enforce_eager=True,
-                             use_triton=use_triton)
+                             use_triton=use_triton, quantization=quantization)  # int8: quantized in place, once
         runner = llm.engine.runner
         used = []
         if mixed:
+            assert runner.mixed_graphs_supported() == use_triton
             # the reference ops read host copies of lengths (a sync): captured only with the kernels
             runner.enable_mixed_graphs(capture=DEVICE == "cuda" and use_triton)
             real_run = runner.mixed_graphs.run

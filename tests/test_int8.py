@@ -454,7 +454,7 @@ def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path
     ids = torch.randint(0, tiny_qwen2_config.vocab_size, (10,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = {}
     for planes in (None, (1, 8)):
-        qmodel.set_ops(TritonOps(int8_planes_rows=planes))
+        qmodel.set_ops(TritonOps(int8_planes_rows=planes, int8_silu_down_rows=8))  # the planes' fused SiLU·down too
         cache = ContiguousKVCache.for_model(qmodel, 32)
         forward_tokens(qmodel, cache, ids[:8])  # M = 8: planes when on
         logits[planes] = torch.cat([qmodel.compute_logits(forward_tokens(qmodel, cache, [t])) for t in ids[8:]]).float()
@@ -468,3 +468,30 @@ def test_int8_planes_serve_the_decoders_decode_rows_and_agree_with_the_gemv_path
             TritonOps(int8_planes_rows=bad)
     hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
     assert TritonOps().int8_planes_rows == (triton_ops.INT8_PLANES_ROWS if hopper else None)  # "auto": measured on Hopper
+    for bad in (-1, 9, 2.0):
+        with pytest.raises(ValueError, match="int8_silu_down_rows"):
+            TritonOps(int8_silu_down_rows=bad)
+
+
+def test_int8_silu_down_is_fused_at_one_row_only_and_5_to_8_rows_take_the_16_row_tiles(tiny_qwen2_config,
+                                                                                      monkeypatch):
+    """The int8 defaults measured on the H200 in session 25: SiLU·mul inside the down product at one row only
+    (above, the SiLU·mul kernel, then the product), and 5-8-row GEMVs on the tuned 16-row tiles."""
+    from pageserve.model import triton_ops
+
+    ops = TritonOps(int8_planes_rows=None)
+    calls = []
+    for name in ("silu_mul_gemv_int8", "gemv_int8"):
+        real = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    q, s = reference.quantize_int8(torch.randn(24, 40))
+    w = QuantizedWeight(q.to(DEVICE), s.to(DEVICE))
+    for rows, want in ((1, ["silu_mul_gemv_int8"]), (3, ["gemv_int8"]), (8, ["gemv_int8"])):
+        calls.clear()
+        ops.silu_mul_linear(torch.randn(rows, 80, device=DEVICE), w)
+        assert calls == want, rows
+    tile16 = GemvConfig(block_n=64, block_k=64, split_k=1)
+    tuned = {int8_config_key(16, 24, 40): tile16}
+    for M in (5, 8):
+        assert gemv_int8_config(M, 24, 40, 132, configs=tuned) == tile16
+    assert gemv_int8_config(4, 24, 40, 132, configs=tuned) != tile16

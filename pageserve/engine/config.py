@@ -39,8 +39,8 @@ class EngineConfig:
     # mixed and prefill steps of up to mixed_graph_max_tokens tokens replayed from CUDA graphs (one
     # a token bucket; engine/mixed_graphs.py): their eager forward is bound by the host's launch
     # work. On the H200 a 640-token mixed step went from 19.1 to 8.1 ms of wall time (NOTES.md,
-    # session 18). bf16/fp16 Triton path only (not int8, deterministic or tensor parallel); off
-    # with enforce_eager
+    # session 18). The Triton path only (not deterministic or tensor parallel; int8 since session 25);
+    # off with enforce_eager
     mixed_cuda_graphs: bool = True
     mixed_graph_max_tokens: int = 2048
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);

@@ -121,7 +121,9 @@ def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", co
     ``SILU_MIN_ROWS``-row tiles of 512 columns, K split to ~4 programs per SM (its own tuned entry,
     else the plain one only if it is that tall: see ``SILU_MIN_ROWS``).
     M = 2..8: 32-row tiles of 128 int8 columns on ``tl.dot`` (x padded to 16 rows), K split until
-    the grid covers the SMs ~4x, each split at least two tiles long (``"never"``: 16-row tiles, no split).
+    the grid covers the SMs ~4x, each split at least two tiles long (``"never"``: 16-row tiles, no split);
+    at 5-8 rows, without an entry of their own, the tuned 16-row entry where there is one (H200, the graphed
+    3B step at 8 rows 2.49 -> 2.21 ms on the 16-row tiles: diagnostics/det_b1_switches_int8_5_8_a2e8d86.*).
     M = 9..64 (``TritonOps(int8_gemv_max_m=)``: decode batches): 32-row tiles up to 16 rows, 64 above,
     K split only where the row tiles give under 2 programs per SM.
     """
@@ -134,6 +136,8 @@ def gemv_int8_config(M: int, N: int, K: int, sms: int, split_k: str = "auto", co
             # the plain GEMV's tuned M = 1 tiles are 1-2 rows: fused, every program would apply SiLU
             # to the whole gate|up row (2,048 programs x 11,008 columns at the 3B down shape)
             tuned = plain if isinstance(plain, GemvConfig) and plain.block_n >= SILU_MIN_ROWS else None
+        if tuned is None and not silu_mul and 4 < M <= 8:
+            tuned = configs.get(int8_config_key(16, N, K))
         if isinstance(tuned, GemvConfig) and (split_k == "auto" or tuned.split_k == 1):
             return tuned
     if M == 1 and silu_mul:

@@ -30,8 +30,13 @@ INT8_GEMV_ROWS = 8
 INT8_GEMM_MODES = ("auto", "triton", "dequant")
 # int8 launches of these many rows run on the digit planes on Hopper (``int8_planes_rows="auto"``). H200 bench at
 # 6df6c74, the four 3B linears (the fused SiLU·down in down's place): 40-49 us at 2-8 rows where gemv_int8 took
-# 78-83 and bf16 55; at one row 35.6 against gemv_int8's 31.8, so one row keeps the GEMV.
-INT8_PLANES_ROWS = (2, 8)
+# 78-83 and bf16 55; at one row 35.6 against gemv_int8's 31.8, so one row keeps the GEMV. 5-8 rows since session
+# 25: gemv_int8 on the tuned 16-row tiles (``gemv_int8_config``), SiLU·mul in its own kernel: the graphed 3B step
+# at 8 rows 2.49 -> 2.21 ms, two pairs (diagnostics/det_b1_switches_int8_5_8_a2e8d86.*).
+INT8_PLANES_ROWS = (2, 4)
+# int8 weights: SiLU·mul fused into the down product (the GEMV's or the planes' prologue) up to this many rows,
+# else its own kernel first. The same A/B: with it unfused at 2-4 rows the planes' step at 4 rows 2.11 -> 2.06 ms.
+INT8_SILU_DOWN_ROWS = 1
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
@@ -95,6 +100,8 @@ class TritonOps(TorchOps):
     included, run ``kernels/int8_planes.py`` instead: x as int8 digit planes on the integer MMAs,
     the weights never converted (bf16/fp16 x on sm_80+; elsewhere the paths above). None: never;
     "auto": ``INT8_PLANES_ROWS`` on Hopper (where it was measured), else None.
+    ``int8_silu_down_rows``: int8 launches of at most this many rows (0..8) take SiLU·mul inside the down
+    product (``INT8_SILU_DOWN_ROWS``: one row); larger ones run the SiLU·mul kernel first.
     """
 
     name = "triton"
@@ -105,6 +112,7 @@ class TritonOps(TorchOps):
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
+                 int8_silu_down_rows: int = INT8_SILU_DOWN_ROWS,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
                  gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
@@ -133,6 +141,9 @@ class TritonOps(TorchOps):
             raise ValueError(f"int8_planes_rows must be None, 'auto' or (lo, hi) with 1 <= lo <= hi <= {PLANES_MAX_M}, "
                              f"got {int8_planes_rows!r}")
         self.int8_planes_rows = None if int8_planes_rows is None else tuple(int8_planes_rows)
+        if not (isinstance(int8_silu_down_rows, int) and 0 <= int8_silu_down_rows <= INT8_GEMV_ROWS):
+            raise ValueError(f"int8_silu_down_rows must be in 0..{INT8_GEMV_ROWS}, got {int8_silu_down_rows!r}")
+        self.int8_silu_down_rows = int8_silu_down_rows
         if isinstance(tuned_configs, Mapping):
             self.gemv_configs = dict(tuned_configs)
         elif tuned_configs and torch.cuda.is_available() and not interpreting():
@@ -207,10 +218,11 @@ class TritonOps(TorchOps):
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
-            if self.fuse_silu_down and self._planes_fit(gate_up):
+            fused = self.fuse_silu_down and gate_up.shape[0] <= self.int8_silu_down_rows
+            if fused and self._planes_fit(gate_up):
                 return silu_mul_gemv_int8_planes(gate_up, weight.qweight, weight.scale, configs=self.int8_configs,
                                                  pdl=self.pdl_for(gate_up.shape[0]))
-            if self.fuse_silu_down and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
+            if fused and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
                                           configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
             return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
