@@ -53,7 +53,7 @@ class TritonOps(TorchOps):
     (larger batches, and ``gemv=False``, go to cuBLAS through torch). One row by default: on the
     H200 the graphed 3B decode step took 4.51 ms at batch 2 with the GEMV up to 8 rows against
     2.73 with cuBLAS from 2 rows (2.16 at batch 1 either way; diagnostics/det_b1_switches_6bad32f.*).
-    Int8 weights keep their GEMV (and the fused SiLU·down) up to ``INT8_GEMV_ROWS`` (8) rows.
+    Int8 weights keep their GEMV up to ``INT8_GEMV_ROWS`` (8) rows (the fused SiLU·down at one row).
     ``gemv_split_k``: ``"auto"`` splits K (GEMV + reduce kernel) where rows alone give too
     few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
@@ -87,7 +87,7 @@ class TritonOps(TorchOps):
     batch 1 -0.05 ms on the H200); "wait_first" waits at every kernel's top, as before (for A/Bs).
 
     Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``INT8_GEMV_ROWS`` rows the int8
-    GEMV (``silu_mul_linear`` fused as for float weights); above, ``int8_gemm`` picks the path:
+    GEMV (``silu_mul_linear`` fused up to ``int8_silu_down_rows``); above, ``int8_gemm`` picks the path:
     ``"triton"``: the int8 GEMM (reads int8 tiles, half the bytes); ``"dequant"``: dequantize the
     weight into a float buffer, then cuBLAS; ``"auto"``: the int8 GEMV (split-K, ``tl.dot`` on 32-64
     row tiles) up to ``int8_gemv_max_m`` rows, the GEMM up to ``int8_gemm_max_m`` rows, dequantize +
@@ -96,10 +96,11 @@ class TritonOps(TorchOps):
     ``int8_gemm_max_m`` equals ``int8_gemv_max_m``: no GEMM until the split-K GEMM is measured.
     ``int8_tuned_configs``: as ``tuned_configs``, for the int8 kernels (``int8_config_key``; the
     ``int8_tuned_configs`` section of ``kernels/configs/<gpu>.json``).
-    ``int8_planes_rows``: (lo, hi): launches of lo..hi rows with int8 weights, the fused SiLU·down
-    included, run ``kernels/int8_planes.py`` instead: x as int8 digit planes on the integer MMAs,
-    the weights never converted (bf16/fp16 x on sm_80+; elsewhere the paths above). None: never;
-    "auto": ``INT8_PLANES_ROWS`` on Hopper (where it was measured), else None.
+    ``int8_planes_rows``: (lo, hi): launches of lo..hi rows with int8 weights (the fused SiLU·down
+    too, where ``int8_silu_down_rows`` reaches) run ``kernels/int8_planes.py`` instead: x as int8
+    digit planes on the integer MMAs, the weights never converted (bf16/fp16 x on sm_80+; elsewhere
+    the paths above). None: never; "auto": ``INT8_PLANES_ROWS`` on Hopper (where it was measured),
+    else None.
     ``int8_silu_down_rows``: int8 launches of at most this many rows (0..8) take SiLU·mul inside the down
     product (``INT8_SILU_DOWN_ROWS``: one row); larger ones run the SiLU·mul kernel first.
     """
