@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests cublasbits tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -120,6 +120,9 @@ for st in $stages; do
                 > "$RES/invariant_sweep.log" 2>&1; echo "invsweep rc=$?"; tail -n 45 "$RES/invariant_sweep.log" ;;
     detattn) timeout "$t" python3 scripts/det_attn_sweep.py --out "$RES/diagnostics" ${DET_ATTN_ARGS:-} > "$RES/det_attn_sweep.log" 2>&1
              echo "detattn rc=$?"; tail -n 12 "$RES/det_attn_sweep.log" ;;
+    cublasbits) # cuBLAS's rows bitwise equal to the invariant matmul's, per linear and row count (CUBLAS_BITS_ARGS)
+                timeout "$t" python3 scripts/cublas_bits_probe.py --out "$RES/diagnostics" ${CUBLAS_BITS_ARGS:-} \
+                  > "$RES/cublas_bits_probe.log" 2>&1; echo "cublasbits rc=$?"; tail -n 20 "$RES/cublas_bits_probe.log" ;;
     detb1) timeout "$t" python3 scripts/det_b1_switches.py --out "$RES/diagnostics" ${DET_B1_ARGS:-} > "$RES/det_b1_switches.log" 2>&1
            echo "detb1 rc=$?"; tail -n 12 "$RES/det_b1_switches.log" ;;
     detw1) # detb1's engines sized as notebook 09's, with W1 per variant (DET_W1_ARGS: --variants, --w1 N, --batches)
