@@ -96,6 +96,10 @@ VARIANTS = {
     # fixed splits), "det_silu_in_down" (SiLU·mul on down's x tiles) and their combinations ran DeterministicOps
     # options that only those commits have: none faster at one row but 8 attention warps, now the policy's
     "det_attn_warps4": (True, {"attention_launch": {"split_warps": 4}}),  # the launch before the policy
+    # session 26: the linears on cuBLAS where it gives the invariant kernel's bits (checked per shape and rows;
+    # DeterministicOps.cublas_rows, 128-2,048 rows by default on a GPU); this variant keeps every linear on
+    # kernels/matmul_invariant.py, as before
+    "det_no_cublas": (True, {"cublas_rows": None}),
     # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
     # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
     # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.

@@ -216,3 +216,95 @@ def test_deterministic_triton_path_same_logprobs_through_the_graph_runners_padde
     graphed, eager = (D.outputs_of(make(gr), prompts, params) for gr in (True, False))
     assert replays  # the decode steps did go through the graph runner
     assert D.count_identical(graphed, eager) == 3
+
+
+def _split_k_linear(x, w, b=None):
+    """A product with another order of the sums (K in two halves, each rounded): what a split-K kernel does."""
+    from pageserve.kernels import matmul_invariant
+
+    h = w.shape[1] // 2
+    y = matmul_invariant(x[:, :h].contiguous(), w[:, :h].contiguous()).float()
+    return (y + matmul_invariant(x[:, h:].contiguous(), w[:, h:].contiguous(), b).float()).to(x.dtype)
+
+
+def test_cublas_runs_a_linear_only_where_its_bits_equal_the_invariant_kernels():
+    # cuBLAS gave the invariant kernel's bits on the H200 for most 3B shapes and row counts, not for down
+    # below 448 rows (split-K): the ops check per (shape, rows) and keep the invariant kernel where not equal
+    from pageserve.kernels import matmul_invariant
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    dev = "cuda" if ON_GPU else "cpu"
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 128, generator=gen).to(dev, torch.bfloat16)
+    w = (torch.randn(48, 128, generator=gen) * 0.1).to(dev, torch.bfloat16)
+    b = torch.randn(48, generator=gen).to(dev, torch.bfloat16)
+    want = matmul_invariant(x, w, b)
+    calls = []
+
+    def same_bits(x, w, b):  # a "cuBLAS" whose kernel is the invariant one: taken
+        calls.append(x.shape[0])
+        return matmul_invariant(x, w, b)
+
+    ops = DeterministicOps(cublas_rows=(2, 8))
+    ops.fast_linear = same_bits
+    assert torch.equal(ops.linear(x[:8], w, b), want[:8])
+    assert calls == [8, 8]  # the probe, then the product
+    ops.linear(x[:8], w, b)
+    assert calls == [8, 8, 8]  # checked once per (shape, rows): no second probe
+    assert torch.equal(ops.linear(x, w, b), want) and calls == [8, 8, 8]  # 9 rows: outside (2, 8), never tried
+    assert ops.cublas_checked == {((48, 128), 8, torch.bfloat16, True, x.device): True}
+
+    ops = DeterministicOps(cublas_rows=(2, 8))
+    ops.fast_linear = _split_k_linear  # other bits: refused, the invariant kernel's rows come back
+    assert torch.equal(ops.linear(x[:8], w, b), want[:8])
+    assert torch.equal(ops.gate_up_silu_mul(x[:4], w), ops.silu_and_mul(matmul_invariant(x[:4], w)))  # gate_up too
+    assert set(ops.cublas_checked.values()) == {False}
+
+
+def test_cublas_rows_default_to_the_gpu_only_and_refuse_a_malformed_range():
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    ops = DeterministicOps()
+    assert ops.cublas_rows_for(torch.device("cpu")) is None  # the interpreter: the invariant kernel only
+    assert ops.cublas_rows_for(torch.device("cuda")) == DeterministicOps.CUBLAS_ROWS
+    assert DeterministicOps(cublas_rows=None).cublas_rows_for(torch.device("cuda")) is None
+    with pytest.raises(ValueError, match="cublas_rows"):
+        DeterministicOps(cublas_rows=128)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cublas_where_taken_gives_the_invariant_bits_on_fresh_inputs_at_the_3b_shapes(dtype):
+    # the check is one probe a (shape, rows): other inputs at those rows must come out with the same bits
+    from pageserve.kernels import matmul_invariant
+    from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    ops = DeterministicOps(cublas_rows=(1, 2048))
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    for name in ("qkv", "o", "gate_up", "down"):
+        N, K = GEMV_SHAPES[name]
+        w = torch.randn(N, K, device="cuda", dtype=dtype, generator=gen) * K**-0.5
+        b = torch.randn(N, device="cuda", dtype=dtype, generator=gen) if name == "qkv" else None
+        for M in (1, 7, 128, 300, 512, 1024):
+            x = (torch.randn(M, K, device="cuda", generator=gen) * 4).to(dtype)
+            assert torch.equal(ops.linear(x, w, b).view(torch.int16), matmul_invariant(x, w, b).view(torch.int16))
+    taken = {(k[0], k[1]) for k, ok in ops.cublas_checked.items() if ok}
+    if torch.cuda.get_device_capability()[0] == 9:  # what the H200 probe found (cublas_bits_probe_aaeaaed)
+        assert {(GEMV_SHAPES["gate_up"], 512), (GEMV_SHAPES["qkv"], 128), (GEMV_SHAPES["down"], 1024)} <= taken
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_deterministic_engine_with_cublas_at_every_row_count_stays_invariant(tiny_qwen2_config):
+    # cuBLAS tried from one row (the default is 128-2,048): wherever it is taken, alone = batched = chunked
+    model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")
+
+    def make(**kw):
+        cfg = dict(num_blocks=128, max_model_len=256, deterministic=True, triton_options={"cublas_rows": (1, 2048)})
+        return LLM.from_model(model, None, **(cfg | kw))
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    r = D.invariance_suite(make, prompts, max_tokens=4, logprobs=3, chunk_budgets=(7, 16), graphs=True)
+    want = {k: 3 for k in ("alone", "chunk_7", "chunk_16", "prefix", "sync", "eager")}
+    assert {k: r[k] for k in want} == want

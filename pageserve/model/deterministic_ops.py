@@ -11,7 +11,9 @@ docs/deterministic.md lists each op and why it is invariant.
 ``DeterministicOps`` (CUDA, or Triton's CPU interpreter): ``kernels.matmul_invariant`` for
 every float linear (decode rows, prefill chunks and the LM head alike: one fixed K tiling, no
 split-K) and ``kernels.paged_attention_invariant`` for every attention (one kernel for prefill
-and decode, KV split by a fixed *size*). SiLU·mul runs in the gate_up matmul's epilogue
+and decode, KV split by a fixed *size*). Where cuBLAS computes a linear's very bits (checked per
+weight shape and row count on this GPU, ``cublas_rows``), the linear runs on cuBLAS: the same
+bits, sooner. SiLU·mul runs in the gate_up matmul's epilogue
 (``silu_in_gate_up``: elementwise on that product's rounded values, as the separate kernel).
 Norms (one program per row), RoPE and the KV write are ``TritonOps``' own kernels, already
 invariant.
@@ -23,6 +25,7 @@ whatever the batch. Slow, and meant for the CPU smoke runs and tests.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels import reference
 from ..kernels._util import use_pdl
@@ -52,7 +55,26 @@ class DeterministicOps(TritonOps):
     M-specialized one inside graph captures; ``kernels.matmul_invariant``). ``attention_launch``:
     keywords of ``paged_attention_invariant`` that choose a launch (``LAUNCH_OPTIONS``: programs, walk,
     stages, warps; None: its policy). None of these changes a bit: they are there to time the batch-1
-    step with and without each (scripts/det_b1_switches.py)."""
+    step with and without each (scripts/det_b1_switches.py).
+
+    ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
+    "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
+    bias and row count M the first call computes a probe of M random rows (mixed magnitudes) both ways
+    and keeps cuBLAS for that (shape, M) only if every output element has the invariant kernel's bits;
+    outside a CUDA-graph capture (the warm-up run before each capture decides for its bucket). On the
+    H200 (diagnostics/cublas_bits_probe_aaeaaed.*) cuBLAS gave the invariant bits for every row at every
+    M from 1 to 8,192 on qkv, o, gate_up and the LM head, bf16 and fp16 (its kernels there are one wgmma
+    chain over K in K order, as ours), and on down (K = 11,008) from 448 rows, split-K below (0 rows of
+    M equal; fp16 at 512 rows too: why the check is per M). Where equal it is the faster one from 128
+    rows (qkv 9.8 vs 13.3 us, gate_up 63.1 vs 73.3, down 35.0 vs 47.5, LM head 416 vs 476 at 512 rows);
+    the decode steps of W1 (~500 rows) and chunks of mixed steps live there. ``fast_linear``: the
+    function tried (tests substitute it)."""
+
+    # cuBLAS tried from 128 rows (where the probe timed it faster on every 3B shape but o, which is level)
+    # to 2,048 (the largest graphed step; eager chunks above stay on the invariant kernel, which the
+    # sweeps timed at ~0.98x cuBLAS's time at 8,192 rows, and each new row count would cost a check)
+    CUBLAS_ROWS = (128, 2048)
+    fast_linear = staticmethod(F.linear)
 
     name = "deterministic"
     cublas_linears = False  # every linear is kernels.matmul_invariant
@@ -60,7 +82,7 @@ class DeterministicOps(TritonOps):
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
-                 **triton_options) -> None:
+                 cublas_rows: tuple[int, int] | str | None = "auto", **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # the default mode's gate_up epilogue policy (2-64 rows on Hopper) is not this mode's: its own
@@ -83,14 +105,59 @@ class DeterministicOps(TritonOps):
         if unknown:
             raise ValueError(f"attention_launch: unknown options {sorted(unknown)} (known: {LAUNCH_OPTIONS})")
         self.attention_launch = dict(attention_launch or {})
+        if cublas_rows not in ("auto", None) and not (isinstance(cublas_rows, tuple) and len(cublas_rows) == 2):
+            raise ValueError(f"cublas_rows {cublas_rows!r}: (lo, hi), None or 'auto'")
+        self.cublas_rows = cublas_rows
+        # (weight shape, row count, dtype, bias, device) -> cuBLAS gave the invariant bits on the probe
+        self.cublas_checked: dict[tuple, bool] = {}
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
 
         _refuse_int8(weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.cublas_bits_equal(x, weight, bias):
+            return self.fast_linear(x, weight, bias)
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
                                 specialize=self.matmul_specialize)
+
+    def cublas_rows_for(self, device: torch.device) -> tuple[int, int] | None:
+        """``cublas_rows`` resolved for a device ("auto": ``CUBLAS_ROWS`` on CUDA)."""
+        if self.cublas_rows != "auto":
+            return self.cublas_rows
+        return self.CUBLAS_ROWS if device.type == "cuda" else None
+
+    def cublas_bits_equal(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this product may run on ``fast_linear``: M within ``cublas_rows`` and, for this weight
+        shape, dtype, bias and M, the probe found every bit equal (checked once, never inside a capture;
+        x must be 16-byte aligned like the probe, since cuBLAS picks kernels by alignment too)."""
+        rows = self.cublas_rows_for(x.device)
+        M = x.shape[0]
+        if rows is None or not rows[0] <= M <= rows[1] or x.dim() != 2 or x.data_ptr() % 16:
+            return False
+        key = (tuple(weight.shape), M, x.dtype, bias is not None, x.device)
+        ok = self.cublas_checked.get(key)
+        if ok is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                return False  # undecided inside a capture: the invariant kernel (the same bits)
+            ok = self.cublas_checked[key] = self._probe_bits_equal(M, weight, bias, x.dtype)
+        return ok
+
+    def _probe_bits_equal(self, M: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                          dtype: torch.dtype) -> bool:
+        """M random rows of mixed magnitudes through ``fast_linear`` and the invariant kernel: all bits equal?
+        A different order of the sums (split-K, stream-K) changes nearly every row of such a probe (down's
+        split-K rows on the H200: none of M equal)."""
+        from ..kernels import matmul_invariant
+
+        gen = torch.Generator(device=weight.device).manual_seed(M)
+        K = weight.shape[1]
+        scale = torch.rand(M, 1, device=weight.device, generator=gen) * 8
+        x = (torch.randn(M, K, device=weight.device, generator=gen) * scale).to(dtype)
+        fast = self.fast_linear(x, weight, bias)
+        ref = matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, specialize=self.matmul_specialize)
+        bits = torch.int16 if fast.element_size() == 2 else torch.int32
+        return fast.shape == ref.shape and torch.equal(fast.view(bits), ref.view(bits))
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), weight, None)
@@ -115,9 +182,10 @@ class DeterministicOps(TritonOps):
 
         _refuse_int8(weight)
         rows = x.shape[0]
-        if rows > self.silu_in_gate_up_max_rows or use_pdl(x, rows, self.pdl_for(rows)):
-            return super().gate_up_silu_mul(x, weight)  # the product, then the SiLU·mul kernel
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if (rows > self.silu_in_gate_up_max_rows or use_pdl(x, rows, self.pdl_for(rows))
+                or self.cublas_bits_equal(x, weight, None)):
+            return super().gate_up_silu_mul(x, weight)  # the product (cuBLAS where equal), then the SiLU·mul kernel
         return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=False, silu_mul=True,
                                 specialize=self.matmul_specialize)
 
