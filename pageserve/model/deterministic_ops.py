@@ -77,7 +77,9 @@ class DeterministicOps(TritonOps):
     fast_linear = staticmethod(F.linear)
 
     name = "deterministic"
-    cublas_linears = False  # every linear is kernels.matmul_invariant
+    # not the default mode's cuBLAS linears: eager steps keep their row counts (no bucket padding), since the
+    # invariant kernel compiles nothing new for an odd count and cuBLAS, where taken, is checked once per count
+    cublas_linears = False
 
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
