@@ -270,6 +270,9 @@ def test_cublas_rows_default_to_the_gpu_only_and_refuse_a_malformed_range():
     assert DeterministicOps(cublas_rows=None).cublas_rows_for(torch.device("cuda")) is None
     with pytest.raises(ValueError, match="cublas_rows"):
         DeterministicOps(cublas_rows=128)
+    with pytest.raises(ValueError, match="cublas_rows"):
+        DeterministicOps(cublas_rows=(256, 128))
+    assert DeterministicOps(cublas_rows=[64, 512]).cublas_rows_for(torch.device("cuda")) == (64, 512)  # JSON
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

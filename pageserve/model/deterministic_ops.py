@@ -107,9 +107,12 @@ class DeterministicOps(TritonOps):
         if unknown:
             raise ValueError(f"attention_launch: unknown options {sorted(unknown)} (known: {LAUNCH_OPTIONS})")
         self.attention_launch = dict(attention_launch or {})
-        if cublas_rows not in ("auto", None) and not (isinstance(cublas_rows, tuple) and len(cublas_rows) == 2):
-            raise ValueError(f"cublas_rows {cublas_rows!r}: (lo, hi), None or 'auto'")
-        self.cublas_rows = cublas_rows
+        if cublas_rows not in ("auto", None) and not (
+                isinstance(cublas_rows, (tuple, list)) and len(cublas_rows) == 2
+                and all(isinstance(r, int) for r in cublas_rows) and 1 <= cublas_rows[0] <= cublas_rows[1]):
+            raise ValueError(f"cublas_rows {cublas_rows!r}: (lo, hi) with 1 <= lo <= hi, None or 'auto'")
+        # a list too: --triton-options arrives as JSON
+        self.cublas_rows = tuple(cublas_rows) if isinstance(cublas_rows, list) else cublas_rows
         # (weight shape, row count, dtype, bias, device) -> cuBLAS gave the invariant bits on the probe
         self.cublas_checked: dict[tuple, bool] = {}
 
