@@ -100,9 +100,10 @@ VARIANTS = {
     # DeterministicOps.cublas_rows, 128-2,048 rows by default on a GPU); this variant keeps every linear on
     # kernels/matmul_invariant.py, as before
     "det_no_cublas": (True, {"cublas_rows": None}),
-    # session 27: decode launches of at most 8 (sequence, KV head) tiles merge the attention's splits in the split
-    # kernel's last program of each tile (paged_invariant ``fused_merge``); this variant keeps the merge kernel
-    "det_merge_kernel": (True, {"attention_launch": {"fused_merge": False}}),
+    # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
+    # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
+    # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/
+    # det_b1_switches_fused_merge_9f472ab.*); removed after that commit
     # session 13: int8 at 2-8 rows (3.8-4.1 ms a step at 635d5e3, bf16 2.6): the tl.dot GEMV under PDL, as
     # bf16's GEMV was at 2-8 rows before 60944a8 (PDL cost it 0.75 ms there); and CUDA-core tiles at 2-8 rows.
     # At 0ef56d1 "int8" had PDL to 8 rows and "int8_pdl_1_row" (now int8's default) to one row.

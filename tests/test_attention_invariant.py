@@ -195,39 +195,3 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
             assert torch.equal(outs[0], other), w
     with pytest.raises(ValueError, match="split_programs must be 1"):
         paged_attention_invariant(q, kc, vc, meta, D**-0.5, split_programs=2, flat=True, **LAUNCH)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.bfloat16])
-def test_the_fused_merge_gives_the_merge_kernels_bits_and_leaves_its_tickets_at_zero(dtype, monkeypatch):
-    # a small decode batch merges its splits in the split kernel's last program of each tile (one launch
-    # fewer): the same fold of the same partials, so the same bits as the merge kernel, whichever
-    # programs walk which splits; every launch leaves the ticket counters at zero for the next one
-    from pageserve.kernels import paged_invariant as PI
-    gen = torch.Generator().manual_seed(5)
-    Hq, Hkv, D, bs = _shape(8, 2)
-    for ctx in ([3 * KS + 5], [2 * KS + 7, 0, KS + 1], [1, 4 * KS]):
-        q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, Hq, Hkv, D, bs,
-                                                          dtype, DEVICE, gen, extra_table_cols=5)
-        q = torch.randn(len(ctx), Hq, D, generator=gen).to(device=DEVICE, dtype=dtype)  # one row per sequence
-        meta.query_start_loc = torch.arange(len(ctx) + 1, dtype=torch.int32, device=DEVICE)
-        meta.query_start_loc_cpu, meta.max_query_len = list(range(len(ctx) + 1)), 1
-        merged = paged_attention_invariant(q, kc, vc, meta, D**-0.5, fused_merge=False, **LAUNCH)
-        assert checks.rel_err(merged, checks.attention_reference(q, kc, vc, meta, D**-0.5)) <= checks.TOLERANCE[dtype]
-        with monkeypatch.context() as m:
-            m.setattr(PI, "_merge_kernel", None)  # a fused launch must not reach the merge kernel
-            empty = torch.empty  # fresh NaN partials every call: none left over from the call before
-
-            def poisoned(*a, **kw):
-                t = empty(*a, **kw)
-                return t.fill_(float("nan")) if t.is_floating_point() else t
-            m.setattr(torch, "empty", poisoned)
-            for walk in ({}, {"fused_merge": True}, {"fused_merge": True, "split_programs": 1},
-                         {"fused_merge": True, "split_programs": 2}):
-                got = paged_attention_invariant(q, kc, vc, meta, D**-0.5, out=torch.full_like(q, float("nan")),
-                                                **walk, **LAUNCH)
-                assert torch.equal(got, merged), (ctx, walk)
-                assert not PI._TICKETS[q.device].any()
-    # only decode batches take it
-    q, _, _, kc, vc, meta = checks.random_paged_batch([1, 20], [KS + 1, 20], Hq, Hkv, D, bs, dtype, DEVICE, gen)
-    with pytest.raises(ValueError, match="fused_merge"):
-        paged_attention_invariant(q, kc, vc, meta, D**-0.5, fused_merge=True, **LAUNCH)

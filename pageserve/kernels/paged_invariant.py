@@ -81,29 +81,8 @@ BLOCK_N = 64  # keys per tile
 # 004f872.*): 2.609 -> 2.561, 2.744 -> 2.713; at 64 sequences 8 warps cost +0.40 ms (19 -> 31 us a call). Warps change which thread holds which element, not a bit, where every sum is an MMA chain (bits
 # equal in every walk of the sweeps); a tl.sum tree (ROWSUM_DOT off) follows the layout, so there 4 always
 WIDE_WARPS_MAX_TILES = 8
-# decode launches of at most this many (sequence, KV head) tiles merge their splits in the split kernel's last
-# program of each tile (``fused_merge``) instead of a merge kernel of their own
-FUSED_MERGE_MAX_TILES = 8
 # paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
-LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps", "fused_merge")
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, n: int, required: bool) -> torch.Tensor | None:
-    """The fused merge's ticket counters (int32 zeros, one per (tile, KV head); every launch leaves them
-    at zero), one buffer per device, grown when a launch needs more. Not inside a CUDA-graph capture:
-    a buffer made there would belong to the graph's pool, so a capture that finds it too small falls back
-    to the merge kernel (None), or raises where the fused merge was asked for."""
-    have = _TICKETS.get(device)
-    if have is not None and have.numel() >= n:
-        return have
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        if required:
-            raise RuntimeError("fused_merge: run this decode batch size once outside a CUDA-graph capture first")
-        return None
-    _TICKETS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return _TICKETS[device]
+LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps")
 
 
 def invariant_block_m(group: int) -> int:
@@ -153,14 +132,14 @@ def _softmax_step(scores, v, m_i, l_i, acc, PREC: tl.constexpr, UPCAST: tl.const
 
 @triton.jit(do_not_specialize=["stride_bt", "num_splits", "n_tiles", "split_programs", "split_rows"])
 def _split_kernel(
-    q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr, tickets_ptr,
+    q_ptr, kc_ptr, vc_ptr, out_ptr, part_acc_ptr, part_ml_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, qk_scale, num_splits, n_tiles, split_programs, split_rows,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    FLAT: tl.constexpr, FUSED_MERGE: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     pdl_enter_before_inputs(USE_PDL)
     # step inputs (the tile map, query_start_loc, seq_lens): before the wait (_util)
@@ -228,19 +207,6 @@ def _split_kernel(
                 m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
             _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, head, d, dmask,
                          rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
-    if FUSED_MERGE:
-        # the merge kernel's work done by the tile's last program to finish (a ticket per (tile, KV head)):
-        # the same fold (_fold_splits) of the same stored partials, one launch fewer. Programs that walked no
-        # split take no ticket; the last one puts the counter back to 0 for the next launch.
-        if (n_tile > 1) & (first < n_tile):
-            tl.debug_barrier()  # every thread's partial stores before the ticket (released with it)
-            ticket_ptr = tickets_ptr + t * NUM_KV_HEADS + h
-            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-            if ticket == tl.minimum(split_programs, n_tile) - 1:
-                tl.debug_barrier()
-                _fold_splits(part_acc_ptr, part_ml_ptr, out_ptr, rows, head, tl.minimum(n_row, num_splits),
-                             split_rows, stride_ot, stride_oh, NUM_KV_HEADS * GROUP, HEAD_DIM, BLOCK_D, ".cg")
-                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -259,41 +225,6 @@ def _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, hea
     tl.store(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], acc, mask=partial[:, None] & dmask[None, :])
     tl.store(part_ml_ptr + prow * 2, m_i, mask=partial)
     tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=partial)
-
-
-@triton.jit
-def _fold_splits(part_acc_ptr, part_ml_ptr, out_ptr, rows, head, n_row, split_rows, stride_ot, stride_oh,
-                 NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
-    """The rows' answers from their splits' partials (rows with n_row > 1), folded in split order 0, 1, ...
-    with elementwise fp32 arithmetic, so a row's bits are its own whichever program runs it: the merge
-    kernel, or (``fused_merge``) the split kernel's last program of the tile. CACHE: the partials' load
-    cache modifier (".cg" where other programs of the same launch wrote them: past this SM's L1)."""
-    active = n_row > 1
-    n_max = tl.max(tl.where(active, n_row, 0), axis=0)
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
-    prow = rows * NUM_HEADS + head  # [BLOCK_M], split 0; split s is split_rows rows on
-    amask = active[:, None] & dmask[None, :]
-    m = tl.load(part_ml_ptr + prow * 2, mask=active, other=0.0, cache_modifier=CACHE)
-    l = tl.load(part_ml_ptr + prow * 2 + 1, mask=active, other=1.0, cache_modifier=CACHE)
-    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=amask, other=0.0, cache_modifier=CACHE)
-    # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own
-    for s in range(1, n_max):
-        take = active & (s < n_row)
-        prow_s = prow + s * split_rows
-        m_s = tl.load(part_ml_ptr + prow_s * 2, mask=take, other=0.0, cache_modifier=CACHE)
-        l_s = tl.load(part_ml_ptr + prow_s * 2 + 1, mask=take, other=0.0, cache_modifier=CACHE)
-        acc_s = tl.load(part_acc_ptr + prow_s[:, None] * HEAD_DIM + d[None, :],
-                        mask=take[:, None] & dmask[None, :], other=0.0, cache_modifier=CACHE)
-        m_new = tl.maximum(m, m_s)
-        a = tl.exp2(m - m_new)
-        c = tl.exp2(m_s - m_new)
-        l = tl.where(take, l * a + l_s * c, l)
-        acc = tl.where(take[:, None], acc * a[:, None] + acc_s * c[:, None], acc)
-        m = tl.where(take, m_new, m)
-    out = acc / l[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=amask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "n_tiles", "split_rows"])
@@ -318,8 +249,30 @@ def _merge_kernel(
         return
     if n_max < 2:
         return  # every row was written by the split kernel
-    _fold_splits(part_acc_ptr, part_ml_ptr, out_ptr, rows, head, n_row, split_rows, stride_ot, stride_oh,
-                 NUM_KV_HEADS * GROUP, HEAD_DIM, BLOCK_D, "")
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    prow = rows * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M], split 0; split s is split_rows rows on
+    amask = active[:, None] & dmask[None, :]
+    m = tl.load(part_ml_ptr + prow * 2, mask=active, other=0.0)
+    l = tl.load(part_ml_ptr + prow * 2 + 1, mask=active, other=1.0)
+    acc = tl.load(part_acc_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=amask, other=0.0)
+    # fold splits 1, 2, ... in order; elementwise, so a row's arithmetic is its own
+    for s in range(1, n_max):
+        take = active & (s < n_row)
+        prow_s = prow + s * split_rows
+        m_s = tl.load(part_ml_ptr + prow_s * 2, mask=take, other=0.0)
+        l_s = tl.load(part_ml_ptr + prow_s * 2 + 1, mask=take, other=0.0)
+        acc_s = tl.load(part_acc_ptr + prow_s[:, None] * HEAD_DIM + d[None, :],
+                        mask=take[:, None] & dmask[None, :], other=0.0)
+        m_new = tl.maximum(m, m_s)
+        a = tl.exp2(m - m_new)
+        c = tl.exp2(m_s - m_new)
+        l = tl.where(take, l * a + l_s * c, l)
+        acc = tl.where(take[:, None], acc * a[:, None] + acc_s * c[:, None], acc)
+        m = tl.where(take, m_new, m)
+    out = acc / l[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=amask)
 
 
 def paged_attention_invariant(
@@ -327,7 +280,7 @@ def paged_attention_invariant(
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
-    split_warps: int | None = None, fused_merge: bool | None = None,
+    split_warps: int | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -359,10 +312,6 @@ def paged_attention_invariant(
     ``WIDE_WARPS_MAX_TILES`` small tiles with MMA row sums, else 4 for small tiles, 8 for tall ones).
     Tried and removed at 943114a (no gain at one row, or a loss at large batches): each split's key tiles
     unrolled with the next tile's loads ahead, and the merge folding several splits a trip.
-    ``fused_merge``: a decode batch's splits merged by each tile's last split program to finish (a
-    ticket counter per (tile, KV head)) instead of the merge kernel: the same fold of the same stored
-    partials (``_fold_splits``), one launch fewer. None: for decode launches of at most
-    ``FUSED_MERGE_MAX_TILES`` (sequence, KV head) tiles; True: for any decode launch; False: never.
     ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``)."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
@@ -394,9 +343,6 @@ def paged_attention_invariant(
     # with it, diagnostics/w1_profile_modes_97c30a6.* vs _2df709a.*)
     part_acc = torch.empty((S, T, Hq, D) if S > 1 else (1,), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((S, T, Hq, 2) if S > 1 else (1,), dtype=torch.float32, device=q.device)
-    decode = meta.max_query_len == 1
-    if fused_merge and not decode:
-        raise ValueError("fused_merge is for decode batches (max_query_len 1)")
     launch = pdl_args(q, T, pdl)
     common = dict(GROUP=group, NUM_KV_HEADS=Hkv, HEAD_DIM=D, KV_SPLIT=kv_split, BLOCK_D=BLOCK_D, **launch)
     # taller tiles serve the chunks only: a decode row in a tall tile would pay for 16 tokens'
@@ -420,20 +366,17 @@ def paged_attention_invariant(
         stages = split_stages or (2 if bm == small_m else 3)
         small_decode = prefill_block_m is not None and meta.max_query_len == 1 and n_tiles * Hkv <= WIDE_WARPS_MAX_TILES
         warps = split_warps or (8 if bm > 64 or small_decode else 4)
-        fuse = S > 1 and decode and (n_tiles * Hkv <= FUSED_MERGE_MAX_TILES if fused_merge is None else fused_merge)
-        tickets = _tickets(q.device, n_tiles * Hkv, required=bool(fused_merge)) if fuse else None
-        fuse = tickets is not None
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            tiles, tickets if fuse else tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, FUSED_MERGE=fuse, num_warps=warps, num_stages=stages, **common,
+            FLAT=walk_flat, num_warps=warps, num_stages=stages, **common,
         )
-    if S > 1 and not fuse:
+    if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
         # tiles always (128-row merge tiles took 1.6 ms a prefill step against 1.0 at 16 rows)
         tiles = query_tile_map(meta, small_m // group, B, q.device)
