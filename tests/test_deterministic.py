@@ -298,6 +298,43 @@ def test_cublas_where_taken_gives_the_invariant_bits_on_fresh_inputs_at_the_3b_s
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_a_serving_step_queues_its_cublas_probe_instead_of_waiting_for_it(tiny_qwen2_config):
+    # once the engine's graphs are captured, a step meeting a new (shape, rows) must not sync the host on the
+    # probe: it runs the invariant kernel while the answer comes back, and takes cuBLAS later where equal
+    from pageserve.kernels import matmul_invariant
+    from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    llm = LLM.from_model(_tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda"), None, num_blocks=64,
+                         max_model_len=128, deterministic=True)
+    assert llm.engine.runner.ops.probe_blocking is False  # set once the start-up captures are done
+    ops = DeterministicOps(cublas_rows=(1, 2048))
+    ops.probe_blocking = False
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    N, K = GEMV_SHAPES["qkv"]
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) * K**-0.5
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = (torch.randn(300, K, device="cuda", generator=gen) * 4).to(torch.bfloat16)
+    want = matmul_invariant(x, w, b).view(torch.int16)
+    key = ((N, K), 300, torch.bfloat16, True, x.device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside the call raises
+    try:
+        first = ops.linear(x, w, b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert key in ops.cublas_pending and key not in ops.cublas_checked
+    assert torch.equal(first.view(torch.int16), want)
+    torch.cuda.synchronize()
+    second = ops.linear(x, w, b)  # the answer is back: decided, cuBLAS if its bits were equal
+    assert key in ops.cublas_checked and not ops.cublas_pending
+    assert torch.equal(second.view(torch.int16), want)
+    if torch.cuda.get_device_capability()[0] == 9:  # the H200 probe found qkv equal at every row count
+        assert ops.cublas_checked[key] is True
+    llm.shutdown()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_deterministic_engine_with_cublas_at_every_row_count_stays_invariant(tiny_qwen2_config):
     # cuBLAS tried from one row (the default is 128-2,048): wherever it is taken, alone = batched = chunked
     model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")

@@ -234,6 +234,10 @@ class ModelRunner:
                 except Exception:  # a capture failure costs speed, never the engine
                     logger.exception("mixed-step CUDA graph capture failed; mixed steps run eagerly")
                     self.mixed_graphs = None
+        if getattr(self.ops, "probe_blocking", False):
+            # the graphs are captured (their warm-up runs waited for their probes): from here on, a step that
+            # meets a new (shape, rows) queues its cuBLAS probe instead of syncing on it (DeterministicOps)
+            self.ops.probe_blocking = False
 
     # ------------------------------------------------------------------ CUDA graphs
     def max_blocks_per_seq(self) -> int:

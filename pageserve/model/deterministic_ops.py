@@ -68,7 +68,12 @@ class DeterministicOps(TritonOps):
     M equal; fp16 at 512 rows too: why the check is per M). Where equal it is the faster one from 128
     rows (qkv 9.8 vs 13.3 us, gate_up 63.1 vs 73.3, down 35.0 vs 47.5, LM head 416 vs 476 at 512 rows);
     the decode steps of W1 (~500 rows) and chunks of mixed steps live there. ``fast_linear``: the
-    function tried (tests substitute it)."""
+    function tried (tests substitute it). ``probe_blocking``: True (from construction through the engine's
+    start-up, graph captures included), the first call waits for its probe's answer; False (the engine sets it
+    once its graphs are captured), the probe is queued on the GPU with its answer copied to a pinned host
+    flag, and the call, and every call of that (shape, M) until the answer is back, runs the invariant
+    kernel: no host sync in a serving step (on the H200 the waiting probes cost W1's first pass 59.0k
+    tok/s against 71.5k for its second, diagnostics/det_w1_switches_4c8457e.*)."""
 
     # cuBLAS tried from 128 rows (where the probe timed it faster on every 3B shape but o, which is level)
     # to 2,048 (the largest graphed step; eager chunks above stay on the invariant kernel, which the
@@ -115,6 +120,9 @@ class DeterministicOps(TritonOps):
         self.cublas_rows = tuple(cublas_rows) if isinstance(cublas_rows, list) else cublas_rows
         # (weight shape, row count, dtype, bias, device) -> cuBLAS gave the invariant bits on the probe
         self.cublas_checked: dict[tuple, bool] = {}
+        # probes whose answer is still on its way from the GPU (non-blocking probes): key -> (event, pinned flag)
+        self.cublas_pending: dict[tuple, tuple[torch.cuda.Event, torch.Tensor]] = {}
+        self.probe_blocking = True
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
@@ -142,17 +150,36 @@ class DeterministicOps(TritonOps):
             return False
         key = (tuple(weight.shape), M, x.dtype, bias is not None, x.device)
         ok = self.cublas_checked.get(key)
-        if ok is None:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                return False  # undecided inside a capture: the invariant kernel (the same bits)
-            ok = self.cublas_checked[key] = self._probe_bits_equal(M, weight, bias, x.dtype)
-        return ok
+        if ok is not None:
+            return ok
+        # undecided inside a capture: the invariant kernel (the same bits); no event queried there
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        pending = self.cublas_pending.get(key)
+        if pending is not None:
+            if capturing or not pending[0].query():
+                return False  # the answer is not back yet: the invariant kernel meanwhile
+            ok = self.cublas_checked[key] = bool(pending[1].item())  # a pinned host flag: no sync
+            del self.cublas_pending[key]
+            return ok
+        if capturing:
+            return False
+        equal = self._probe_bits_equal(M, weight, bias, x.dtype)
+        if self.probe_blocking or not x.is_cuda:
+            ok = self.cublas_checked[key] = bool(equal)  # waits for the probe
+            return ok
+        flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+        flag.copy_(equal, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.cublas_pending[key] = (done, flag)
+        return False
 
     def _probe_bits_equal(self, M: int, weight: torch.Tensor, bias: torch.Tensor | None,
-                          dtype: torch.dtype) -> bool:
+                          dtype: torch.dtype) -> torch.Tensor:
         """M random rows of mixed magnitudes through ``fast_linear`` and the invariant kernel: all bits equal?
-        A different order of the sums (split-K, stream-K) changes nearly every row of such a probe (down's
-        split-K rows on the H200: none of M equal)."""
+        (a bool tensor on the weight's device, so that asking costs no sync). A different order of the sums
+        (split-K, stream-K) changes nearly every row of such a probe (down's split-K rows on the H200: none
+        of M equal)."""
         from ..kernels import matmul_invariant
 
         gen = torch.Generator(device=weight.device).manual_seed(M)
@@ -161,8 +188,10 @@ class DeterministicOps(TritonOps):
         x = (torch.randn(M, K, device=weight.device, generator=gen) * scale).to(dtype)
         fast = self.fast_linear(x, weight, bias)
         ref = matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, specialize=self.matmul_specialize)
+        if fast.shape != ref.shape:
+            return torch.zeros((), dtype=torch.bool, device=weight.device)
         bits = torch.int16 if fast.element_size() == 2 else torch.int32
-        return fast.shape == ref.shape and torch.equal(fast.view(bits), ref.view(bits))
+        return (fast.view(bits) == ref.view(bits)).all()
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), weight, None)
