@@ -436,6 +436,6 @@ def test_mixed_graph_options_are_validated_and_their_defaults_are_the_measured_o
     from pageserve.engine.config import EngineConfig
 
     c = EngineConfig(device="cpu")
-    assert c.mixed_cuda_graphs is True and c.eager_row_buckets is False
+    assert c.mixed_cuda_graphs is True and c.eager_row_buckets is None  # None: the ops decide (off by default)
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         EngineConfig(device="cpu", mixed_graph_max_tokens=0)

@@ -273,6 +273,14 @@ def test_cublas_rows_default_to_the_gpu_only_and_refuse_a_malformed_range():
     with pytest.raises(ValueError, match="cublas_rows"):
         DeterministicOps(cublas_rows=(256, 128))
     assert DeterministicOps(cublas_rows=[64, 512]).cublas_rows_for(torch.device("cuda")) == (64, 512)  # JSON
+    # eager row buckets (EngineConfig.eager_row_buckets None): on where probes can happen, so that start-up
+    # probes every bucket an eager step can meet; the default mode keeps them off
+    from pageserve.model.ops import TorchOps
+    from pageserve.model.triton_ops import TritonOps
+    assert ops.eager_row_buckets_for(torch.device("cuda")) and not ops.eager_row_buckets_for(torch.device("cpu"))
+    assert not DeterministicOps(cublas_rows=None).eager_row_buckets_for(torch.device("cuda"))
+    assert not TritonOps().eager_row_buckets_for(torch.device("cuda"))
+    assert not TorchOps().eager_row_buckets_for(torch.device("cuda"))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")

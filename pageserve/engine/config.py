@@ -32,10 +32,12 @@ class EngineConfig:
     # eager (prefill / mixed) steps over 64 tokens run their matrices at a bucketed row count (a
     # multiple of 1/16 of the count's power of two; padding rows write no KV), and the engine calls
     # each bucket's GEMMs once at start-up: cuBLAS's first call at a new row count costs the host
-    # 0.2-4 ms (a heuristic query, often a kernel load). Off by default: on the H200 it did not make
-    # the chat workload faster (NOTES.md, session 17: its eager steps are bound by launch work).
-    # None: on where the eager linears are cuBLAS (CUDA, not deterministic); model_runner.eager_rows_bucket
-    eager_row_buckets: bool | None = False
+    # 0.2-4 ms (a heuristic query, often a kernel load). None (default): the ops decide
+    # (``eager_row_buckets_for``): off in the default mode, where on the H200 it did not make the chat
+    # workload faster (NOTES.md, session 17: its eager steps are bound by launch work); on in the
+    # deterministic mode on CUDA, where a new row count also costs a cuBLAS bit probe.
+    # True / False: always / never. model_runner.eager_rows_bucket
+    eager_row_buckets: bool | None = None
     # mixed and prefill steps of up to mixed_graph_max_tokens tokens replayed from CUDA graphs (one
     # a token bucket; engine/mixed_graphs.py): their eager forward is bound by the host's launch
     # work. On the H200 a 640-token mixed step went from 19.1 to 8.1 ms of wall time (NOTES.md,

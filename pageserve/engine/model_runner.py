@@ -35,8 +35,10 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the KV pool on the CPU when num_blocks is not gi
 # count nearly every eager step. Up to EAGER_ROWS_EXACT rows a step keeps its count (64 values, all
 # warmed at start-up; the int8 kernels switch paths at 64 rows); above it the count rounds up to a
 # multiple of 1/EAGER_ROWS_PER_OCTAVE of its power of two: at most 6.25% padding rows, 112 buckets
-# from 65 to 8,192 (176 row counts in all). Off by default: it did not make chat faster on the H200,
-# whose eager steps are bound by the host's launch work (NOTES.md, session 17).
+# from 65 to 8,192 (176 row counts in all). Off by default (EngineConfig.eager_row_buckets None: the ops
+# decide, ``eager_row_buckets_for``): it did not make chat faster on the H200, whose eager steps are bound by
+# the host's launch work (NOTES.md, session 17). On in the deterministic mode on CUDA, where each new row
+# count would also cost a cuBLAS bit probe (model/deterministic_ops.py).
 EAGER_ROWS_EXACT = 64
 EAGER_ROWS_PER_OCTAVE = 16
 
@@ -211,7 +213,7 @@ class ModelRunner:
             sampler = Sampler(cfg.vocab_size, self.device, eos_token_ids=eos_token_ids, seed=config.seed)
         self.sampler = sampler
         bucket = config.eager_row_buckets
-        self.eager_row_buckets = (self.device.type == "cuda" and self.ops.cublas_linears) if bucket is None else bucket
+        self.eager_row_buckets = self.ops.eager_row_buckets_for(self.device) if bucket is None else bucket
         self.eager_warm_s = None  # seconds warm_eager_gemms took at start-up
         if self.eager_row_buckets and self.device.type == "cuda":
             self.eager_warm_s = self.warm_eager_gemms()

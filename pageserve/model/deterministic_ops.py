@@ -82,9 +82,13 @@ class DeterministicOps(TritonOps):
     fast_linear = staticmethod(F.linear)
 
     name = "deterministic"
-    # not the default mode's cuBLAS linears: eager steps keep their row counts (no bucket padding), since the
-    # invariant kernel compiles nothing new for an odd count and cuBLAS, where taken, is checked once per count
-    cublas_linears = False
+    def eager_row_buckets_for(self, device: torch.device) -> bool:
+        """On where cuBLAS may be probed (``cublas_rows`` on CUDA): eager steps' rows padded to buckets, and
+        every bucket's linears called at start-up, so each (shape, rows) an eager step can meet has had its
+        probe before the first request (on the H200 the probes met during W1's first pass cost it 0.78x the
+        default's throughput with a host sync each, 0.84x without one, against 0.93x in its second pass:
+        diagnostics/det_w1_switches_{4c8457e,async_probe_6c44762}.*). Padding rows change no real row's bits."""
+        return self.cublas_rows_for(device) is not None
 
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,

@@ -21,9 +21,11 @@ class TorchOps:
 
     name = "torch"
     graph_safe = False  # the reference reads host copies of lengths (and may sync): never captured
-    # the linears of many rows are cuBLAS calls on CUDA, which pay a first call per new row count
-    # (EngineConfig.eager_row_buckets=None buckets eager steps' rows where this is True)
-    cublas_linears = True
+    def eager_row_buckets_for(self, device: torch.device) -> bool:
+        """Whether eager steps pad their rows to ``model_runner.eager_rows_bucket`` (and the engine warms every
+        bucket's linears at start-up) when ``EngineConfig.eager_row_buckets`` is None (auto). Off here: for
+        the default mode's cuBLAS linears it did not make chat faster on the H200 (NOTES.md, session 17)."""
+        return False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]. A ``QuantizedWeight`` (int8 + per-row scale)
