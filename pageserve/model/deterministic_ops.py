@@ -82,6 +82,7 @@ class DeterministicOps(TritonOps):
     fast_linear = staticmethod(F.linear)
 
     name = "deterministic"
+
     def eager_row_buckets_for(self, device: torch.device) -> bool:
         """On where cuBLAS may be probed (``cublas_rows`` on CUDA): eager steps' rows padded to buckets, and
         every bucket's linears called at start-up, so each (shape, rows) an eager step can meet has had its

@@ -21,6 +21,7 @@ class TorchOps:
 
     name = "torch"
     graph_safe = False  # the reference reads host copies of lengths (and may sync): never captured
+
     def eager_row_buckets_for(self, device: torch.device) -> bool:
         """Whether eager steps pad their rows to ``model_runner.eager_rows_bucket`` (and the engine warms every
         bucket's linears at start-up) when ``EngineConfig.eager_row_buckets`` is None (auto). Off here: for
