@@ -116,7 +116,7 @@ for st in $stages; do
           -p VLLM_COST "$([ -d /tmp/site/vllm ] && echo True || echo False)" ;;  # vLLM's cost too where carried (+~200 s)
     vllmcost) timeout "$t" python3 scripts/vllm_cost.py --out "$RES/diagnostics" ${VLLM_COST_ARGS:-} > "$RES/vllm_cost.log" 2>&1
               echo "vllmcost rc=$?"; grep -E "Error|error|vllm_" "$RES/vllm_cost.log" | tail -n 20 ;;
-    invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" ${INV_SWEEP_SHAPES:+--shapes "$INV_SWEEP_SHAPES"} \
+    invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" ${INV_SWEEP_SHAPES:+--shapes "$INV_SWEEP_SHAPES"} ${INV_SWEEP_ARGS:-} \
                 > "$RES/invariant_sweep.log" 2>&1; echo "invsweep rc=$?"; tail -n 45 "$RES/invariant_sweep.log" ;;
     detattn) timeout "$t" python3 scripts/det_attn_sweep.py --out "$RES/diagnostics" ${DET_ATTN_ARGS:-} > "$RES/det_attn_sweep.log" 2>&1
              echo "detattn rc=$?"; tail -n 12 "$RES/det_attn_sweep.log" ;;

@@ -41,6 +41,13 @@ CANDIDATES = {
 }
 
 
+# (session 27) decode tiles no earlier sweep tried: 512-wide K slices and 1, 2 or 8 warps on 16-row tiles,
+# for the one-row down projection that holds the det batch-1 step (17.2 us against the split-K GEMV's 13.2)
+DECODE_EXTRA = [(16, 16, 512, 4, 4), (16, 16, 512, 4, 3), (16, 16, 512, 2, 4), (16, 16, 512, 8, 4),
+                (16, 16, 256, 1, 6), (16, 16, 256, 2, 6), (16, 16, 256, 8, 6), (16, 16, 256, 4, 8),
+                (16, 32, 512, 4, 3), (16, 16, 128, 2, 8)]
+
+
 def candidates(M: int) -> list[InvariantMatmulConfig]:
     kind = "decode" if M <= 16 else "mid" if M <= 64 else "large" if M <= 1024 else "prefill"
     cfgs = [InvariantMatmulConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in CANDIDATES[kind]]
@@ -91,11 +98,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,16,64,128,256,512,1024,4096,8192")
     ap.add_argument("--shapes", default=",".join(GEMV_SHAPES), help="which of the 3B linears (default: all)")
+    ap.add_argument("--decode-extra", action="store_true",
+                    help="time only DECODE_EXTRA (pointer loads) instead of the row count's candidates")
+    ap.add_argument("--name", default="invariant_sweep", help="the JSON's file name (without .json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("invariant_sweep times CUDA graphs: it needs a GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    path = Path(args.out) / "invariant_sweep.json"
+    path = Path(args.out) / f"{args.name}.json"
+    extra = [InvariantMatmulConfig(*c) for c in DECODE_EXTRA] if args.decode_extra else None
     path.parent.mkdir(parents=True, exist_ok=True)
     rec = {**provenance(), "device": torch.cuda.get_device_name(), "by_m": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -107,7 +118,7 @@ def main() -> None:
                 continue
             if name == "lm_head" and M > 1024:  # prefill samples only the last rows: no M = 4096 LM head
                 continue
-            per[name] = sweep_shape(name, N, K, M, sms, gen)
+            per[name] = sweep_shape(name, N, K, M, sms, gen, configs=extra)
             torch.cuda.empty_cache()
         # the decoder's four linears x 36 layers (+ the LM head where timed), per policy
         layer = [n for n in per if n != "lm_head"]
