@@ -37,7 +37,7 @@ def main() -> None:
     runner = llm.engine.runner
     for bs in batches:
         ms = decode_step_ms(llm, bs, args.context, 32, vocab_size=512)
-        graph = runner.graphs.graphs[min(b for b in runner.graphs.buckets if b >= bs)]
+        graph = runner.graphs.graph_for(bs)  # the context class of the steps just run
         rows = kernel_breakdown(graph)
         gpu_us = sum(r[1] for r in rows)
         print(f"\n== batch {bs}: engine step {ms:.3f} ms; kernels of one replay {gpu_us / 1e3:.3f} ms "

@@ -112,7 +112,7 @@ def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: flo
         print(f"\n== decode batch {batch} x {context}: engine step {step_ms:.3f} ms (no graph)\n"
               + _host_line(rec["host"]), flush=True)
         return rec
-    graph = graphs.graphs[min(buckets)]
+    graph = graphs.graph_for(batch)  # the context class of the steps just run
     replay_ms = graph_replay_ms(runner, batch)
     rows = profile_kernels(graph.replay, repeats=20)
     cats = by_category(rows)

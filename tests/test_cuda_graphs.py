@@ -439,3 +439,137 @@ def test_mixed_graph_options_are_validated_and_their_defaults_are_the_measured_o
     assert c.mixed_cuda_graphs is True and c.eager_row_buckets is None  # None: the ops decide (off by default)
     with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
         EngineConfig(device="cpu", mixed_graph_max_tokens=0)
+
+
+def test_explicit_graph_sizes_replace_the_default_buckets_and_are_checked():
+    from pageserve.engine.config import EngineConfig
+    from pageserve.serve.cli import _int_list
+
+    assert bucket_sizes(64, [48, 8, 8, 1, 200]) == [1, 8, 48]  # sorted, deduplicated, capped at max_bs
+    with pytest.raises(ValueError, match="no CUDA graph size"):
+        bucket_sizes(4, [8, 16])
+    assert EngineConfig(cuda_graph_sizes=[16, 4, 4]).cuda_graph_sizes == [4, 16]
+    for bad in ([], [0, 4], [2.5], "8,16", [True]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes"):
+            EngineConfig(cuda_graph_sizes=bad)
+    assert _int_list("1,2, 8") == [1, 2, 8] and _int_list("[4,16]") == [4, 16]
+
+
+def test_graph_runner_captures_the_configured_sizes(tiny_qwen2_config):
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=3, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                         max_num_seqs=24, max_model_len=256, enforce_eager=True, cuda_graph_sizes=[3, 6, 12])
+    runner = llm.engine.runner
+    runner.enable_graphs(capture=DEVICE == "cuda")
+    assert runner.graphs.buckets == [3, 6, 12] and runner.graphs.max_bs == 12
+    assert runner.graphs.can_run(12, True) and not runner.graphs.can_run(13, True)  # 13-24 rows: eager
+    check = graph_vs_eager(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
+    assert check.graphed_steps > 10
+    assert check.identical and check.max_logit_rel_err < 1e-5
+
+
+class _TwoClassOps:
+    """Wraps an ops object: decode steps in two context classes (up to ``limit`` tokens, then
+    any), and a log of each decode attention call's (rows, max_seq_len, longest real context)."""
+
+    def __init__(self, ops, limit: int) -> None:
+        self._ops, self.limit, self.calls = ops, limit, []
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    def decode_context_limits(self):
+        return (self.limit, None)
+
+    def paged_attention(self, q, k_cache, v_cache, meta, scale):
+        if meta.max_query_len == 1:
+            self.calls.append((q.shape[0], meta.max_seq_len, int(meta.seq_lens.max())))
+        return self._ops.paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+def test_decode_graphs_replay_the_context_class_of_the_step(tiny_qwen2_config):
+    # one graph per (bucket, context class): a step replays the first class that holds its longest
+    # context, so every class sees only contexts within its limit; the tokens and logits are eager's
+    from pageserve.engine.cuda_graphs import CUDAGraphRunner
+
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=3, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                         max_num_seqs=24, max_model_len=256, enforce_eager=True)
+    runner = llm.engine.runner
+    ops = _TwoClassOps(runner.ops, limit=48)
+    model.set_ops(ops)
+    try:
+        runner.graphs = CUDAGraphRunner(model, runner.kv_cache, 24, runner.max_blocks_per_seq(),
+                                        capture=DEVICE == "cuda")
+        runner.graphs.capture()
+        assert runner.graphs.context_limits == (48, None)
+        assert len(runner.graphs.keys()) == 2 * len(runner.graphs.buckets)
+        assert runner.graphs.key_for(3, 48) == (4, 0) and runner.graphs.key_for(3, 49) == (4, 1)
+        assert runner.graphs.key_for(3) == (4, 1)
+        keys = []
+        run = runner.graphs.run
+
+        def logged(*args):
+            out = run(*args)
+            keys.append(runner.graphs.last_key)
+            return out
+
+        runner.graphs.run = logged
+        ops.calls.clear()
+        # short prompts: the first graphed steps' contexts are within 48 tokens, the later ones past it
+        check = graph_vs_eager(llm, staggered_decode_workload(24, vocab_size=256, max_prompt=12, seed=1))
+    finally:
+        model.set_ops(ops._ops)
+    assert check.identical and check.max_logit_rel_err < 1e-5 and check.max_unpadded_logit_rel_err < 1e-5
+    assert {c for _, c in keys} == {0, 1}  # both classes replayed
+    if DEVICE == "cpu":  # run eagerly on the static buffers: each call shows its class's limit
+        graphed = [(m, real) for _, m, real in ops.calls if m in (48, runner.graphs.max_seq_len)]
+        assert any(m == 48 for m, _ in graphed) and all(real <= m for m, real in graphed)
+
+
+def test_decode_schedule_by_context_picks_the_launch_from_the_longest_context():
+    from pageserve.kernels.paged_decode import pipelined_device
+    from pageserve.model.triton_ops import DECODE_SHORT_CONTEXT, TritonOps
+
+    auto = TritonOps(tuned_configs=False)  # "auto": by context where the pipelined launch runs (sm_90)
+    assert auto.decode_schedule == ("by_context" if pipelined_device() else "split")
+    ops = TritonOps(tuned_configs=False, decode_schedule="by_context", decode_short_context=100)
+    assert ops.decode_context_limits() == (100, None)
+    assert [ops.decode_schedule_for(n) for n in (1, 100, 101, None)] == ["pipelined", "pipelined", "split", "split"]
+    split = TritonOps(tuned_configs=False, decode_schedule="split")
+    assert split.decode_context_limits() == (None,) and split.decode_schedule_for(10) == "split"
+    assert TritonOps(tuned_configs=False, decode_schedule="by_context").decode_short_context == DECODE_SHORT_CONTEXT
+    for bad in (0, -5, 1.5):
+        with pytest.raises(ValueError, match="decode_short_context"):
+            TritonOps(tuned_configs=False, decode_short_context=bad)
+    with pytest.raises(ValueError, match="decode_schedule"):
+        TritonOps(tuned_configs=False, decode_schedule="fast")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs of both context classes need a GPU")
+def test_graphed_decode_loop_by_context_matches_eager(tiny_qwen2_config):
+    # the real thing on the GPU: TritonOps by context (short limit 48), both classes captured and replayed,
+    # in bf16 (the pipelined launch needs 2-byte K/V: in fp32 both classes would run the split rule)
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=3, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="bfloat16", block_size=8, num_blocks=512,
+                         max_num_seqs=24, max_model_len=256,
+                         triton_options={"decode_schedule": "by_context", "decode_short_context": 48})
+    graphs = llm.engine.runner.graphs
+    assert graphs.context_limits == (48, None) and len(graphs.graphs) == 2 * len(graphs.buckets)
+    seen = set()
+    run = graphs.run
+
+    def logged(*args):
+        out = run(*args)
+        seen.add(graphs.last_key[1])
+        return out
+
+    graphs.run = logged
+    check = graph_vs_eager(llm, staggered_decode_workload(24, vocab_size=256, max_prompt=12, seed=1))
+    assert seen == {0, 1} and check.graphed_steps > 20
+    # a replay equals the same step recomputed eagerly on its buffers and class; the unpadded batch differs by
+    # batch-dependent launches (GEMM algorithms, attention splits), at bf16's rounding
+    assert check.max_logit_rel_err < 1e-5 and check.max_unpadded_logit_rel_err < 3e-2

@@ -215,7 +215,7 @@ def test_serve_args_turn_engine_config_keywords_into_the_generated_flags():
     import argparse
 
     kw = dict(block_size=32, enable_prefix_caching=True, enforce_eager=False, num_blocks=None,
-              triton_options={"pdl": False}, max_model_len=1024)
+              triton_options={"pdl": False}, max_model_len=1024, cuda_graph_sizes=[1, 8, 24])
     argv = serve_args(**kw)
     assert "--no-enforce-eager" in argv and "--enable-prefix-caching" in argv
     p = argparse.ArgumentParser()

@@ -29,6 +29,10 @@ class EngineConfig:
     use_triton: bool | None = None  # None: Triton kernels on CUDA, PyTorch reference on the CPU
     triton_options: dict = field(default_factory=dict)  # keywords of pageserve.model.triton_ops.TritonOps (fusion switches)
     cuda_graph_max_bs: int = 512
+    # the decode batch sizes captured as CUDA graphs (a step pads to the next one; larger ones run
+    # eagerly). None: 1, 2, 4, 8, 16, 32, 48, steps of 32 to 256, of 64 above, up to
+    # min(cuda_graph_max_bs, max_num_seqs) (engine.cuda_graphs.bucket_sizes)
+    cuda_graph_sizes: list[int] | None = None
     # eager (prefill / mixed) steps over 64 tokens run their matrices at a bucketed row count (a
     # multiple of 1/16 of the count's power of two; padding rows write no KV), and the engine calls
     # each bucket's GEMMs once at start-up: cuBLAS's first call at a new row count costs the host
@@ -71,6 +75,12 @@ class EngineConfig:
             raise ValueError(f"mixed_graph_max_tokens must be positive, got {self.mixed_graph_max_tokens}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if isinstance(sizes, str) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes) \
+                    or not sizes:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {sizes!r}")
+            self.cuda_graph_sizes = sorted(set(sizes))
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device == "auto":

@@ -252,7 +252,8 @@ class ModelRunner:
         from .cuda_graphs import CUDAGraphRunner
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
-        self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture)
+        self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture,
+                                      sizes=self.config.cuda_graph_sizes)
         self.graphs.capture()
 
     @torch.inference_mode()
@@ -466,7 +467,7 @@ class ModelRunner:
         d = self.to_device(x)
         input_ids = self.step_input_ids(x, d, prev_tokens)
         if graphed:
-            return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables)
+            return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables, x.max_seq_len)
         if self.mixed_graphs is not None and x.max_query_len > 1 and self.mixed_graphs.can_run(x.num_tokens, B):
             hidden = self.mixed_graphs.run(x, d, input_ids)
         else:

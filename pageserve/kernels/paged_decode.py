@@ -16,8 +16,9 @@ The grid ``(B, Hkv, S)`` and S depend only on tensor shapes (B, Hkv, block_table
 and the SM count, never on host copies of the lengths, and nothing syncs the host: both
 launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets zeros.
 ``decode_schedule`` picks S, the key tile and the load schedule: the split rule by default, or
-the opt-in "pipelined" schedule for sm_90 (block-table entries a tile ahead, 3 stages, one split
-from moderate batches up; faster at short contexts, slower at long ones).
+the "pipelined" schedule for sm_90 (block-table entries a tile ahead, 3 stages, one split from
+moderate batches up; faster at short contexts, slower at long ones). The engine's ops choose
+between the two per step from the longest context (``TritonOps(decode_schedule="by_context")``).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, d
                     pdl_enter_before_inputs, sm_count_for)
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits", "decode_schedule",
-           "schedule_for", "DecodeSchedule", "SCHEDULES"]
+           "schedule_for", "pipelined_device", "DecodeSchedule", "SCHEDULES"]
 
 SCHEDULES = ("split", "pipelined")
 
@@ -209,9 +210,17 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
     return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, True)
 
 
+def pipelined_device(device_index: int | None = None) -> bool:
+    """Whether the "pipelined" schedule runs on this CUDA device (None: the current one): sm_90,
+    whose shared memory holds its 3-stage tiles; never under the interpreter."""
+    if not torch.cuda.is_available() or interpreting():
+        return False
+    return _sm90(torch.cuda.current_device() if device_index is None else device_index)
+
+
 @functools.lru_cache(maxsize=None)
-def _pipelined_device(device_index: int) -> bool:
-    return torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def schedule_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -220,7 +229,7 @@ def schedule_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
     interpreter, which ignores stages), else the split rule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    pipelined = schedule == "pipelined" and (interpreting() or (q.is_cuda and _pipelined_device(q.device.index or 0)))
+    pipelined = schedule == "pipelined" and (interpreting() or (q.is_cuda and pipelined_device(q.device.index or 0)))
     return decode_schedule(q.shape[0], k_cache.shape[2], q.shape[-1], k_cache.element_size(), block_tables.shape[1],
                            k_cache.shape[1], sm_count_for(q), pipelined)
 

@@ -236,7 +236,7 @@ def graph_replay_ms(runner, batch_size: int, n: int = 50) -> float | None:
     graphs = runner.graphs
     if graphs is None or not graphs.graphs:
         return None
-    g = graphs.graphs[min(b for b in graphs.buckets if b >= batch_size)]
+    g = graphs.graph_for(batch_size)  # the bucket, in the context class of the step just run
     g.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -63,6 +63,10 @@ ENGINE_MODES = {
     # at 20c1dab, where pipelined was the default on sm_90, the nano-vllm A/B's reference)
     "attn_pipelined": {"triton_options": {"decode_schedule": "pipelined"}},
     "attn_split_rule": {"triton_options": {"decode_schedule": "split"}},
+    # session 28: the schedule by each step's longest context (the default on sm_90 since), and decode graphs
+    # at vLLM's sizes (1, 2, 4, then steps of 8 to 256 and of 16 to 512) instead of steps of 32 / 64
+    "attn_by_context": {"triton_options": {"decode_schedule": "by_context"}},
+    "fine_graph_sizes": {"cuda_graph_sizes": [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))},
 }
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)

@@ -228,6 +228,9 @@ class DeterministicOps(TritonOps):
         return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=False, silu_mul=True,
                                 specialize=self.matmul_specialize)
 
+    def decode_context_limits(self) -> tuple[int | None, ...]:
+        return (None,)  # one attention kernel for every context
+
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         from ..kernels import paged_attention_invariant
 

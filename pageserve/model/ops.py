@@ -28,6 +28,10 @@ class TorchOps:
         the default mode's cuBLAS linears it did not make chat faster on the H200 (NOTES.md, session 17)."""
         return False
 
+    def decode_context_limits(self) -> tuple[int | None, ...]:
+        """The context classes a decode step's kernels depend on (``TritonOps``): one here, any context."""
+        return (None,)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]. A ``QuantizedWeight`` (int8 + per-row scale)
         runs ``reference.linear_int8``: dequantize, then the float product."""

@@ -18,7 +18,8 @@ from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
 from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
-from ..kernels.paged_decode import SCHEDULES as DECODE_SCHEDULES
+from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
+from ..kernels.paged_decode import pipelined_device
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -37,6 +38,14 @@ INT8_PLANES_ROWS = (2, 4)
 # int8 weights: SiLU·mul fused into the down product (the GEMV's or the planes' prologue) up to this many rows,
 # else its own kernel first. The same A/B: with it unfused at 2-4 rows the planes' step at 4 rows 2.11 -> 2.06 ms.
 INT8_SILU_DOWN_ROWS = 1
+# ``decode_schedule``: the kernel's two launches, plus "by_context" (each step's longest context picks one:
+# "pipelined" up to ``decode_short_context`` tokens, else "split"; CUDA graphs capture both, see
+# ``decode_context_limits``) and "auto" ("by_context" where "pipelined" can run, sm_90; else "split")
+DECODE_SCHEDULES = _KERNEL_SCHEDULES + ("by_context", "auto")
+# the longest context a "by_context" step runs "pipelined" at. H200 sweeps (kernels.paged_decode.decode_schedule):
+# at ~512 tokens pipelined wins (64 x 512 16.2 -> 13.6 us, 128 x 512 26.4 -> 21.0; engine b64 -0.06 ms,
+# b128 -0.12), at 64 x 2048 it loses (40.7 -> 42.8), at nano-vllm's ~1,300 it made 33-64-row steps 7% slower
+DECODE_SHORT_CONTEXT = 768
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
@@ -58,8 +67,11 @@ class TritonOps(TorchOps):
     few programs; ``"never"`` always runs one kernel with narrower row tiles.
     ``decode_num_splits``: force the split count of the decode kernel (None: from shapes).
     ``decode_schedule``: how the decode kernel is launched (``paged_decode_attention``'s ``schedule``):
-    "split" (default) or "pipelined" (opt-in: faster at contexts of ~512, slower at ~1,300 on the
-    H200; ``kernels.paged_decode.decode_schedule`` has the figures).
+    "split" or "pipelined" (faster at contexts of ~512, slower at ~1,300 on the H200;
+    ``kernels.paged_decode.decode_schedule`` has the figures) for every step, or "by_context":
+    "pipelined" for steps whose longest context is at most ``decode_short_context`` tokens, else
+    "split" (the decode CUDA graphs capture both: ``decode_context_limits``). "auto" (default):
+    "by_context" where "pipelined" runs (sm_90), else "split".
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
@@ -115,8 +127,8 @@ class TritonOps(TorchOps):
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
                  int8_silu_down_rows: int = INT8_SILU_DOWN_ROWS,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "split",
-                 gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
+                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "auto",
+                 decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -156,7 +168,12 @@ class TritonOps(TorchOps):
         self.decode_num_splits = decode_num_splits
         if decode_schedule not in DECODE_SCHEDULES:
             raise ValueError(f"decode_schedule must be one of {DECODE_SCHEDULES}, got {decode_schedule!r}")
+        if decode_schedule == "auto":
+            decode_schedule = "by_context" if torch.cuda.is_available() and pipelined_device() else "split"
         self.decode_schedule = decode_schedule
+        if not (isinstance(decode_short_context, int) and decode_short_context > 0):
+            raise ValueError(f"decode_short_context must be a positive int, got {decode_short_context!r}")
+        self.decode_short_context = decode_short_context
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
@@ -267,11 +284,25 @@ class TritonOps(TorchOps):
                                    pdl=self.pdl_for(q.shape[0]))
         return super().rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
+    def decode_context_limits(self) -> tuple[int | None, ...]:
+        """The context classes a decode step's launch depends on, shortest first: (limit, None) under
+        "by_context" (steps whose longest context is at most ``limit``, then every other), else (None,).
+        The decode CUDA graphs capture one graph per class and bucket (``engine.cuda_graphs``)."""
+        return (self.decode_short_context, None) if self.decode_schedule == "by_context" else (None,)
+
+    def decode_schedule_for(self, max_seq_len: int | None) -> str:
+        """The kernel's schedule for a decode step whose longest context is ``max_seq_len`` (None:
+        not known, as "split" would run)."""
+        if self.decode_schedule != "by_context":
+            return self.decode_schedule
+        short = max_seq_len is not None and max_seq_len <= self.decode_short_context
+        return "pipelined" if short else "split"
+
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]),
-                                          schedule=self.decode_schedule)
+                                          schedule=self.decode_schedule_for(meta.max_seq_len))
         tile_map = None if self.prefill_tile_map else False
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map,
                                        heavy_first=self.prefill_tile_order == "heavy_first")

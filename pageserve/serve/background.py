@@ -151,6 +151,8 @@ def serve_args(**engine_config: Any) -> list[str]:
             out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, dict):
             out += [flag, json.dumps(value)]
+        elif isinstance(value, (list, tuple)):
+            out += [flag, ",".join(str(v) for v in value)]
         else:
             out += [flag, "none" if value is None else str(value)]
     return out

@@ -41,6 +41,13 @@ def _json_dict(text: str) -> dict:
     return value
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace("[", "").replace("]", "").split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}") from None
+
+
 def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field, typed from its annotation."""
     hints = typing.get_type_hints(EngineConfig)
@@ -56,6 +63,9 @@ def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=help_text)
         elif base is dict or typing.get_origin(base) is dict:
             group.add_argument(_flag(f.name), type=_json_dict, default=default, help=help_text + ", JSON")
+        elif typing.get_origin(base) is list:
+            group.add_argument(_flag(f.name), type=_optional(_int_list) if optional else _int_list, default=default,
+                               help=help_text + ", comma-separated" + (" ('none' for None)" if optional else ""))
         else:
             parse = base if base in (int, float, str) else str
             group.add_argument(_flag(f.name), type=_optional(parse) if optional else parse, default=default,
