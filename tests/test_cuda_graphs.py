@@ -483,8 +483,8 @@ class _TwoClassOps:
         return (self.limit, None)
 
     def paged_attention(self, q, k_cache, v_cache, meta, scale):
-        if meta.max_query_len == 1:
-            self.calls.append((q.shape[0], meta.max_seq_len, int(meta.seq_lens.max())))
+        if meta.max_query_len == 1 and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.calls.append((q.shape[0], meta.max_seq_len, int(meta.seq_lens.max())))  # (a host sync)
         return self._ops.paged_attention(q, k_cache, v_cache, meta, scale)
 
 
