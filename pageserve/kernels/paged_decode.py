@@ -194,7 +194,9 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
     - engine steps at context 512 (det_b1_switches_attn_schedule_5c810d1): b64 -0.06 ms, b128 -0.12;
     - nano-vllm (contexts ~900-1,400; nanovllm_profile_attn_schedule_ab_20c1dab): 33-64 rows
       +7% a step, 65-128 rows +3%, the run 2% slower. One split leaves SMs idle on long contexts
-      at under one pair per SM, and a graph's launch cannot see the context. So it is not the default."""
+      at under one pair per SM, and a graph's launch cannot see the context. So it is not the default
+      here; the engine's ops pick it per step by the host-known context (``TritonOps(decode_schedule=
+      "by_context")``: up to 768 tokens, b64 -0.05 ms, b128 -0.13, nano-vllm level; NOTES.md, session 28)."""
     pairs = max(1, batch * num_kv_heads)
     if pipelined and elem_size == 2 and head_dim <= 128:
         if 2 * pairs >= sms:
