@@ -67,6 +67,8 @@ ENGINE_MODES = {
     # at vLLM's sizes (1, 2, 4, then steps of 8 to 256 and of 16 to 512) instead of steps of 32 / 64
     "attn_by_context": {"triton_options": {"decode_schedule": "by_context"}},
     "fine_graph_sizes": {"cuda_graph_sizes": [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))},
+    # the decode kernel's sequences in batch order (before session 28's longest-first order past one wave)
+    "decode_batch_order": {"triton_options": {"decode_order": "none"}},
 }
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
