@@ -58,7 +58,8 @@ VARIANTS = {
     "det_pdl_wait_first": (True, {"pdl": "wait_first"}),
     "int8_pdl_wait_first": (False, {"pdl": "wait_first"}, "int8"),
     "default_attn_split_rule": (False, {"decode_schedule": "split"}),
-    # session 28: the decode kernel's sequences in batch order, as before the longest-first order past one wave
+    # session 28: the decode kernel's sequences longest context first past one wave (opt-in), and in batch order
+    "default_decode_longest_first": (False, {"decode_order": "waves"}),
     "default_decode_batch_order": (False, {"decode_order": "none"}),
     # session 22: "default_l2pf_{16,32}[_before_wait|_evict_last]", "default_l2pf_16_to_64_rows", "det_l2pf_32",
     # "int8_l2pf_32" ran TritonOps(l2_prefetch_mb=...) at 3f7c02f, the only commit that has it: a kernel after each

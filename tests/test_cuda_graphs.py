@@ -582,7 +582,8 @@ def test_graphed_decode_loop_with_longest_first_order_matches_eager(tiny_qwen2_c
     model = Decoder(tiny_qwen2_config).to(DEVICE)
     model.init_dummy_weights(seed=3, std=0.3)
     llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, triton_options={"decode_num_splits": 64})
+                         max_num_seqs=24, max_model_len=256,
+                         triton_options={"decode_num_splits": 64, "decode_order": "waves"})
     ops = llm.engine.runner.ops
     assert ops.decode_order == "waves"
     orders = []

@@ -180,8 +180,9 @@ def test_triton_ops_order_the_decode_sequences_only_when_the_launch_takes_more_t
                                  max_query_len=1, max_seq_len=int(lens.max()))
 
     kc = torch.zeros(4, 16, 2, 64, device=DEVICE)
-    waves, none = TritonOps(tuned_configs=False, decode_schedule="split"), TritonOps(tuned_configs=False,
-                                                                                   decode_order="none")
+    waves = TritonOps(tuned_configs=False, decode_schedule="split", decode_order="waves")
+    none = TritonOps(tuned_configs=False)  # the default: batch order
+    assert none.decode_order == "none"
     sms = 132 if CUDA else 4
     small, big = 2, 3 * sms  # 4 programs (x splits) vs 6 * sms programs: more than a wave either way
     m = meta(big)

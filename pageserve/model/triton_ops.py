@@ -48,7 +48,9 @@ DECODE_SCHEDULES = _KERNEL_SCHEDULES + ("by_context", "auto")
 # b128 -0.12), at 64 x 2048 it loses (40.7 -> 42.8), at nano-vllm's ~1,300 it made 33-64-row steps 7% slower
 DECODE_SHORT_CONTEXT = 768
 # ``decode_order``: "waves" hands the decode kernel's programs the sequences longest context first whenever
-# its launch takes more than one wave (the programs that start late are then the short ones); "none" never
+# its launch takes more than one wave (the programs that start late are then the short ones); "none" (the
+# default) never. On the H200 nano-vllm read +1.3% and -1.8% with it in two alternating rounds (session 28,
+# diagnostics/nanovllm_profile_decode_order_ab_3da542c.*): inside the run-to-run spread, so no default
 DECODE_ORDERS = ("waves", "none")
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
@@ -76,8 +78,8 @@ class TritonOps(TorchOps):
     "pipelined" for steps whose longest context is at most ``decode_short_context`` tokens, else
     "split" (the decode CUDA graphs capture both: ``decode_context_limits``). "auto" (default):
     "by_context" where "pipelined" runs (sm_90), else "split".
-    ``decode_order``: "waves" (default) gives the decode kernel the sequences longest context first
-    (one argsort a step) when its launch takes more than one wave; "none" launches them in batch order.
+    ``decode_order``: "waves" gives the decode kernel the sequences longest context first (one argsort
+    a step) when its launch takes more than one wave; "none" (default) launches them in batch order.
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
@@ -134,7 +136,7 @@ class TritonOps(TorchOps):
                  int8_silu_down_rows: int = INT8_SILU_DOWN_ROWS,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "auto",
-                 decode_short_context: int = DECODE_SHORT_CONTEXT, decode_order: str = "waves", gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
+                 decode_short_context: int = DECODE_SHORT_CONTEXT, decode_order: str = "none", gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
