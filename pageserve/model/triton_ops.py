@@ -49,7 +49,7 @@ DECODE_SCHEDULES = _KERNEL_SCHEDULES + ("by_context", "auto")
 DECODE_SHORT_CONTEXT = 768
 # ``decode_order``: "waves" hands the decode kernel's programs the sequences longest context first whenever
 # its launch takes more than one wave (the programs that start late are then the short ones); "none" (the
-# default) never. On the H200 nano-vllm read +1.3% and -1.8% with it in two alternating rounds (session 28,
+# default) never. On the H200 nano-vllm read +1.3% and -1.1% with it in two alternating rounds (session 28,
 # diagnostics/nanovllm_profile_decode_order_ab_3da542c.*): inside the run-to-run spread, so no default
 DECODE_ORDERS = ("waves", "none")
 
