@@ -27,12 +27,19 @@ def one_torch_thread():
     torch.set_num_threads(prev)
 
 
+def _staggered_llm(cfg, **overrides):
+    """The tiny decoder (seed 3) behind an engine sized for ``staggered_decode_workload(24, ...)``:
+    fp32, 8-token blocks, 24 sequences, 256 tokens, eager unless ``overrides`` say otherwise."""
+    model = Decoder(cfg).to(DEVICE)
+    model.init_dummy_weights(seed=3, std=0.3)
+    kw = dict(device=DEVICE, dtype="float32", block_size=8, num_blocks=512, max_num_seqs=24, max_model_len=256,
+              enforce_eager=True)
+    return model, LLM.from_model(model.eval(), **{**kw, **overrides})
+
+
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_qwen2_config):
-    model = Decoder(tiny_qwen2_config).to(DEVICE)
-    model.init_dummy_weights(seed=3, std=0.3)
-    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, enforce_eager=True)
+    _, llm = _staggered_llm(tiny_qwen2_config)
     llm.engine.runner.enable_graphs(capture=DEVICE == "cuda")
     return llm
 
@@ -123,10 +130,7 @@ def test_graph_runner_with_the_staging_kernel_decodes_like_eager(tiny_qwen2_conf
     # loop as test_graphed_decode_loop_matches_eager_token_for_token: same tokens and logits
     from pageserve.engine.cuda_graphs import CUDAGraphRunner
 
-    model = Decoder(tiny_qwen2_config).to(DEVICE)
-    model.init_dummy_weights(seed=3, std=0.3)
-    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, enforce_eager=True)
+    _, llm = _staggered_llm(tiny_qwen2_config)
     runner = llm.engine.runner
     runner.graphs = CUDAGraphRunner(runner.model, runner.kv_cache, 24, runner.max_blocks_per_seq(),
                                     capture=DEVICE == "cuda", stage_kernel=True)
@@ -456,10 +460,7 @@ def test_explicit_graph_sizes_replace_the_default_buckets_and_are_checked():
 
 
 def test_graph_runner_captures_the_configured_sizes(tiny_qwen2_config):
-    model = Decoder(tiny_qwen2_config).to(DEVICE)
-    model.init_dummy_weights(seed=3, std=0.3)
-    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, enforce_eager=True, cuda_graph_sizes=[3, 6, 12])
+    _, llm = _staggered_llm(tiny_qwen2_config, cuda_graph_sizes=[3, 6, 12])
     runner = llm.engine.runner
     runner.enable_graphs(capture=DEVICE == "cuda")
     assert runner.graphs.buckets == [3, 6, 12] and runner.graphs.max_bs == 12
@@ -493,10 +494,7 @@ def test_decode_graphs_replay_the_context_class_of_the_step(tiny_qwen2_config):
     # context, so every class sees only contexts within its limit; the tokens and logits are eager's
     from pageserve.engine.cuda_graphs import CUDAGraphRunner
 
-    model = Decoder(tiny_qwen2_config).to(DEVICE)
-    model.init_dummy_weights(seed=3, std=0.3)
-    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, enforce_eager=True)
+    model, llm = _staggered_llm(tiny_qwen2_config)
     runner = llm.engine.runner
     ops = _TwoClassOps(runner.ops, limit=48)
     model.set_ops(ops)
@@ -552,11 +550,8 @@ def test_decode_schedule_by_context_picks_the_launch_from_the_longest_context():
 def test_graphed_decode_loop_by_context_matches_eager(tiny_qwen2_config):
     # the real thing on the GPU: TritonOps by context (short limit 48), both classes captured and replayed,
     # in bf16 (the pipelined launch needs 2-byte K/V: in fp32 both classes would run the split rule)
-    model = Decoder(tiny_qwen2_config).to(DEVICE)
-    model.init_dummy_weights(seed=3, std=0.3)
-    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="bfloat16", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256,
-                         triton_options={"decode_schedule": "by_context", "decode_short_context": 48})
+    _, llm = _staggered_llm(tiny_qwen2_config, dtype="bfloat16", enforce_eager=False,
+                            triton_options={"decode_schedule": "by_context", "decode_short_context": 48})
     graphs = llm.engine.runner.graphs
     assert graphs.context_limits == (48, None) and len(graphs.graphs) == 2 * len(graphs.buckets)
     seen = set()
@@ -579,11 +574,8 @@ def test_graphed_decode_loop_by_context_matches_eager(tiny_qwen2_config):
 def test_graphed_decode_loop_with_longest_first_order_matches_eager(tiny_qwen2_config):
     # 64 splits a sequence: the launch takes more than one wave, so the ops sort the step's sequences
     # (an argsort inside the graph) and hand the kernel that order; same tokens and logits as eager
-    model = Decoder(tiny_qwen2_config).to(DEVICE)
-    model.init_dummy_weights(seed=3, std=0.3)
-    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256,
-                         triton_options={"decode_num_splits": 64, "decode_order": "waves"})
+    _, llm = _staggered_llm(tiny_qwen2_config, enforce_eager=False,
+                            triton_options={"decode_num_splits": 64, "decode_order": "waves"})
     ops = llm.engine.runner.ops
     assert ops.decode_order == "waves"
     orders = []

@@ -108,14 +108,20 @@ def test_decode_attention_num_stages_keyword_gives_the_default_result(num_stages
     _ok(checks.rel_err(staged, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), torch.float32)
 
 
+def _decode_batch(ctx, dtype, gen):
+    """One query row per sequence of contexts ``ctx`` (0: a padding row), 8 query / 2 KV heads of 64,
+    16-token blocks: (q, k_cache, v_cache, meta, the positional args of paged_decode_attention)."""
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
+                                                      dtype, DEVICE, gen)
+    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE, dtype)
+    return q, kc, vc, meta, (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_one_split_written_directly_equals_the_merged_path_bitwise(dtype, gen):
     # one split: the merge multiplies by exp2(0) / 1, so skipping it must change no bit; padding row -> zeros
     ctx = [0, 1, 17, 70 * BIG]
-    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
-                                                      dtype, DEVICE, gen)
-    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE, dtype)
-    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+    q, kc, vc, meta, args = _decode_batch(ctx, dtype, gen)
     poisoned = torch.full_like(q, float("nan"))
     direct = paged_decode_attention(*args, num_splits=1, out=poisoned.clone())
     merged = paged_decode_attention(*args, num_splits=1, direct=False, out=poisoned.clone())
@@ -129,10 +135,7 @@ def test_decode_attention_prefetched_block_table_gives_the_default_bits(dtype, n
     # prefetch moves loads (q before seq_len, each tile's blocks one iteration ahead), not arithmetic:
     # the same bits, over several 16-token tiles per split, partial last tiles and a padding row
     ctx = [0, 1, 17, 70 * BIG, 33]
-    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
-                                                      dtype, DEVICE, gen)
-    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE, dtype)
-    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+    q, kc, vc, meta, args = _decode_batch(ctx, dtype, gen)
     poisoned = torch.full_like(q, float("nan"))
     default = paged_decode_attention(*args, num_splits=num_splits, block_n=16, out=poisoned.clone())
     ahead = paged_decode_attention(*args, num_splits=num_splits, block_n=16, prefetch=True, out=poisoned.clone())
@@ -150,10 +153,7 @@ def test_decode_attention_in_longest_first_order_gives_the_same_bits(dtype, num_
     from pageserve.kernels.paged_decode import longest_first_order
 
     ctx = [0, 1, 17, 70 * BIG, 33, 0, 129]
-    q, _, _, kc, vc, meta = checks.random_paged_batch([1 if c else 0 for c in ctx], ctx, 8, 2, 64, 16,
-                                                      dtype, DEVICE, gen)
-    q = torch.randn(len(ctx), 8, 64, generator=gen).to(DEVICE, dtype)
-    args = (q, kc, vc, meta.seq_lens, meta.block_tables, 64**-0.5)
+    q, kc, vc, meta, args = _decode_batch(ctx, dtype, gen)
     poisoned = torch.full_like(q, float("nan"))
     plain = paged_decode_attention(*args, num_splits=num_splits, block_n=16, out=poisoned.clone())
     order = longest_first_order(meta.seq_lens)
