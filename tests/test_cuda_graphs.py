@@ -506,6 +506,8 @@ def test_decode_graphs_replay_the_context_class_of_the_step(tiny_qwen2_config):
         assert len(runner.graphs.keys()) == 2 * len(runner.graphs.buckets)
         assert runner.graphs.key_for(3, 48) == (4, 0) and runner.graphs.key_for(3, 49) == (4, 1)
         assert runner.graphs.key_for(3) == (4, 1)
+        short_table = CUDAGraphRunner(model, runner.kv_cache, 4, 6, capture=False)  # 48 tokens: one class
+        assert short_table.context_limits == (None,) and short_table.key_for(3, 40) == (4, 0)
         keys = []
         run = runner.graphs.run
 

@@ -112,8 +112,11 @@ class CUDAGraphRunner:
         self._stage = stage_decode_inputs
         self.buckets = bucket_sizes(max_bs, sizes)
         self.max_bs = max_bs = self.buckets[-1]
-        # context classes, shortest first (None: any context); a step replays the first that holds it
-        self.context_limits = tuple(model.ops.decode_context_limits())
+        self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
+        # context classes, shortest first (None: any context); a step replays the first that holds it.
+        # A limit at or past the longest context the table holds would never be left: one class less
+        self.context_limits = tuple(lim for lim in model.ops.decode_context_limits()
+                                    if lim is None or lim < self.max_seq_len)
         self.last_key: tuple[int, int] | None = None  # (bucket, class) of the last run
         dev, i32, i64 = self.device, torch.int32, torch.int64
         self.input_ids = torch.zeros(max_bs, dtype=i64, device=dev)
@@ -124,7 +127,6 @@ class CUDAGraphRunner:
         self.query_start_loc = torch.arange(max_bs + 1, dtype=i32, device=dev)
         self._static_inputs = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables)
         self.hidden = torch.zeros(max_bs, model.cfg.hidden_size, dtype=kv_cache.dtype, device=dev)
-        self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         # (bucket, context class) -> its graph's output, a view of logits_out
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -141,7 +143,7 @@ class CUDAGraphRunner:
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             max_query_len=1,
-            max_seq_len=self.max_seq_len if limit is None else min(limit, self.max_seq_len),
+            max_seq_len=self.max_seq_len if limit is None else limit,
         )
         return PagedAttention(self.kv_cache, meta, self.model.ops)
 
