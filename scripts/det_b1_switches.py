@@ -58,9 +58,8 @@ VARIANTS = {
     "det_pdl_wait_first": (True, {"pdl": "wait_first"}),
     "int8_pdl_wait_first": (False, {"pdl": "wait_first"}, "int8"),
     "default_attn_split_rule": (False, {"decode_schedule": "split"}),
-    # session 28: the decode kernel's sequences longest context first past one wave (opt-in), and in batch order
-    "default_decode_longest_first": (False, {"decode_order": "waves"}),
-    "default_decode_batch_order": (False, {"decode_order": "none"}),
+    # session 28: "default_decode_{longest_first,batch_order}" ({"decode_order": "waves" / "none"}) at 3da542c-7c452d3,
+    # the decode kernel's sequences longest context first past one wave; not run here, removed with the switch
     # session 22: "default_l2pf_{16,32}[_before_wait|_evict_last]", "default_l2pf_16_to_64_rows", "det_l2pf_32",
     # "int8_l2pf_32" ran TritonOps(l2_prefetch_mb=...) at 3f7c02f, the only commit that has it: a kernel after each
     # qkv projection asking L2 for o, gate|up and down; +0.10-0.13 ms at b1 in every mode

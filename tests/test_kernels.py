@@ -145,57 +145,6 @@ def test_decode_attention_prefetched_block_table_gives_the_default_bits(dtype, n
     _ok(checks.rel_err(ahead, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 2])
-def test_decode_attention_in_longest_first_order_gives_the_same_bits(dtype, num_splits, gen):
-    # the order only decides which program takes which sequence: every row's bits as in batch order,
-    # for the longest-first order and a random one, padding rows (seq_len 0) included
-    from pageserve.kernels.paged_decode import longest_first_order
-
-    ctx = [0, 1, 17, 70 * BIG, 33, 0, 129]
-    q, kc, vc, meta, args = _decode_batch(ctx, dtype, gen)
-    poisoned = torch.full_like(q, float("nan"))
-    plain = paged_decode_attention(*args, num_splits=num_splits, block_n=16, out=poisoned.clone())
-    order = longest_first_order(meta.seq_lens)
-    assert meta.seq_lens[order].tolist() == sorted(ctx, reverse=True)
-    shuffled = torch.randperm(len(ctx), generator=gen).to(DEVICE)
-    for o in (order, shuffled.to(torch.int32)):
-        assert torch.equal(paged_decode_attention(*args, num_splits=num_splits, block_n=16, out=poisoned.clone(),
-                                                  order=o), plain)
-    with pytest.raises(ValueError, match="order"):
-        paged_decode_attention(*args, order=order[:3])
-    with pytest.raises(ValueError, match="order"):
-        paged_decode_attention(*args, order=order.float())
-
-
-def test_triton_ops_order_the_decode_sequences_only_when_the_launch_takes_more_than_one_wave(gen):
-    # the interpreter counts 4 SMs: one wave is 12 programs (3 an SM); 2 KV heads, one split from 6 sequences
-    from pageserve.model.attention import AttentionMetadata
-
-    def meta(n):
-        lens = torch.randint(1, 200, (n,), generator=gen, dtype=torch.int32).to(DEVICE)
-        return AttentionMetadata(slot_mapping=torch.zeros(n, dtype=torch.int64, device=DEVICE),
-                                 query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=DEVICE),
-                                 seq_lens=lens, block_tables=torch.zeros(n, 16, dtype=torch.int32, device=DEVICE),
-                                 max_query_len=1, max_seq_len=int(lens.max()))
-
-    kc = torch.zeros(4, 16, 2, 64, device=DEVICE)
-    waves = TritonOps(tuned_configs=False, decode_schedule="split", decode_order="waves")
-    none = TritonOps(tuned_configs=False)  # the default: batch order
-    assert none.decode_order == "none"
-    sms = 132 if CUDA else 4
-    small, big = 2, 3 * sms  # 4 programs (x splits) vs 6 * sms programs: more than a wave either way
-    m = meta(big)
-    order = waves._decode_order_for(torch.zeros(big, 8, 64, device=DEVICE), kc, m, "split")
-    assert order is not None and torch.equal(m.seq_lens[order], m.seq_lens.sort(descending=True).values)
-    assert waves._decode_order_for(torch.zeros(big, 8, 64, device=DEVICE), kc, m, "split") is order  # once a step
-    m = meta(small)
-    assert waves._decode_order_for(torch.zeros(small, 8, 64, device=DEVICE), kc, m, "split") is None
-    assert none._decode_order_for(torch.zeros(big, 8, 64, device=DEVICE), kc, meta(big), "split") is None
-    with pytest.raises(ValueError, match="decode_order"):
-        TritonOps(tuned_configs=False, decode_order="random")
-
-
 def test_decode_split_count_is_the_fewest_that_fill_the_gpu_three_times_without_short_pieces():
     sms, bs = 132, 16
     # the H200 case the sweep measured: batch 64, 2 KV heads, a 2,048-token table -> 4 splits (4 beat 5)

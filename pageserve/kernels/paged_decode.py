@@ -35,7 +35,7 @@ from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, d
                     pdl_enter_before_inputs, sm_count_for)
 
 __all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits", "decode_schedule",
-           "schedule_for", "pipelined_device", "longest_first_order", "decode_waves", "DecodeSchedule", "SCHEDULES"]
+           "schedule_for", "pipelined_device", "DecodeSchedule", "SCHEDULES"]
 
 SCHEDULES = ("split", "pipelined")
 
@@ -54,27 +54,21 @@ def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 # stride_bt is the step's block-table width: unspecialised, so a new width never compiles a variant
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
-    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr, order_ptr,
+    q_ptr, kc_ptr, vc_ptr, bt_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
-    ORDERED: tl.constexpr,
 ):
     # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs.
     # PREFETCH (the pipelined schedule): each tile's block-table entries are loaded one iteration
     # ahead (a loop-carried value), so a tile's K/V addresses never wait on a load issued in the
     # same iteration (kernels/NOTES.md, session 20); the first tile's, with seq_len, before the
     # PDL wait (_util, "Step inputs before the wait")
-    # ORDERED: program i takes sequence order[i] (a step input: longest contexts first), so that when the
-    # launch takes more than one wave the programs that start last are the short ones
     pdl_enter_before_inputs(USE_PDL)
-    if ORDERED:
-        b = tl.load(order_ptr + tl.program_id(0)).to(tl.int64)
-    else:
-        b = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.program_id(2)
     g = tl.arange(0, BLOCK_G)
@@ -157,17 +151,6 @@ def _decode_merge_kernel(
     total = tl.sum(w, axis=0)
     merged = tl.sum(o * w[:, None], axis=0) / tl.maximum(total, 1e-30)  # zeros when no split ran
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + d, merged.to(out_ptr.dtype.element_ty), mask=dmask)
-
-
-def longest_first_order(seq_lens: torch.Tensor) -> torch.Tensor:
-    """The sequences by context, longest first (int64 [B]; on the device, no host sync, graph-safe):
-    ``paged_decode_attention``'s ``order``."""
-    return torch.argsort(seq_lens, descending=True)
-
-
-def decode_waves(batch: int, num_kv_heads: int, num_splits: int, sms: int) -> float:
-    """The split kernel's programs over what the split rule counts as one wave (3 programs an SM)."""
-    return batch * num_kv_heads * num_splits / (3 * sms)
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, sms: int) -> int:
@@ -259,7 +242,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
     direct: bool | None = None, prefetch: bool | None = None, schedule: str = "split",
-    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
@@ -271,9 +253,7 @@ def paged_decode_attention(
     (a copy at one split) is skipped; None = whenever there is one split, False = always merge
     (the A/B reference: large batches get one split, results/h200/diagnostics/profile_steps.json).
     ``prefetch``: q with seq_len, and each tile's block-table entries one iteration ahead
-    (same bits: the loads move, not the arithmetic). ``order``: [B] int32/int64, a permutation of
-    the sequences (``longest_first_order``); the split kernel's program i takes sequence order[i]
-    (which program computes a row changes, not its arithmetic: same bits)."""
+    (same bits: the loads move, not the arithmetic)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -299,12 +279,9 @@ def paged_decode_attention(
     else:
         part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    if order is not None:
-        check("order", order, shape=(B,), dtype=(torch.int32, torch.int64))
-        check_device(q=q, order=order)
     launch = pdl_args(q, B, pdl)
     _decode_split_kernel[(B, Hkv, S)](
-        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out, seq_lens if order is None else order,
+        q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -312,7 +289,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), DIRECT=direct, PREFETCH=bool(prefetch),
-        ORDERED=order is not None, num_warps=num_warps, num_stages=num_stages, **launch,
+        num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if direct:
         return out

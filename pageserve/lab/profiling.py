@@ -67,10 +67,8 @@ ENGINE_MODES = {
     # at vLLM's sizes (1, 2, 4, then steps of 8 to 256 and of 16 to 512) instead of steps of 32 / 64
     "attn_by_context": {"triton_options": {"decode_schedule": "by_context"}},
     "fine_graph_sizes": {"cuda_graph_sizes": [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))},
-    # the decode kernel's sequences in batch order (the default) / longest context first past one wave (session 28;
-    # at 3da542c, where it was the default, "decode_batch_order" was the A/B's reference)
-    "decode_batch_order": {"triton_options": {"decode_order": "none"}},
-    "decode_longest_first": {"triton_options": {"decode_order": "waves"}},
+    # session 28 also ran "decode_batch_order" / "decode_longest_first" (TritonOps decode_order, 3da542c-7c452d3:
+    # the decode kernel's sequences longest context first past one wave): inside the spread, removed
 }
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)

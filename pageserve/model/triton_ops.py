@@ -19,8 +19,7 @@ from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_
 from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
-from ..kernels.paged_decode import decode_waves, longest_first_order, pipelined_device, schedule_for
-from ..kernels._util import sm_count_for
+from ..kernels.paged_decode import pipelined_device
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -47,11 +46,6 @@ DECODE_SCHEDULES = _KERNEL_SCHEDULES + ("by_context", "auto")
 # at ~512 tokens pipelined wins (64 x 512 16.2 -> 13.6 us, 128 x 512 26.4 -> 21.0; engine b64 -0.06 ms,
 # b128 -0.12), at 64 x 2048 it loses (40.7 -> 42.8), at nano-vllm's ~1,300 it made 33-64-row steps 7% slower
 DECODE_SHORT_CONTEXT = 768
-# ``decode_order``: "waves" hands the decode kernel's programs the sequences longest context first whenever
-# its launch takes more than one wave (the programs that start late are then the short ones); "none" (the
-# default) never. On the H200 nano-vllm read +1.3% and -1.1% with it in two alternating rounds (session 28,
-# diagnostics/nanovllm_profile_decode_order_ab_3da542c.*): inside the run-to-run spread, so no default
-DECODE_ORDERS = ("waves", "none")
 
 # decode batches whose gate_up product takes SiLU·mul in its epilogue (the invariant matmul) instead of cuBLAS
 # + the SiLU·mul kernel: on the H200 (graphed 3B step, diagnostics/det_b1_switches_gate_up_silu_0807ae7.*) batch 4
@@ -78,8 +72,6 @@ class TritonOps(TorchOps):
     "pipelined" for steps whose longest context is at most ``decode_short_context`` tokens, else
     "split" (the decode CUDA graphs capture both: ``decode_context_limits``). "auto" (default):
     "by_context" where "pipelined" runs (sm_90), else "split".
-    ``decode_order``: "waves" gives the decode kernel the sequences longest context first (one argsort
-    a step) when its launch takes more than one wave; "none" (default) launches them in batch order.
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
     CUDA-graph-safe decode kernel; anything else the prefill kernel.
 
@@ -136,7 +128,7 @@ class TritonOps(TorchOps):
                  int8_silu_down_rows: int = INT8_SILU_DOWN_ROWS,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", decode_schedule: str = "auto",
-                 decode_short_context: int = DECODE_SHORT_CONTEXT, decode_order: str = "none", gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
+                 decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -182,9 +174,6 @@ class TritonOps(TorchOps):
         if not (isinstance(decode_short_context, int) and decode_short_context > 0):
             raise ValueError(f"decode_short_context must be a positive int, got {decode_short_context!r}")
         self.decode_short_context = decode_short_context
-        if decode_order not in DECODE_ORDERS:
-            raise ValueError(f"decode_order must be one of {DECODE_ORDERS}, got {decode_order!r}")
-        self.decode_order = decode_order
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
@@ -309,25 +298,11 @@ class TritonOps(TorchOps):
         short = max_seq_len is not None and max_seq_len <= self.decode_short_context
         return "pipelined" if short else "split"
 
-    def _decode_order_for(self, q: torch.Tensor, k_cache, meta: AttentionMetadata, schedule: str):
-        """``paged_decode_attention``'s ``order`` under ``decode_order``: longest contexts first when the
-        launch takes more than one wave, computed once a step (``meta.scratch``), else None."""
-        if self.decode_order == "none":
-            return None
-        splits = self.decode_num_splits or schedule_for(q, k_cache, meta.block_tables, schedule).num_splits
-        if decode_waves(q.shape[0], k_cache.shape[2], splits, sm_count_for(q)) <= 1:
-            return None
-        order = meta.scratch.get("decode_order")
-        if order is None:
-            order = meta.scratch["decode_order"] = longest_first_order(meta.seq_lens)
-        return order
-
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
-            schedule = self.decode_schedule_for(meta.max_seq_len)
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]),
-                                          schedule=schedule, order=self._decode_order_for(q, k_cache, meta, schedule))
+                                          schedule=self.decode_schedule_for(meta.max_seq_len))
         tile_map = None if self.prefill_tile_map else False
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map,
                                        heavy_first=self.prefill_tile_order == "heavy_first")
