@@ -77,8 +77,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.cuda_graph_sizes is not None:
             sizes = self.cuda_graph_sizes
-            if isinstance(sizes, str) or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes) \
-                    or not sizes:
+            if not isinstance(sizes, (list, tuple)) or not sizes \
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {sizes!r}")
             self.cuda_graph_sizes = sorted(set(sizes))
         if self.num_blocks is not None and self.num_blocks <= 0:

@@ -47,7 +47,7 @@ def bucket_sizes(max_bs: int, sizes: list[int] | None = None) -> list[int]:
     """The batch sizes captured: ``sizes`` up to ``max_bs`` if given (``EngineConfig.cuda_graph_sizes``),
     else 1, 2, 4, 8, 16, 32, 48, then steps of 32 to 256 and of 64 above, and ``max_bs`` itself."""
     if sizes is not None:
-        kept = sorted({int(s) for s in sizes if 0 < int(s) <= max_bs})
+        kept = sorted({s for s in sizes if 0 < s <= max_bs})
         if not kept:
             raise ValueError(f"no CUDA graph size in {sizes} is within 1..{max_bs} (max_num_seqs / cuda_graph_max_bs)")
         return kept

@@ -169,7 +169,7 @@ class TritonOps(TorchOps):
         if decode_schedule not in DECODE_SCHEDULES:
             raise ValueError(f"decode_schedule must be one of {DECODE_SCHEDULES}, got {decode_schedule!r}")
         if decode_schedule == "auto":
-            decode_schedule = "by_context" if torch.cuda.is_available() and pipelined_device() else "split"
+            decode_schedule = "by_context" if pipelined_device() else "split"
         self.decode_schedule = decode_schedule
         if not (isinstance(decode_short_context, int) and decode_short_context > 0):
             raise ValueError(f"decode_short_context must be a positive int, got {decode_short_context!r}")
