@@ -26,6 +26,7 @@ of scripts/h200_run.sh.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from pageserve.engine import model_runner
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
+from pageserve.lab.profiling import PATCHES
 from pageserve.lab.results import provenance
 
 VARIANTS = {
@@ -70,6 +72,9 @@ VARIANTS = {
     # session 22: torch's preferred BLAS library for the engine's cuBLAS products (decode batches of 2+ rows),
     # set before the engine is built and put back after ("_blas" is this script's, not a TritonOps option)
     "default_cublaslt": (False, {"_blas": "cublaslt"}),
+    # session 29: the logits converted to fp32 after the head, as before (lab.profiling.fp32_logits, a patch
+    # around the engine: "_patch" is this script's, not a TritonOps option)
+    "default_fp32_logits": (False, {"_patch": "fp32_logits"}),
     # session 22: SiLU·mul in the gate_up product's epilogue (the invariant matmul) for decode batches in a row range
     # (at 0807ae7 the default had it off: diagnostics/det_b1_switches_gate_up_silu_0807ae7.*); 2..128 at 21f46ad, 2..64 on
     # Hopper since f9fa8a0 (..._gate_up_silu_range_21f46ad.*)
@@ -212,8 +217,10 @@ def main() -> None:
             if base.endswith(suffix):
                 base, old = base.removesuffix(suffix), paths
         det, options, *quant = VARIANTS[base]
-        blas, mix = options.get("_blas"), options.get("_mix")
-        options = {k: v for k, v in options.items() if k not in ("_blas", "_mix")}
+        blas, mix, patch = options.get("_blas"), options.get("_mix"), options.get("_patch")
+        options = {k: v for k, v in options.items() if k not in ("_blas", "_mix", "_patch")}
+        patch = PATCHES[patch]() if patch else contextlib.nullcontext()
+        patch.__enter__()
         select_before = model_runner.select_ops
         if mix:
             model_runner.select_ops = mixed_select_ops(select_before, MIXES[mix])
@@ -245,6 +252,7 @@ def main() -> None:
         out.write_text(json.dumps(rec, indent=1))
         llm.shutdown()
         del llm
+        patch.__exit__(None, None, None)
         bench.free_device_memory()
         torch.backends.cuda.preferred_blas_library(blas_before)
 

@@ -71,7 +71,7 @@ from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms, mixed_batch, record_step_timings
 from pageserve.lab.kernel_bench.ceilings import measure_ceilings
 from pageserve.lab.peers import measure_read_gbps
-from pageserve.lab.profiling import (ENGINE_MODES, by_category, decode_bytes, decode_gaps, gpu_idle_fraction, idle_us,
+from pageserve.lab.profiling import (by_category, decode_bytes, decode_gaps, engine_mode, gpu_idle_fraction, idle_us,
                                      linear_flops, mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
 from pageserve.lab.results import provenance
 
@@ -326,9 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     mixed_prompts = -(-args.mixed_prefill_tokens // args.mixed_prompt_len) + 1
     mixed_seqs = args.mixed_decodes + 2 * mixed_prompts + 1 if args.mixed else 0
     for mode in args.modes.split(","):
+        mode_kw, patch = engine_mode(mode)
+        patch.__enter__()
         llm = LLM(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, seed=0,
                   max_num_seqs=max(max(batches), args.prefill_prompts, mixed_seqs), max_model_len=args.max_model_len,
-                  **ENGINE_MODES[mode])
+                  **mode_kw)
         _check_capacity(llm, args, max(batches))
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         weights = None
@@ -352,6 +354,7 @@ def main(argv: list[str] | None = None) -> None:
         out.write_text(json.dumps(record, indent=1, default=str))
         llm.shutdown()
         del llm
+        patch.__exit__(None, None, None)
         gc.collect()
         bench.free_device_memory()
 

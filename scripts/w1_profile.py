@@ -39,7 +39,7 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
-from pageserve.lab.profiling import ENGINE_MODES, ClockLog, CompileLog
+from pageserve.lab.profiling import ClockLog, CompileLog, engine_mode
 from pageserve.lab.results import provenance
 
 
@@ -227,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
         for n, mode in enumerate(args.modes.split(",")):
             name = mode if mode not in rec["modes"] else f"{mode}#{n + 1}"
             kw = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
-            llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, **ENGINE_MODES[mode], **kw)
+            mode_kw, patch = engine_mode(mode)
+            patch.__enter__()
+            llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, **mode_kw, **kw)
             bench.run_pageserve(llm, warmup_workload(WorkloadSpec(args.workload, {}), vocab, num_requests=32))
             rec["modes"][name] = []
             rec.setdefault("eager_warm_s", {})[name] = llm.engine.runner.eager_warm_s
@@ -243,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                 path.write_text(json.dumps(rec, indent=1))
             llm.shutdown()
             del llm
+            patch.__exit__(None, None, None)
             torch.cuda.empty_cache()
         return
     llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0)

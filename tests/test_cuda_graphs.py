@@ -141,6 +141,53 @@ def test_graph_runner_with_the_staging_kernel_decodes_like_eager(tiny_qwen2_conf
     assert check.max_logit_rel_err < 1e-5
 
 
+def test_the_engine_samples_the_heads_bf16_logits_as_they_are_with_the_tokens_of_fp32_logits(tiny_qwen2_config):
+    # since session 29 the sampler reads the head's product in the model's dtype (no fp32 copy of
+    # [rows, V] after the head): greedy, seeded and logprob rows must see the very values the fp32
+    # copy held before (lab.profiling.fp32_logits puts the old path back)
+    import contextlib
+
+    from pageserve.lab.profiling import fp32_logits
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.0, top_k=5, seed=4, max_tokens=6, ignore_eos=True, logprobs=1)]
+    runs = {}
+    for old in (False, True):
+        with fp32_logits() if old else contextlib.nullcontext():
+            model = Decoder(tiny_qwen2_config).to(DEVICE)
+            model.init_dummy_weights(seed=3, std=0.3)
+            llm = LLM.from_model(model.to(torch.bfloat16).eval(), device=DEVICE, dtype="bfloat16", block_size=8,
+                                 num_blocks=64, max_num_seqs=4, max_model_len=64, enforce_eager=True)
+            llm.engine.runner.enable_graphs(capture=DEVICE == "cuda")
+            with capture_logits(llm.engine.runner) as steps:
+                out = llm.generate(prompts, params, use_tqdm=False)
+            runs[old] = ([o.outputs[0].token_ids for o in out], [o.outputs[0].logprobs for o in out], steps.logits,
+                         llm.engine.runner.graphs.logits_out.dtype)
+            llm.shutdown()
+    (tokens, logprobs, logits, dtype), (tokens32, logprobs32, logits32, dtype32) = runs[False], runs[True]
+    assert (dtype, dtype32) == (torch.bfloat16, torch.float32)
+    assert all(t.dtype == torch.bfloat16 for t in logits) and all(t.dtype == torch.float32 for t in logits32)
+    assert len(logits) == len(logits32) > 1
+    assert all(torch.equal(a.float(), b) for a, b in zip(logits, logits32))
+    assert tokens == tokens32 and logprobs == logprobs32
+
+
+def test_the_heads_product_into_a_given_buffer_is_the_linears_bits():
+    # TritonOps.head: above the GEMV's rows cuBLAS (here the CPU's BLAS) writes into ``out`` itself
+    from pageserve.model.triton_ops import TritonOps
+
+    ops, g = TritonOps(), torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    for rows in (1, 70):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+        out = torch.full((rows + 2, 300), float("nan"), dtype=torch.bfloat16)
+        assert ops.head(x, w, out[:rows]).data_ptr() == out.data_ptr()
+        assert torch.equal(out[:rows], ops.linear(x, w, None)) and out[rows:].isnan().all()
+
+
 def test_every_bucket_writes_its_logits_into_one_shared_buffer(tiny_llm):
     # the graphs (and, on the CPU, the same code run eagerly) return views of one [max_bs, V]
     # buffer, not an output per bucket; the values are the eager forward's

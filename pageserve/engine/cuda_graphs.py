@@ -9,10 +9,12 @@ device buffer that is refreshed before replay:
     block_tables                         [max_bs, max_blocks_per_seq]
     query_start_loc                      [max_bs + 1]  (= arange: one token per sequence)
 
-Each graph ends with the output head, so a replay yields the fp32 logits of every row
-(in a decode step every sequence samples), written into one [max_bs, V] buffer that every
-bucket shares: the sampler reads them on the same stream before the next replay. (One
-output per bucket held ~1.8 GB at max_bs 512 and the 3B shape's vocabulary; this one 311 MB.)
+Each graph ends with the output head, so a replay yields the logits of every row (in a
+decode step every sequence samples), in the model's dtype, written into one [max_bs, V]
+buffer that every bucket shares: the sampler reads them on the same stream before the next
+replay. (One fp32 output per bucket held ~1.8 GB at max_bs 512 and the 3B shape's vocabulary;
+this one 156 MB in bf16.) Above the GEMV's rows cuBLAS writes the head's product into it
+directly (``ops.head``).
 A batch of ``bs`` decodes is padded to the next bucket: padded rows get slot -1 (their K/V
 is not written) and seq_len 0 (attention writes zeros for them), so they touch nothing real.
 Prefill and batches larger than ``max_bs`` run eagerly. ``EngineConfig.cuda_graph_sizes``
@@ -131,7 +133,7 @@ class CUDAGraphRunner:
         # (bucket, context class) -> its graph's output, a view of logits_out
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         # every bucket's logits (a tensor-parallel shard's cfg has the full vocabulary: it gathers)
-        self.logits_out = torch.empty(max_bs, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.logits_out = torch.empty(max_bs, model.cfg.vocab_size, dtype=model.logits_dtype, device=dev)
         self.pool = None
         self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
 
@@ -150,7 +152,7 @@ class CUDAGraphRunner:
     def _forward(self, key: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
         bs, cls = key
         self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs, cls))
-        return self.model.compute_logits(self.hidden[:bs], out=out)  # [bs, V] fp32
+        return self.model.head_logits(self.hidden[:bs], out=out)  # [bs, V], the model's dtype
 
     def _forward_shared(self, key: tuple[int, int]) -> torch.Tensor:
         return self._forward(key, out=self.logits_out[: key[0]])
@@ -218,7 +220,7 @@ class CUDAGraphRunner:
         block_tables: torch.Tensor,
         max_seq_len: int | None = None,
     ) -> torch.Tensor:
-        """One decode step for bs sequences (one token each) -> logits [bs, V] fp32 (a view of
+        """One decode step for bs sequences (one token each) -> logits [bs, V] (a view of
         the shared output buffer: read it, on the stream, before the next call). Inputs may be
         int64; the copy into the static buffers converts. ``max_seq_len``: the step's longest
         context (after this token), which picks the context class; None: the longest class."""

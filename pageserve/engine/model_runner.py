@@ -455,7 +455,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, x: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The step's forward from its host inputs: fp32 logits [S, V] of the sampling rows,
+        """The step's forward from its host inputs: logits [S, V] of the sampling rows (the model's dtype),
         or None when no row samples. (Under tensor parallelism every rank runs this with the
         same ``x``; see ``tensor_parallel.py``.)"""
         B, T, S = x.seq_lens.shape[0], x.num_tokens, x.logits_indices.shape[0]
@@ -476,7 +476,7 @@ class ModelRunner:
             return None
         if S < T:
             hidden = hidden[d.logits_indices]  # [S, H] (padded: the sampling rows' bucket)
-        return self.model.compute_logits(hidden)[:S]  # [S, V] fp32
+        return self.model.head_logits(hidden)[:S]  # [S, V]
 
     def step_input_ids(self, x: StepInputs, d: DeviceInputs, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """The step's input ids on the device: tokens the previous step sampled (async

@@ -151,6 +151,7 @@ class _graph_logit_check:
         unpadded = r.model.compute_logits(hidden)
 
         def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            a, b = a.float(), b.float()
             return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
         return rel(logits, same), rel(logits, unpadded)
@@ -161,7 +162,7 @@ class _graph_logit_check:
 
 
 class capture_logits:
-    """Record the logits of every step that samples (``[S, V]`` fp32, CPU copies) by
+    """Record the logits of every step that samples (``[S, V]`` in the model's dtype, CPU copies) by
     wrapping ``runner.sampler.sample``; use as a context manager::
 
         with capture_logits(llm.engine.runner) as steps:

@@ -22,6 +22,7 @@ the CPU.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import subprocess
 import threading
@@ -69,7 +70,39 @@ ENGINE_MODES = {
     "fine_graph_sizes": {"cuda_graph_sizes": [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, 513, 16))},
     # session 28 also ran "decode_batch_order" / "decode_longest_first" (TritonOps decode_order, 3da542c-7c452d3:
     # the decode kernel's sequences longest context first past one wave): inside the spread, removed
+    # session 29: the logits converted to fp32 after the head, as before (``fp32_logits``; "_patch" keys name a
+    # patch of ``PATCHES`` that ``engine_mode`` applies around the engine, not an ``LLM`` argument)
+    "fp32_logits": {"_patch": "fp32_logits"},
 }
+
+
+@contextlib.contextmanager
+def fp32_logits():
+    """The engine as before session 29, for an A/B: ``Decoder.head_logits`` converts the head's product
+    to fp32 (the decode graphs' shared buffer fp32, one conversion kernel after the head). Patches the
+    class while the block runs: build and run the engine inside it."""
+    from ..model.decoder import Decoder
+
+    head, dtype = Decoder.head_logits, Decoder.logits_dtype
+
+    def head_fp32(self, hidden, out=None):
+        return head(self, hidden).float() if out is None else out.copy_(head(self, hidden))
+
+    Decoder.head_logits, Decoder.logits_dtype = head_fp32, property(lambda self: torch.float32)
+    try:
+        yield
+    finally:
+        Decoder.head_logits, Decoder.logits_dtype = head, dtype
+
+
+PATCHES = {"fp32_logits": fp32_logits}
+
+
+def engine_mode(mode: str | dict) -> tuple[dict, contextlib.AbstractContextManager]:
+    """(``LLM`` keyword arguments, the patch to run the engine under) of an ``ENGINE_MODES`` name or dict."""
+    kw = dict(ENGINE_MODES[mode] if isinstance(mode, str) else mode)
+    patch = kw.pop("_patch", None)
+    return kw, PATCHES[patch]() if patch else contextlib.nullcontext()
 
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
 

@@ -107,8 +107,8 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """A causal LM. ``forward`` returns final hidden states [T, H];
-    ``compute_logits`` turns the rows you need into fp32 logits [N, V]."""
+    """A causal LM. ``forward`` returns final hidden states [T, H]; ``head_logits`` turns the
+    rows you need into logits [N, V] in the model's dtype, ``compute_logits`` into fp32 ones."""
 
     def __init__(self, cfg: ModelConfig, ops=None, max_positions: int | None = None) -> None:
         super().__init__()
@@ -154,11 +154,24 @@ class Decoder(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    @property
+    def logits_dtype(self) -> torch.dtype:
+        """The dtype of ``head_logits`` (the output head's: never quantized)."""
+        return self._head_weight().dtype
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, V] as the output head computes them, in ``logits_dtype``; into ``out`` ([N, V],
+        that dtype) when given. What the engine samples from: a bf16 product holds bf16 values, so
+        converting them to fp32 first changes no token, and at the 3B shape's 151,936 columns that
+        conversion cost ~0.1 ms of a 200-row decode step on the H200 (NOTES.md, session 29)."""
+        return self.ops.head(hidden, self._head_weight(), out)
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits [N, V]; into ``out`` ([N, V] fp32) when given (the conversion writes it:
-        no copy beyond what ``.float()`` does)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.ops.linear(hidden, weight, None)
+        """``head_logits`` in fp32 [N, V]; into ``out`` (any float dtype) when given."""
+        logits = self.head_logits(hidden)
         return logits.float() if out is None else out.copy_(logits)
 
     # ----------------------------------------------------------------------------- weights

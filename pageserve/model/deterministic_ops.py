@@ -139,6 +139,9 @@ class DeterministicOps(TritonOps):
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
                                 specialize=self.matmul_specialize)
 
+    def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return TorchOps.head(self, x, weight, out)  # this class's ``linear``, then the copy
+
     def cublas_rows_for(self, device: torch.device) -> tuple[int, int] | None:
         """``cublas_rows`` resolved for a device ("auto": ``CUBLAS_ROWS`` on CUDA)."""
         if self.cublas_rows != "auto":

@@ -32,6 +32,11 @@ class TorchOps:
         """The context classes a decode step's kernels depend on (``TritonOps``): one here, any context."""
         return (None,)
 
+    def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output head: ``linear(x, weight)`` [T, V] in x's dtype, written into ``out`` when given."""
+        logits = self.linear(x, weight, None)
+        return logits if out is None else out.copy_(logits)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [T, K] @ weight [N, K]^T (+ bias) -> [T, N]. A ``QuantizedWeight`` (int8 + per-row scale)
         runs ``reference.linear_int8``: dequantize, then the float product."""

@@ -237,14 +237,14 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelDecoder(Decoder):
-    """A decoder shard: ``compute_logits`` gathers the vocabulary slices into [N, V] fp32
-    on every rank. ``cfg`` is the shard's shape (heads and MLP width per rank, full vocab
+    """A decoder shard: ``head_logits`` (and so ``compute_logits``) gathers the vocabulary slices
+    into [N, V] on every rank. ``cfg`` is the shard's shape (heads and MLP width per rank, full vocab
     and hidden size); ``full_cfg`` the model's."""
 
     full_cfg: ModelConfig
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        local = super().compute_logits(hidden)  # [N, Vp] fp32
+    def head_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        local = super().head_logits(hidden)  # [N, Vp]
         logits = all_gather_last_dim(local)[:, : self.full_cfg.vocab_size]
         return logits if out is None else out.copy_(logits)
 

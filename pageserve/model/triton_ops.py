@@ -214,6 +214,13 @@ class TritonOps(TorchOps):
                         pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
+    def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        # above the GEMV's rows cuBLAS writes the logits into ``out`` itself (the decode graphs' shared
+        # buffer), the same product as ``linear`` without a copy of [T, V] after it
+        if out is not None and not self._gemv_fits(x) and x.dim() == 2 and out.dtype == x.dtype:
+            return torch.mm(x, weight.t(), out=out)
+        return super().head(x, weight, out)
+
     def _planes_fit(self, x: torch.Tensor) -> bool:
         r = self.int8_planes_rows
         return (r is not None and self._gemv_fits(x, r[1]) and x.shape[0] >= r[0]
