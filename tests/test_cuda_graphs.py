@@ -180,10 +180,10 @@ def test_the_heads_product_into_a_given_buffer_is_the_linears_bits():
     from pageserve.model.triton_ops import TritonOps
 
     ops, g = TritonOps(), torch.Generator().manual_seed(0)
-    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(300, 64, generator=g).to(DEVICE, torch.bfloat16)
     for rows in (1, 70):
-        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
-        out = torch.full((rows + 2, 300), float("nan"), dtype=torch.bfloat16)
+        x = torch.randn(rows, 64, generator=g).to(DEVICE, torch.bfloat16)
+        out = torch.full((rows + 2, 300), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         assert ops.head(x, w, out[:rows]).data_ptr() == out.data_ptr()
         assert torch.equal(out[:rows], ops.linear(x, w, None)) and out[rows:].isnan().all()
 
