@@ -79,7 +79,7 @@ def test_decode_schedule_pipelined_rule_and_its_fallbacks():
     assert h200(64) == DecodeSchedule(1, 128, 8, 3, True)
     assert h200(128) == DecodeSchedule(1, 64, 4, 3, True)
     assert h200(256) == DecodeSchedule(1, 32, 4, 3, True)
-    assert h200(512) == DecodeSchedule(1, 64, 4, 2, False)  # above four pairs an SM: the 2-stage tile
+    assert h200(512) == DecodeSchedule(1, 64, 4, 2, True)  # above four pairs an SM: the split rule's launch
     split_rule = [DecodeSchedule(decode_num_splits(b, 2, 128, 16, 132), 32 if 8 * b <= 132 else 64, 4, 2, True)
                   for b in (1, 16, 64, 512)]
     for kw in ({"pipelined": False}, {"elem": 4}, {"head_dim": 256}):  # other GPUs, fp32, wide heads

@@ -186,8 +186,9 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
     one iteration ahead and 3 stages, so a program's K/V loads stream instead of waiting on each
     tile's table load; from half an SM's worth of pairs up, one split per sequence (no merge
     kernel) with the widest key tile whose 3 stages still fit the programs in one wave (128 keys
-    x 8 warps up to one pair per SM, 64 up to two, 32 up to four; above that the 2-stage 64-key
-    tile); below, the split rule's count with 32-key tiles. On the H200 (bf16, 3B heads) it wins
+    x 8 warps up to one pair per SM, 64 up to two, 32 up to four; above that the split rule's own
+    launch: its prefetch made 384 rows x 640 tokens 0.23 ms a step faster than the same tile without
+    it, 512 rows level, NOTES.md session 29); below, the split rule's count with 32-key tiles. On the H200 (bf16, 3B heads) it wins
     at contexts of ~512 and loses at ~1,300 (NOTES.md, session 20):
     - kernel, graph-timed µs (diagnostics/decode_attn_sweep_*_9c192f9): 64 x 512 16.2 -> 13.6,
       128 x 512 26.4 -> 21.0, 32 x 512 12.5 -> 11.3, but 64 x 2048 40.7 -> 42.8;
@@ -206,8 +207,8 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
                 return DecodeSchedule(1, 64, 4, 3, True)
             if pairs <= 4 * sms:
                 return DecodeSchedule(1, 32, 4, 3, True)
-            return DecodeSchedule(1, 64, 4, 2, False)
-        return DecodeSchedule(decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms), 32, 4, 3, True)
+        else:
+            return DecodeSchedule(decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms), 32, 4, 3, True)
     splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms)
     return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, True)
 
