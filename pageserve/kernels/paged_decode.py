@@ -187,9 +187,9 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
     tile's table load; from half an SM's worth of pairs up, one split per sequence (no merge
     kernel) with the widest key tile whose 3 stages still fit the programs in one wave (128 keys
     x 8 warps up to one pair per SM, 64 up to two, 32 up to four; above that the split rule's own
-    launch: its prefetch made 384 rows x 640 tokens 0.23 ms a step faster than the same tile without
-    it, 512 rows level, NOTES.md session 29); below, the split rule's count with 32-key tiles. On the H200 (bf16, 3B heads) it wins
-    at contexts of ~512 and loses at ~1,300 (NOTES.md, session 20):
+    launch: its prefetch made 384 rows x 640 tokens 0.23 ms a step faster than the same tile
+    without it, 512 rows level, NOTES.md session 29); below, the split rule's count with 32-key
+    tiles. On the H200 (bf16, 3B heads) it wins at contexts of ~512 and loses at ~1,300 (NOTES.md, session 20):
     - kernel, graph-timed µs (diagnostics/decode_attn_sweep_*_9c192f9): 64 x 512 16.2 -> 13.6,
       128 x 512 26.4 -> 21.0, 32 x 512 12.5 -> 11.3, but 64 x 2048 40.7 -> 42.8;
     - engine steps at context 512 (det_b1_switches_attn_schedule_5c810d1): b64 -0.06 ms, b128 -0.12;
@@ -199,16 +199,14 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
       here; the engine's ops pick it per step by the host-known context (``TritonOps(decode_schedule=
       "by_context")``: up to 768 tokens, b64 -0.05 ms, b128 -0.13, nano-vllm level; NOTES.md, session 28)."""
     pairs = max(1, batch * num_kv_heads)
-    if pipelined and elem_size == 2 and head_dim <= 128:
-        if 2 * pairs >= sms:
-            if pairs <= sms:
-                return DecodeSchedule(1, 128, 8, 3, True)
-            if pairs <= 2 * sms:
-                return DecodeSchedule(1, 64, 4, 3, True)
-            if pairs <= 4 * sms:
-                return DecodeSchedule(1, 32, 4, 3, True)
-        else:
+    if pipelined and elem_size == 2 and head_dim <= 128 and pairs <= 4 * sms:
+        if 2 * pairs < sms:
             return DecodeSchedule(decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms), 32, 4, 3, True)
+        if pairs <= sms:
+            return DecodeSchedule(1, 128, 8, 3, True)
+        if pairs <= 2 * sms:
+            return DecodeSchedule(1, 64, 4, 3, True)
+        return DecodeSchedule(1, 32, 4, 3, True)
     splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms)
     return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, True)
 

@@ -104,6 +104,7 @@ def engine_mode(mode: str | dict) -> tuple[dict, contextlib.AbstractContextManag
     patch = kw.pop("_patch", None)
     return kw, PATCHES[patch]() if patch else contextlib.nullcontext()
 
+
 CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
 
 
