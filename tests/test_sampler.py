@@ -391,3 +391,19 @@ def test_the_sampler_takes_its_argmax_from_the_triton_kernel_on_cuda_only():
         out = Sampler(151936, "cuda").sample(logits, [SamplingParams(temperature=0)] * 3, [[1]] * 3, [[]] * 3,
                                              [None] * 3)
         assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_and_bans_never_write_the_callers_logits(dtype):
+    # the engine hands the sampler a view of the decode graphs' shared buffer (bf16 since session 29):
+    # the bias and the min_tokens ban work on a copy, made once, and give the tokens of fp32 logits
+    logits = rand_logits(4, seed=31).to(dtype)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0, logit_bias={3: 50.0}, min_tokens=5, stop_token_ids=[9]),
+              SamplingParams(temperature=0.8, logit_bias={5: 50.0}), SamplingParams(temperature=0, min_tokens=2,
+              stop_token_ids=[int(logits[2].argmax())]), SamplingParams(temperature=0)]
+    prompts, outs = token_lists(4, 6, seed=2), [[], [], [], []]
+    got = Sampler(V, "cpu").sample(logits, params, prompts, outs, [1, 2, 3, 4])
+    assert torch.equal(logits, before)
+    assert got.token_ids == Sampler(V, "cpu").sample(logits.float(), params, prompts, outs, [1, 2, 3, 4]).token_ids
+    assert got.token_ids[0] == 3 and got.token_ids[2] != int(logits[2].argmax())

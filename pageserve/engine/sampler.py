@@ -262,6 +262,9 @@ class Sampler:
     def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None):
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows)."""
         B, V = logits.shape
+        # the bias and bans below write in place: into a copy of the caller's logits, made once
+        # (converting bf16 logits to fp32 makes it; fp32 logits are cloned where first written)
+        owned = logits.dtype != torch.float32
         logits = logits.float()
         table = torch.tensor(
             [
@@ -288,7 +291,7 @@ class Sampler:
                 bias_ids.append(t)
                 bias_values.append(b)
         if bias_rows:
-            logits = logits.clone()
+            logits, owned = logits if owned else logits.clone(), True
             idx = self._to_device(torch.tensor([bias_rows, bias_ids], dtype=torch.int64))
             logits.index_put_((idx[0], idx[1]), self._to_device(torch.tensor(bias_values)), accumulate=True)
 
@@ -301,7 +304,7 @@ class Sampler:
             ban_rows += [i] * len(banned)
             ban_ids += banned
         if ban_rows:
-            logits = logits.clone()
+            logits, owned = logits if owned else logits.clone(), True
             idx = self._to_device(torch.tensor([ban_rows, ban_ids], dtype=torch.int64))
             logits[idx[0], idx[1]] = float("-inf")
 
