@@ -114,6 +114,26 @@ def test_floor_is_weight_plus_kv_bytes_over_bandwidth():
     assert peers.floor_batch1_ms(c, 4000.0, 512) == pytest.approx(1e3 * (wb + peers.kv_bytes(c, 512)) / 4e12)
 
 
+def test_workload_floor_is_the_larger_of_its_flops_and_its_bytes():
+    from pageserve.model.config import ModelConfig
+
+    c = ModelConfig.shipped("qwen2.5-3b")
+    # one request, 4 prompt tokens -> 3 output: forwards see 4 + 2 tokens, the head samples 3
+    per_token = 2 * 36 * (2560 * 2048 + 2048 * 2048 + 2 * 11008 * 2048 + 2048 * 11008)
+    flops = 6 * per_token + 3 * 2 * 151936 * 2048 + 4 * (1 + 2 + 3 + 4 + 5 + 6) * 128 * 16 * 36
+    nbytes = 2 * peers.weight_bytes(c) + (5 + 6) * peers.kv_bytes(c, 1)  # two decode steps over 5, then 6 tokens
+    f = peers.workload_floor(c, [(4, 3)], read_gbps=1000.0, matmul_tflops=1.0)
+    assert f["flops"] == pytest.approx(flops) and f["bytes"] == nbytes
+    assert f["compute_s"] == pytest.approx(flops / 1e12) and f["memory_s"] == pytest.approx(nbytes / 1e12)
+    assert f["floor_s"] == max(f["compute_s"], f["memory_s"])
+    # W1 at the 3B shape on an H200's measured ceilings: compute-bound, ~3.2 s (pageserve's W1 ran ~4.9 s)
+    w1 = peers.workload_floor(c, [(512, 256)] * 500, read_gbps=4480.0, matmul_tflops=700.0)
+    assert w1["floor_s"] == w1["compute_s"] and 3.0 < w1["compute_s"] < 3.5 and 0.8 < w1["memory_s"] < 1.3
+    # a longer output adds decode steps, each of which must read every weight again
+    one, two = (peers.workload_floor(c, [(8, n)], 1000.0, 1e9)["bytes"] for n in (2, 3))
+    assert two - one == peers.weight_bytes(c) + 10 * peers.kv_bytes(c, 1)
+
+
 # ------------------------------------------------------------------ runners on the CPU (tiny)
 
 
@@ -174,6 +194,22 @@ def test_pageserve_decode_timing_and_floor_on_the_cpu(tiny_json):
     assert rec["errors"] == {} and set(rec["decode"]) == {"1", "2"}
     assert rec["decode"]["1"]["engine_step_ms"] > 0 and "decode_ms" in rec["decode"]["2"]
     assert rec["floor"]["floor_batch1_ms"] > 0 and rec["floor"]["read_gbps"] > 0
+
+
+def test_passes_keep_the_median_pass_and_the_floor_fraction_reads_it(tiny_json):
+    w1 = {"num_requests": 3, "prompt_len": 8, "output_len": 3}
+    rec = peers.run_engine("pageserve", tiny_json, {"w1": w1}, device="cpu", dtype="float32",
+                           engine_args={"num_blocks": 64}, floor=True, warmup_requests=0, passes=3)
+    assert rec["errors"] == {}
+    walls = sorted(p["wall_s"] for p in rec["passes"]["w1"])
+    assert len(walls) == 3 and rec["offline"]["w1"]["wall_s"] == walls[1]
+    assert all(p["output_tokens"] == 9 for p in rec["passes"]["w1"])
+    f = rec["floor"]["workloads"]["w1"]
+    assert f == {**peers.workload_floor(tiny_json, [(8, 3)] * 3, rec["floor"]["read_gbps"],
+                                        rec["floor"]["matmul_fp32_tflops"], 4),
+                 "fraction": f["floor_s"] / walls[1]}
+    with pytest.raises(ValueError, match="passes"):
+        peers.run_engine("pageserve", tiny_json, {"w1": w1}, device="cpu", passes=0)
 
 
 # ------------------------------------------------------------------ serving metrics

@@ -65,3 +65,15 @@ def test_the_throughput_record_gets_its_own_table_linked_to_its_own_notebook(tmp
     assert "prefix caching off in both engines" in out and "HF peers" not in out
     assert "(results/h200/08_throughput.ipynb)" in out and "(results/h200/08_benchmarks.ipynb)" in out
     assert "| W1 total tok/s (500 × 512 → 256) | 74,000.0 | 60,000.0 | 1.233 |" in out
+
+
+def test_floor_fractions_sit_in_pageserve_column_and_the_passes_are_named(tmp_path):
+    params = {"MODEL": "qwen2.5-3b", "engine_dtype": "bfloat16", "PASSES": 3}
+    figs = {"w1_total_tok_s.pageserve": 78000.0, "w1_total_tok_s.vllm": 65000.0, "w1_floor_fraction.pageserve": 0.66,
+            "w1_floor_s": 3.25, "nanovllm_total_tok_s.pageserve": 48000.0, "nanovllm_total_tok_s.vllm": 40000.0}
+    write_figures("08_throughput", params, figs, tmp_path / "h200")
+    out = report.render(tmp_path)
+    assert "| w1: hardware floor / pageserve's wall (floor 3.25 s: FLOPs at the matmul ceiling or bytes at the " \
+           "read bandwidth) | 0.66 |  |  |" in out
+    assert "nanovllm: hardware floor" not in out  # no fraction, no row
+    assert "each workload timed 3 times in a row in each engine, the median pass shown" in out

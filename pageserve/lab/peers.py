@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .bench import BenchResult, Workload, synchronize
-from .profiling import RunConditions, host_info
+from .profiling import RunConditions, host_info, linear_flops
 from .workloads import WorkloadSpec, make_workload
 
 ENGINES = ("pageserve", "vllm", "hf_generate_batch", "hf_generate")
@@ -260,6 +260,34 @@ def floor_batch1_ms(model, read_gbps: float, context_len: int, dtype_bytes: int 
     return 1e3 * (weight_bytes(model, dtype_bytes) + kv_bytes(model, context_len, dtype_bytes)) / (read_gbps * 1e9)
 
 
+def workload_floor(model, requests: Sequence[tuple[int, int]], read_gbps: float, matmul_tflops: float,
+                   dtype_bytes: int = 2) -> dict[str, float]:
+    """The hardware floor of an offline workload, ``requests`` given as (prompt tokens, output
+    tokens) each: however an engine schedules it, it cannot take less than its FLOPs at the matmul
+    ceiling (``compute_s``) nor less than its bytes at the read bandwidth (``memory_s``), so the
+    floor is the larger of the two (``floor_s``).
+
+    FLOPs: every linear on every token a forward must see (the prompt, and each output token but
+    the last), the LM head on every sampled token, and attention (QK^T and PV) over each such
+    token's visible keys. Bytes: the weights once per decode step, of which there are at least the
+    longest output's length less one after the prefill, plus every decode token's read of its
+    sequence's K and V. (The prefill's own weight read and every write are left out: a floor.)"""
+    c = _model_config(model)
+    flops, kv_tokens, longest = 0.0, 0, 0
+    for prompt, output in requests:
+        fed = prompt + max(output - 1, 0)
+        flops += linear_flops(c, fed, sampled_rows=output)
+        flops += 4.0 * (fed * (fed + 1) / 2) * c.head_dim * c.num_heads * c.num_layers  # token i sees i + 1 keys
+        steps = max(output - 1, 0)
+        kv_tokens += steps * prompt + steps * (steps + 1) // 2  # decode token j reads prompt + j tokens' K and V
+        longest = max(longest, output)
+    nbytes = weight_bytes(c, dtype_bytes) * max(longest - 1, 0) + kv_tokens * kv_bytes(c, 1, dtype_bytes)
+    compute_s = flops / (matmul_tflops * 1e12)
+    memory_s = nbytes / (read_gbps * 1e9)
+    return {"floor_s": max(compute_s, memory_s), "compute_s": compute_s, "memory_s": memory_s, "flops": flops,
+            "bytes": float(nbytes)}
+
+
 def measure_read_gbps(device: str = "auto") -> dict[str, float]:
     """Read bandwidth of this device: ``measure_ceilings()`` on CUDA; on the CPU the best of
     a few ``torch.sum`` passes over 256 MiB (a rough number, for the CPU smoke run)."""
@@ -275,7 +303,13 @@ def measure_read_gbps(device: str = "auto") -> dict[str, float]:
         t0 = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t0)
-    return {"read_gbps": x.numel() * 4 / best / 1e9}
+    a = torch.randn(1024, 1024)
+    mm = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ a
+        mm = min(mm, time.perf_counter() - t0)
+    return {"read_gbps": x.numel() * 4 / best / 1e9, "matmul_fp32_tflops": 2 * 1024**3 / mm / 1e12}
 
 
 # --------------------------------------------------------------------------- the engines
@@ -462,11 +496,19 @@ def warmup_workload(spec: "WorkloadSpec", vocab: int, seed_offset: int = WARMUP_
 
 def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict | None = None, device: str = "auto",
                dtype: str = "auto", seed: int = 0, engine_args: dict | None = None,
-               floor: bool = False, warmup_requests: int = 32) -> dict[str, Any]:
+               floor: bool = False, warmup_requests: int = 32, passes: int = 1) -> dict[str, Any]:
     """Build ``engine`` once, run each workload (``{name: builder kwargs}``) and the decode
     timings (``{"batches": [1, 64], "context_len": 512, "steps": 64}``); a failing workload
     is recorded under ``errors`` and the others still run. Returns a JSON-able record, with the
     host (``host``) and, per workload, its load and SM clock while timed (``conditions``).
+
+    ``passes``: each workload is timed that many times in a row, the same requests each time;
+    ``offline`` holds the median pass by wall time (of an even count, the slower of the middle
+    two) and ``passes`` every pass. (vLLM's one-pass W1 read 61-70k tok/s from run to run on one
+    H200, NOTES.md session 29: one pass a workload left the comparison to that spread.) With
+    prefix caching on, a later pass would hit what the first cached: keep one pass there.
+    ``floor``: the read bandwidth and matmul ceiling measured in this process, the batch-1
+    floor, and each workload's ``workload_floor`` with its fraction (floor / median wall).
 
     Before each timed workload, ``warmup_requests`` requests of the same shape with other ids
     run untimed (``warmup_workload``; 0: none), in every engine alike: kernels compiled or
@@ -475,7 +517,10 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
     pageserve's first workload, W1, came in 30% under its own figure from other runs.)"""
     if engine not in RUNNERS:
         raise ValueError(f"unknown engine {engine!r}; known: {sorted(RUNNERS)}")
+    if passes < 1:
+        raise ValueError(f"passes must be at least 1, got {passes}")
     vocab = workload_vocab(model)
+    lengths = {}  # workload -> [(prompt tokens, output tokens)], for its floor
     rec: dict[str, Any] = {"engine": engine, "model": model, "dtype": dtype, "device": device, "seed": seed,
                            "versions": peer_versions(), "host": host_info(), "offline": {}, "decode": {},
                            "errors": {}, "conditions": {}}
@@ -493,9 +538,16 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
                 rec.setdefault("warmup", {})[name] = runner.offline(warm).to_dict()
             w = spec.build(vocab)
             w.name = name
-            with RunConditions() as cond:  # the host's load and the SM clock while it ran
-                rec["offline"][name] = runner.offline(w).to_dict()
-            rec["conditions"][name] = cond.summary()
+            runs = []
+            for _ in range(passes):
+                with RunConditions() as cond:  # the host's load and the SM clock while it ran
+                    result = runner.offline(w).to_dict()
+                runs.append((result, cond.summary()))
+            median = sorted(runs, key=lambda run: run[0]["wall_s"])[len(runs) // 2]
+            rec["offline"][name], rec["conditions"][name] = median
+            if passes > 1:
+                rec.setdefault("passes", {})[name] = [result for result, _ in runs]
+            lengths[name] = [(len(r.prompt_token_ids), r.max_tokens) for r in w.requests]
         except Exception as e:  # noqa: BLE001 - one workload's failure (OOM, a peer's bug) is a data point
             rec["errors"][name] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
@@ -514,18 +566,23 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
         ctx = int((decode or {}).get("context_len", 512))
         rec["floor"] = {**ceil, "weight_bytes": weight_bytes(model, dt), "kv_bytes": kv_bytes(model, ctx, dt),
                         "context_len": ctx, "floor_batch1_ms": floor_batch1_ms(model, ceil["read_gbps"], ctx, dt)}
+        tflops = ceil.get("matmul_bf16_tflops") or ceil["matmul_fp32_tflops"]  # CUDA: bf16's; the CPU: fp32's
+        rec["floor"]["workloads"] = {}
+        for name, result in rec["offline"].items():
+            wf = workload_floor(model, lengths[name], ceil["read_gbps"], tflops, dt)
+            rec["floor"]["workloads"][name] = {**wf, "fraction": wf["floor_s"] / result["wall_s"]}
     return rec
 
 
 def run_peer(engine: str, model: str, workloads: dict[str, dict], out: str | os.PathLike, decode: dict | None = None,
              device: str = "auto", dtype: str = "auto", seed: int = 0, engine_args: dict | None = None,
              floor: bool = False, timeout_s: float | None = None, env: dict | None = None,
-             warmup_requests: int = 32) -> dict[str, Any]:
+             warmup_requests: int = 32, passes: int = 1) -> dict[str, Any]:
     """``python -m pageserve.lab.peers run ...`` in a child process; returns the JSON it wrote.
     Raises ``RuntimeError`` with the child's output tail if it fails."""
     cmd = [sys.executable, "-m", "pageserve.lab.peers", "run", "--engine", engine, "--model", model,
            "--device", device, "--dtype", dtype, "--seed", str(seed), "--workloads", json.dumps(workloads),
-           "--out", str(out), "--warmup-requests", str(warmup_requests)]
+           "--out", str(out), "--warmup-requests", str(warmup_requests), "--passes", str(passes)]
     if decode:
         cmd += ["--decode", json.dumps(decode)]
     if engine_args:
@@ -556,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--floor", action="store_true", help="also measure read bandwidth and the batch-1 floor")
     r.add_argument("--warmup-requests", type=int, default=32,
                    help="untimed requests of each workload's shape (other ids) before it is timed (0: none)")
+    r.add_argument("--passes", type=int, default=1,
+                   help="time each workload this many times in a row and keep the median pass (all in 'passes')")
     r.add_argument("--out", required=True)
     s = sub.add_parser("serve-engine", help="vLLM AsyncLLM under Poisson arrivals (engine-level, no HTTP)")
     s.add_argument("--model", default="qwen2.5-3b")
@@ -577,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rec = run_engine(a.engine, a.model, json.loads(a.workloads), json.loads(a.decode) if a.decode else None,
                          a.device, a.dtype, a.seed, json.loads(a.engine_args) if a.engine_args else None, a.floor,
-                         a.warmup_requests)
+                         a.warmup_requests, a.passes)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(rec, indent=2, default=str) + "\n")
     return 0

@@ -103,6 +103,8 @@ def _settings_note(params: dict, figs: dict) -> str:
             notes.append(f"{name} prefix caching {'on' if params[key]['enable_prefix_caching'] else 'off'}")
     if params.get("PAGESERVE_ARGS") == {}:
         notes.append("pageserve on its defaults")
+    if (params.get("PASSES") or 1) > 1:
+        notes.append(f"each workload timed {params['PASSES']} times in a row in each engine, the median pass shown")
     if params.get("HF_W1_NUM_REQUESTS") and any(k.endswith((".hf_generate", ".hf_generate_batch")) for k in figs):
         notes.append(f"the HF peers ran W1's first {params['HF_W1_NUM_REQUESTS']} requests")
     if figs.get("serve.vllm.engine_level"):
@@ -133,6 +135,15 @@ def render_peers(rec: dict, hardware: str, title: str = "pageserve against its p
     if "floor_batch1_ms" in figs:
         rows.append("| batch-1 bandwidth floor, ms (weights + KV / read GB/s) | "
                     + " | ".join([_fmt(figs["floor_batch1_ms"]), *[""] * (len(head) - 2)]) + " |")
+    if "pageserve" in engines:
+        for key, what in PEER_ROWS:
+            workload = key.removesuffix("_total_tok_s")
+            fraction = figs.get(f"{workload}_floor_fraction.pageserve")
+            if workload != key and fraction is not None:  # pageserve's column: the fraction of the hardware floor
+                cells = ["" for _ in head[1:]]
+                cells[engines.index("pageserve")] = _fmt(fraction)
+                rows.append(f"| {workload}: hardware floor / pageserve's wall (floor {_fmt(figs[f'{workload}_floor_s'])} s: "
+                            "FLOPs at the matmul ceiling or bytes at the read bandwidth) | " + " | ".join(cells) + " |")
     dtype = params.get("engine_dtype") or params.get("DTYPE", "?")
     peers = ", ".join(f"{n} {params[k]}" for n, k in (("vLLM", "vllm_version"), ("transformers", "transformers_version"))
                       if params.get(k))
