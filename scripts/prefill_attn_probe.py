@@ -118,6 +118,72 @@ def _probe_kernel(
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
+@triton.jit
+def _fa_kernel(
+    q_ptr, k2_ptr, v2_ptr, out_ptr, seq_lens_ptr, qsl_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_k2t, stride_k2h, qk_scale, n_mb,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, HEAVY_FIRST: tl.constexpr,
+):
+    """FlashAttention-2's tiling: BLOCK_M query tokens of one query head (no GQA packing), K/V of
+    its KV head from contiguous [T, Hkv, D] tensors, the mask only on the tiles that cross the
+    diagonal. Fresh prompts only (no cached prefix): the probe's question is the tiling's speed."""
+    if HEAVY_FIRST:
+        mb = n_mb - 1 - tl.program_id(0)
+    else:
+        mb = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    hq = tl.program_id(2)
+    h = hq // GROUP
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = (tl.load(qsl_ptr + b + 1) - q_start).to(tl.int32)
+    first = mb * BLOCK_M
+    if first >= q_len:
+        return
+    r = first + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    rmask = r < q_len
+    q = tl.load(q_ptr + (q_start + r)[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=rmask[:, None],
+                other=0.0)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(first + BLOCK_M, q_len)
+    full_end = ((first + 1) // BLOCK_N) * BLOCK_N  # keys every row of the tile sees
+    kv_base = k2_ptr + q_start * stride_k2t + h * stride_k2h
+    vv_base = v2_ptr + q_start * stride_k2t + h * stride_k2h
+    for n0 in range(0, full_end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k = tl.load(kv_base + kpos[:, None] * stride_k2t + d[None, :])
+        v = tl.load(vv_base + kpos[:, None] * stride_k2t + d[None, :])
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        kmask = kpos < kv_end
+        k = tl.load(kv_base + kpos[:, None] * stride_k2t + d[None, :], mask=kmask[:, None], other=0.0)
+        v = tl.load(vv_base + kpos[:, None] * stride_k2t + d[None, :], mask=kmask[:, None], other=0.0)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        scores = tl.where(kmask[None, :] & (kpos[None, :] <= r[:, None]), scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + hq * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def fa(q, k2, v2, meta, out, block_m=128, block_n=64, warps=8, stages=3, heavy_first=True):
+    T, Hq, D = q.shape
+    B = meta.seq_lens.shape[0]
+    n_mb = triton.cdiv(meta.max_query_len, block_m)
+    _fa_kernel[(n_mb, B, Hq)](
+        q, k2, v2, out, meta.seq_lens, meta.query_start_loc, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k2.stride(0), k2.stride(1), D**-0.5 * LOG2E, n_mb, GROUP=Hq // k2.shape[1], BLOCK_M=block_m, BLOCK_D=D,
+        BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), HEAVY_FIRST=heavy_first,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
 def probe(q, kc, vc, k2, v2, meta, out, block_m=64, block_n=64, warps=4, stages=2, prefetch=False, contig=False,
           diag=False):
     T, Hq, D = q.shape
@@ -162,7 +228,11 @@ VARIANTS = {
     "diag_prefetch_bm128_w8_s3": {"prefetch": True, "diag": True, "block_m": 128, "warps": 8, "stages": 3},
     "diag_prefetch_bm128_bn128_w8": {"prefetch": True, "diag": True, "block_m": 128, "block_n": 128, "warps": 8},
     "diag_contig_bm128_w8": {"contig": True, "diag": True, "block_m": 128, "warps": 8},
+    "diag": {"diag": True},
 }
+# FlashAttention-2 tiling (``_fa_kernel``): (block_m, block_n, warps, stages)
+FA_VARIANTS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+               (64, 128, 4, 3), (128, 128, 8, 2)]
 
 
 def run_case(num_prompts: int, length: int) -> dict:
@@ -189,6 +259,18 @@ def run_case(num_prompts: int, length: int) -> dict:
             continue
         rows[name] = {**(kw or {}), "us": ms * 1e3, "tflops": flops / ms / 1e9,
                       "max_abs_diff": (out.float() - ref.float()).abs().max().item()}
+        print(f"{num_prompts}x{length} {name:32s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s "
+              f"diff {rows[name]['max_abs_diff']:.2e}", flush=True)
+    for bm, bn, nw, ns in FA_VARIANTS:
+        name = f"fa_bm{bm}_bn{bn}_w{nw}_s{ns}"
+        out = torch.empty_like(q)
+        try:
+            ms = graph_ms(lambda i, c=(bm, bn, nw, ns): fa(q, k2, v2, meta, out, *c), calls=8, replays=10)
+        except Exception as e:  # noqa: BLE001
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            continue
+        rows[name] = {"block_m": bm, "block_n": bn, "warps": nw, "stages": ns, "us": ms * 1e3,
+                      "tflops": flops / ms / 1e9, "max_abs_diff": (out.float() - ref.float()).abs().max().item()}
         print(f"{num_prompts}x{length} {name:32s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s "
               f"diff {rows[name]['max_abs_diff']:.2e}", flush=True)
     # torch SDPA (flash where it applies) on [B, H, L, D], the KV heads repeated for the group
