@@ -177,6 +177,26 @@ def test_prefill_attention_long_chunk_spans_several_query_blocks(gen):
     _ok(err, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_masks_only_the_key_tiles_that_cross_the_diagonal(dtype, gen):
+    # key tiles wholly before a block's first position skip the causal mask (diag_mask, the default):
+    # several such tiles over a long prefix, a fresh prompt, decodes deep in their context, padding rows;
+    # the same answer as masking every tile, and as the reference
+    from pageserve.kernels.paged_prefill import paged_prefill_attention
+
+    Hq, Hkv, D, bs = 16, 2, 64, 16
+    q_lens, ctx = [150, 1, 97, 1, 0], [300, 200, 97, 64, 0]
+    q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, pad_tokens=2)
+    scale = D ** -0.5
+    ref = checks.attention_reference(q, kc, vc, meta, scale)
+    for block_n in (32, 64):
+        diag = paged_prefill_attention(q, kc, vc, meta, scale, block_n=block_n)
+        full = paged_prefill_attention(q, kc, vc, meta, scale, block_n=block_n, diag_mask=False)
+        _ok(checks.rel_err(diag, ref), dtype)
+        _ok(checks.rel_err(full, ref), dtype)
+        assert checks.rel_err(diag, full) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 @pytest.mark.parametrize("config", [dict(block_m=128, block_n=32, num_warps=8, num_stages=3),
                                     dict(block_m=256, block_n=64, num_warps=8), dict(block_m=64, block_n=128)],
                          ids=["m128-n32-w8-s3", "m256-n64-w8", "m64-n128"])

@@ -10,7 +10,7 @@ straight from the paged cache through the block table; nothing is gathered.
 A program takes BLOCK_M rows of one sequence b: ``Q_TOK = BLOCK_M // group`` query tokens
 times the ``group`` query heads that share KV head h, flattened as row = token * group + head.
 One K/V tile thus serves the whole group. Key tiles stop at the last position the block
-needs. The grid is one program per (query tile, KV head) from the step's tile map
+needs, and only those that cross a row's position take the causal mask. The grid is one program per (query tile, KV head) from the step's tile map
 (``_util.query_tile_map``, built once a step on the host); without the host copy of
 ``query_start_loc``, (tile mb, sequence b, KV head h) over ``max_query_len``'s tiles, the
 programs past a chunk's end exiting at once. This kernel runs eagerly, outside CUDA graphs.
@@ -41,7 +41,7 @@ def _prefill_kernel(
     stride_bt, qk_scale, n_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, Q_TOK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr, TILE_MAP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, TILE_MAP: tl.constexpr, DIAG_MASK: tl.constexpr,
 ):
     if TILE_MAP:  # program (t, h): the step's t-th query tile, (sequence, tile of its chunk) from the map
         t = tl.program_id(0)
@@ -77,7 +77,17 @@ def _prefill_kernel(
     # keys up to the last position any row of this block can see
     kv_end = tl.minimum(seq_len, prefix + tl.minimum(first_tok + Q_TOK, q_len))
     bt_row = bt_ptr + b * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    if DIAG_MASK:  # key tiles at or before the block's first position are visible to every row: no mask
+        full_end = ((prefix + first_tok + 1) // BLOCK_N) * BLOCK_N
+    else:
+        full_end = 0
+    for n0 in range(0, full_end, BLOCK_N):
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kpos < full_end, h, d, dmask,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+    for n0 in range(full_end, kv_end, BLOCK_N):
         kpos = n0 + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
         k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,
@@ -100,7 +110,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int = 2, tile_map: bool | None = None,
-    heavy_first: bool = True,
+    heavy_first: bool = True, diag_mask: bool = True,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
@@ -112,7 +122,10 @@ def paged_prefill_attention(
     512 decodes beside a 1,000-token chunk launched 125 x 513 x Hkv programs for ~615 x Hkv
     tiles). Default: on the engine's path (``meta.query_start_loc_cpu`` there), whatever the step.
     ``heavy_first``: the map's tiles launch longest first (``query_tile_map``); False keeps them in
-    sequence order. Either way the same bits."""
+    sequence order. Either way the same bits. ``diag_mask``: the causal mask only on the key tiles
+    that cross a row's position (the tiles before them, visible to every row of the block, skip the
+    compare and select); False masks every tile, as before session 30 (the A/B; probe on the H200,
+    NOTES.md session 30: 16 x 512 -7%, 4 x 2,048 -19%, 1 x 8,192 -23% a call)."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -152,7 +165,7 @@ def paged_prefill_attention(
         meta.block_tables.stride(0), float(scale) * LOG2E, n_tiles,
         GROUP=group, HEAD_DIM=D, PAGE=page, Q_TOK=q_tok,
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), TILE_MAP=bool(tile_map),
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), TILE_MAP=bool(tile_map), DIAG_MASK=bool(diag_mask),
         num_warps=num_warps or (4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8), num_stages=num_stages,
     )
     return out

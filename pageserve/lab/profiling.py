@@ -51,6 +51,8 @@ ENGINE_MODES = {
     "default": {}, "deterministic": {"deterministic": True}, "int8": {"quantization": "int8"},
     # the default prefill kernel over its old grid (max_query_len's tiles for every sequence; session 15)
     "default_full_grid": {"triton_options": {"prefill_tile_map": False}},
+    # the prefill kernel's causal mask on every key tile, as before session 30
+    "default_full_mask": {"triton_options": {"prefill_diag_mask": False}},
     # the tile map in sequence order instead of longest tiles first (session 16)
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
     # eager steps at bucketed row counts, every bucket's GEMMs warmed at start-up (session 17)

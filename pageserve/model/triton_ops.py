@@ -127,7 +127,7 @@ class TritonOps(TorchOps):
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
                  int8_silu_down_rows: int = INT8_SILU_DOWN_ROWS,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", decode_schedule: str = "auto",
+                 prefill_tile_order: str = "heavy_first", prefill_diag_mask: bool = True, decode_schedule: str = "auto",
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
@@ -197,6 +197,8 @@ class TritonOps(TorchOps):
             raise ValueError(f"prefill_tile_order must be 'heavy_first' or 'sequence', got {prefill_tile_order!r}")
         # the map's tiles longest first, or in sequence order (session 16's A/B)
         self.prefill_tile_order = prefill_tile_order
+        # False: the causal mask on every key tile of a prefill block, as before session 30 (the A/B)
+        self.prefill_diag_mask = prefill_diag_mask
 
     def pdl_for(self, rows: int) -> bool | str | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
@@ -312,4 +314,5 @@ class TritonOps(TorchOps):
                                           schedule=self.decode_schedule_for(meta.max_seq_len))
         tile_map = None if self.prefill_tile_map else False
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, tile_map=tile_map,
-                                       heavy_first=self.prefill_tile_order == "heavy_first")
+                                       heavy_first=self.prefill_tile_order == "heavy_first",
+                                       diag_mask=self.prefill_diag_mask)
