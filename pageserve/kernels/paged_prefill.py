@@ -10,11 +10,12 @@ straight from the paged cache through the block table; nothing is gathered.
 A program takes BLOCK_M rows of one sequence b: ``Q_TOK = BLOCK_M // group`` query tokens
 times the ``group`` query heads that share KV head h, flattened as row = token * group + head.
 One K/V tile thus serves the whole group. Key tiles stop at the last position the block
-needs, and only those that cross a row's position take the causal mask. The grid is one program per (query tile, KV head) from the step's tile map
-(``_util.query_tile_map``, built once a step on the host); without the host copy of
-``query_start_loc``, (tile mb, sequence b, KV head h) over ``max_query_len``'s tiles, the
-programs past a chunk's end exiting at once. This kernel runs eagerly, outside CUDA graphs.
-A decode is a chunk of length 1, so mixed batches need no special case.
+needs, and only those that cross a row's position take the causal mask. The grid is one
+program per (query tile, KV head) from the step's tile map (``_util.query_tile_map``, built
+once a step on the host); without the host copy of ``query_start_loc``, (tile mb, sequence b,
+KV head h) over ``max_query_len``'s tiles, the programs past a chunk's end exiting at once.
+It runs eagerly, or inside a mixed step's CUDA graph from a static tile map. A decode is a
+chunk of length 1, so mixed batches need no special case.
 """
 from __future__ import annotations
 

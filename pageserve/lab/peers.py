@@ -289,8 +289,9 @@ def workload_floor(model, requests: Sequence[tuple[int, int]], read_gbps: float,
 
 
 def measure_read_gbps(device: str = "auto") -> dict[str, float]:
-    """Read bandwidth of this device: ``measure_ceilings()`` on CUDA; on the CPU the best of
-    a few ``torch.sum`` passes over 256 MiB (a rough number, for the CPU smoke run)."""
+    """Read bandwidth of this device, and a matmul rate for ``workload_floor``: ``measure_ceilings()``
+    on CUDA (``matmul_bf16_tflops``); on the CPU the best of a few ``torch.sum`` passes over 256 MiB
+    and of a few fp32 1024³ matmuls (``matmul_fp32_tflops``): rough numbers, for the CPU smoke run."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if str(device).startswith("cuda"):
