@@ -135,11 +135,10 @@ def render_peers(rec: dict, hardware: str, title: str = "pageserve against its p
     if "floor_batch1_ms" in figs:
         rows.append("| batch-1 bandwidth floor, ms (weights + KV / read GB/s) | "
                     + " | ".join([_fmt(figs["floor_batch1_ms"]), *[""] * (len(head) - 2)]) + " |")
-    if "pageserve" in engines:
-        for key, what in PEER_ROWS:
-            workload = key.removesuffix("_total_tok_s")
+    if "pageserve" in engines:  # pageserve's column: each throughput workload's fraction of its hardware floor
+        for workload in (key.removesuffix("_total_tok_s") for key, _ in PEER_ROWS if key.endswith("_total_tok_s")):
             fraction = figs.get(f"{workload}_floor_fraction.pageserve")
-            if workload != key and fraction is not None:  # pageserve's column: the fraction of the hardware floor
+            if fraction is not None:
                 cells = ["" for _ in head[1:]]
                 cells[engines.index("pageserve")] = _fmt(fraction)
                 rows.append(f"| {workload}: hardware floor / pageserve's wall (floor {_fmt(figs[f'{workload}_floor_s'])} s: "
