@@ -9,7 +9,9 @@ tiles and arithmetic, one change each:
   upper bound of what the gather costs, for prompts without a cached prefix;
 - ``diag``: the causal mask applied only to the key tiles that cross a row's position (the
   others are visible to every row of the tile), with ``prefetch``;
-and torch's SDPA (flash, causal, the KV heads repeated) on the same prompts as a reference point.
+and torch's SDPA (flash, causal, the KV heads repeated) on the same prompts as a reference point;
+since session 31 also the shipped chunk launch (``chunk_prefill_attention``), with whether its
+output equals the shipped paged kernel's bit for bit.
 
     python scripts/prefill_attn_probe.py --out DIR [--cases 16x512,4x2048]
 
@@ -19,6 +21,7 @@ Writes DIR/prefill_attn_probe.json (with the commit): per case and variant the Â
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from pageserve.kernels._util import dot_precision, dot_upcast, kv_pages, load_kv_at, mma, online_softmax_step
-from pageserve.kernels.paged_prefill import LOG2E, paged_prefill_attention
+from pageserve.kernels.paged_prefill import LOG2E, chunk_prefill_attention, paged_prefill_attention
 from pageserve.lab import kernel_checks as checks
 from pageserve.lab.kernel_bench.shapes import HEAD_DIM, HKV, HQ
 from pageserve.lab.kernel_bench.timing import graph_ms
@@ -273,6 +276,20 @@ def run_case(num_prompts: int, length: int) -> dict:
                       "tflops": flops / ms / 1e9, "max_abs_diff": (out.float() - ref.float()).abs().max().item()}
         print(f"{num_prompts}x{length} {name:32s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s "
               f"diff {rows[name]['max_abs_diff']:.2e}", flush=True)
+    # the shipped chunk launch (``chunk_prefill_attention``, session 31): FA-2 tiling with a prefix path
+    cmeta = copy.copy(meta)
+    cmeta.query_start_loc_cpu = meta.query_start_loc.tolist()
+    cmeta.scratch = {}
+    out = torch.empty_like(q)
+    try:
+        ms = graph_ms(lambda i: chunk_prefill_attention(q, k2, v2, kc, vc, cmeta, scale, out=out), calls=8, replays=10)
+        rows["chunk_shipped"] = {"us": ms * 1e3, "tflops": flops / ms / 1e9,
+                                 "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+                                 "bits_equal_shipped": bool(torch.equal(out, ref))}
+        print(f"{num_prompts}x{length} chunk_shipped {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s "
+              f"bits equal {rows['chunk_shipped']['bits_equal_shipped']}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        rows["chunk_shipped"] = {"error": f"{type(e).__name__}: {e}"[:200]}
     # torch SDPA (flash where it applies) on [B, H, L, D], the KV heads repeated for the group
     qb = q.view(num_prompts, length, HQ, HEAD_DIM).transpose(1, 2)
     kb = k2.view(num_prompts, length, HKV, HEAD_DIM).transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)

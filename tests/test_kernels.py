@@ -251,6 +251,54 @@ def test_prefill_attention_from_the_tile_map_gives_the_full_grids_bits(dtype, ge
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", [dict(), dict(block_m=32, block_n=32, num_warps=4, num_stages=2),
+                                    dict(block_m=128, block_n=64, num_warps=8, num_stages=3)],
+                         ids=["default", "m32-n32", "m128-n64-w8"])
+def test_chunk_attention_matches_the_reference_and_leaves_short_rows_to_the_paged_kernel(config, dtype, gen):
+    # the engine's split of an eager step: chunks of >= CHUNK_MIN_TOKENS new tokens through the chunk
+    # launch (own keys from the step's k/v, a cached prefix through the table), the rest through the
+    # paged kernel's "short" part. Cases: fresh prompts over several query tiles, chunks whose prefix
+    # ends mid key tile and on a tile boundary, a chunk of exactly the minimum, a shorter chunk over a
+    # prefix, decodes, an empty sequence, padding rows
+    from pageserve.kernels import write_kv
+    from pageserve.kernels.paged_prefill import CHUNK_MIN_TOKENS, chunk_prefill_attention, paged_prefill_attention
+
+    Hq, Hkv, D, bs = (16, 2, 128, 16) if CUDA else (8, 2, 64, 16)
+    n = CHUNK_MIN_TOKENS
+    q_lens = [150 * BIG, 1, 97, n, 1, 0, n - 1, 70]
+    ctx = [150 * BIG, 200, 97 + 37, n + 64, 64, 0, n + 24, 70 + 128]
+    q, k, v, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, pad_tokens=2)
+    write_kv(k, v, kc, vc, meta.slot_mapping)  # the step's k/v are what the cache holds at its slots
+    v = torch.cat([torch.zeros_like(v), v], dim=-1)[..., D:]  # a strided view, as the qkv projection's v is
+    scale = D ** -0.5
+    out = torch.full_like(q, float("nan"))
+    chunk_prefill_attention(q, k, v, kc, vc, meta, scale, out=out, **config)
+    long_rows = torch.cat([torch.arange(meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1])
+                           for i, L in enumerate(q_lens) if L >= n])
+    assert not out[long_rows].isnan().any() and out.isnan().sum() == (q.shape[0] - long_rows.numel()) * Hq * D
+    paged_prefill_attention(q, kc, vc, meta, scale, out=out, part="short", short_len=n - 1)
+    _ok(checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, scale)), dtype)
+    paged = paged_prefill_attention(q, kc, vc, meta, scale)
+    if CUDA and config.get("block_n", 64) == 64:
+        # the same key tiles in the same order as the paged kernel (64 keys): the same bits
+        assert torch.equal(out, paged)
+    else:  # the interpreter's dot over different tile shapes may sum in another order
+        assert checks.rel_err(out, paged) <= (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_chunk_attention_refuses_a_step_without_the_host_copy_of_its_layout(gen):
+    from pageserve.kernels.paged_prefill import chunk_prefill_attention
+
+    q, k, v, kc, vc, meta = checks.random_paged_batch([70], [70], 4, 2, 32, 16, torch.float32, DEVICE, gen)
+    meta.query_start_loc_cpu = None
+    with pytest.raises(ValueError, match="query_start_loc_cpu"):
+        chunk_prefill_attention(q, k, v, kc, vc, meta, 0.1)
+    meta.query_start_loc_cpu = [0, 70]
+    with pytest.raises(ValueError, match="k: expected shape"):
+        chunk_prefill_attention(q, k[:10], v, kc, vc, meta, 0.1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hkv,d,bs", [(2, 128, 16), (1, 64, 32), (4, 64, 16)])
 def test_write_kv_stores_every_token_and_skips_padding_slots(hkv, d, bs, dtype, gen):
     assert checks.check_write_kv([5, 1, 2 * bs + 1], [5, bs + 3, 2 * bs + 1], hkv, d, bs, dtype, DEVICE, gen) == 0.0
@@ -467,29 +515,32 @@ def test_triton_ops_drive_the_decoder_like_torch_ops_through_prefill_and_decode(
 
     model, cfg = _tiny_decoder(TorchOps())
     bs, nb = 16, 8
-    prompt_lens = [7, 20]
+    prompt_lens = [7, 20, 70]  # the 70-token prompt takes the chunk launch under chunk_attention=True
     q, _, _, _, _, meta = checks.random_paged_batch(prompt_lens, prompt_lens, 1, cfg.num_kv_heads, cfg.head_dim,
                                                     bs, torch.float32, DEVICE, gen, spare_blocks=nb)
     num_blocks = int(meta.block_tables.max()) + 1
     ids = torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen).to(DEVICE)
     pos = torch.cat([torch.arange(n) for n in prompt_lens]).to(DEVICE)
     # decode step: one more token each
-    dmeta = checks.random_paged_batch([1, 1], [8, 21], 1, cfg.num_kv_heads, cfg.head_dim, bs, torch.float32,
+    dmeta = checks.random_paged_batch([1, 1, 1], [8, 21, 71], 1, cfg.num_kv_heads, cfg.head_dim, bs, torch.float32,
                                       DEVICE, gen)[-1]
     dmeta.block_tables = meta.block_tables.clone()
-    dmeta.slot_mapping = torch.tensor([int(meta.block_tables[i, p // bs]) * bs + p % bs for i, p in enumerate([7, 20])],
-                                      device=DEVICE)
-    d_ids = torch.randint(0, cfg.vocab_size, (2,), generator=gen).to(DEVICE)
-    d_pos = torch.tensor([7, 20], device=DEVICE)
+    dmeta.slot_mapping = torch.tensor([int(meta.block_tables[i, p // bs]) * bs + p % bs
+                                       for i, p in enumerate([7, 20, 70])], device=DEVICE)
+    d_ids = torch.randint(0, cfg.vocab_size, (3,), generator=gen).to(DEVICE)
+    d_pos = torch.tensor([7, 20, 70], device=DEVICE)
+    assert TritonOps(chunk_attention=True).chunk_attention_for(meta)
+    assert not TritonOps(chunk_attention=True).chunk_attention_for(dmeta) and not TorchOps().chunk_attention_for(meta)
     results = []
-    for ops in (TorchOps(), TritonOps()):
+    for ops in (TorchOps(), TritonOps(chunk_attention=False), TritonOps(chunk_attention=True)):
         model.set_ops(ops)
         cache = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, device=DEVICE)
         h1 = model(ids, pos, PagedAttention(cache, meta, ops))
         h2 = model(d_ids, d_pos, PagedAttention(cache, dmeta, ops))
         results.append((h1, h2, model.compute_logits(h2)))
-    for got, ref in zip(results[1], results[0]):
-        assert checks.rel_err(got, ref) < 1e-4
+    for triton_results in results[1:]:
+        for got, ref in zip(triton_results, results[0]):
+            assert checks.rel_err(got, ref) < 1e-4
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")

@@ -39,7 +39,7 @@ from .matmul_invariant import matmul_invariant
 from .norm import add_rms_norm, rms_norm
 from .paged_decode import paged_decode_attention
 from .paged_invariant import paged_attention_invariant
-from .paged_prefill import paged_prefill_attention
+from .paged_prefill import chunk_prefill_attention, paged_prefill_attention
 from .rope_kv import rotary_write_kv
 from .rotary import rotary
 from .step_inputs import stage_decode_inputs
@@ -49,5 +49,6 @@ __all__ = [
     "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8",
     "gemv_int8_planes", "silu_mul_gemv_int8_planes", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "stage_decode_inputs", "argmax_rows", "paged_decode_attention", "paged_prefill_attention",
+    "chunk_prefill_attention",
     "matmul_invariant", "paged_attention_invariant",  # batch-invariant (deterministic mode, issue 15)
 ]

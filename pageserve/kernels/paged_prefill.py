@@ -16,6 +16,14 @@ once a step on the host); without the host copy of ``query_start_loc``, (tile mb
 KV head h) over ``max_query_len``'s tiles, the programs past a chunk's end exiting at once.
 It runs eagerly, or inside a mixed step's CUDA graph from a static tile map. A decode is a
 chunk of length 1, so mixed batches need no special case.
+
+``chunk_prefill_attention`` is the second launch an eager step may split its chunks off to:
+FlashAttention-2's tiling, BLOCK_M query tokens of one query head a program (no GQA packing),
+the chunk's own keys read from the step's contiguous rotated k and v (no block table: the
+gather's address math and scattered rows are what held the paged kernel at ~0.2 of the tensor
+cores on W1's 512-token prompts, NOTES.md session 30), a cached prefix through the block table.
+Key tiles sit at the same absolute positions as the paged kernel's and are folded in the same
+order, so a row gets the paged kernel's arithmetic.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from .reference import paged_attention as paged_attention_reference
 from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
                     online_softmax_step, query_tile_map)
 
-__all__ = ["paged_prefill_attention", "paged_attention_reference"]
+__all__ = ["paged_prefill_attention", "chunk_prefill_attention", "paged_attention_reference"]
 
 LOG2E = 1.4426950408889634
 
@@ -111,7 +119,7 @@ def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int = 2, tile_map: bool | None = None,
-    heavy_first: bool = True, diag_mask: bool = True,
+    heavy_first: bool = True, diag_mask: bool = True, part: str = "all", short_len: int = 0,
 ) -> torch.Tensor:
     """q: [T, Hq, D] flattened by ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D].
     Returns [T, Hq, D]. Rows past ``query_start_loc[-1]`` (padding) are zeroed when the host copy
@@ -126,7 +134,10 @@ def paged_prefill_attention(
     sequence order. Either way the same bits. ``diag_mask``: the causal mask only on the key tiles
     that cross a row's position (the tiles before them, visible to every row of the block, skip the
     compare and select); False masks every tile, as before session 30 (the A/B; probe on the H200,
-    NOTES.md session 30: 16 x 512 -7%, 4 x 2,048 -19%, 1 x 8,192 -23% a call)."""
+    NOTES.md session 30: 16 x 512 -7%, 4 x 2,048 -19%, 1 x 8,192 -23% a call).
+    ``part`` / ``short_len`` (tile map only): "short" computes only the sequences of at most
+    ``short_len`` new tokens, leaving the other rows of ``out`` as they are (``chunk_prefill_attention``
+    writes those); "all" every sequence."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -149,8 +160,10 @@ def paged_prefill_attention(
         # variant mid-run the first time a step crossed over (a server's first batch after lone prompts)
         # (or a step replayed from a mixed-step CUDA graph: its map is a static buffer in ``scratch``)
         tile_map = meta.query_start_loc_cpu is not None or "static_tiles" in getattr(meta, "scratch", {})
+    if part != "all" and not tile_map:
+        raise ValueError(f"part={part!r} needs the tile map")
     if tile_map:  # one program per real query tile (and KV head)
-        tiles = query_tile_map(meta, q_tok, B, q.device, heavy_first=heavy_first)
+        tiles = query_tile_map(meta, q_tok, B, q.device, part=part, short_len=short_len, heavy_first=heavy_first)
         n_tiles = tiles.shape[1]
         grid = (n_tiles, Hkv)
     else:
@@ -168,5 +181,148 @@ def paged_prefill_attention(
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), TILE_MAP=bool(tile_map), DIAG_MASK=bool(diag_mask),
         num_warps=num_warps or (4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8), num_stages=num_stages,
+    )
+    return out
+
+
+# stride_bt and n_tiles follow the step: unspecialised, as the paged kernel's
+@triton.jit(do_not_specialize=["stride_bt", "n_tiles"])
+def _chunk_kernel(
+    q_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, tiles_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch,
+    stride_bt, qk_scale, n_tiles,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # program (t, hq): the map's t-th tile (sequence b, BLOCK_M tokens of its chunk), query head hq
+    t = tl.program_id(0)
+    hq = tl.program_id(1)
+    h = hq // GROUP
+    b = tl.load(tiles_ptr + t).to(tl.int64)
+    mb = tl.load(tiles_ptr + n_tiles + t)
+    q_start = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = (tl.load(qsl_ptr + b + 1) - q_start).to(tl.int32)
+    prefix = tl.load(seq_lens_ptr + b) - q_len
+    first = mb * BLOCK_M  # the tile's first token within the chunk
+
+    r = first + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    rmask = r < q_len
+    q = tl.load(q_ptr + (q_start + r)[:, None] * stride_qt + hq * stride_qh + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    q_pos = prefix + r
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # key tiles at absolute positions n0 .. n0 + BLOCK_N, ascending, as the paged kernel walks them
+    kv_end = prefix + tl.minimum(first + BLOCK_M, q_len)  # past the last key any row of the tile sees
+    cached_end = (prefix // BLOCK_N) * BLOCK_N  # tiles wholly in the cached prefix
+    full_end = ((prefix + first + 1) // BLOCK_N) * BLOCK_N  # tiles every row of the tile sees whole
+    bt_row = bt_ptr + b * stride_bt
+    k_rows = k_ptr + (q_start - prefix) * stride_kt + h * stride_kh  # row of absolute position 0
+    v_rows = v_ptr + (q_start - prefix) * stride_vt + h * stride_vh
+    for n0 in range(0, cached_end, BLOCK_N):  # the cached prefix, through the block table
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kpos < cached_end, h, d, dmask,
+                            stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, PAGE)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+    n0 = cached_end
+    if n0 < prefix:  # the tile where the prefix ends and the chunk begins: both sources, masked
+        kpos = n0 + tl.arange(0, BLOCK_N)
+        cached = kpos < prefix
+        fresh = (kpos >= prefix) & (kpos < kv_end)
+        kc, vc = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, cached, h, d, dmask,
+                              stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, PAGE)
+        fmask = fresh[:, None] & dmask[None, :]
+        kf = tl.load(k_rows + kpos[:, None] * stride_kt + d[None, :], mask=fmask, other=0.0)
+        vf = tl.load(v_rows + kpos[:, None] * stride_vt + d[None, :], mask=fmask, other=0.0)
+        k = tl.where(cached[:, None], kc, kf)
+        v = tl.where(cached[:, None], vc, vf)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        visible = (cached | fresh)[None, :] & (kpos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+        n0 += BLOCK_N
+    for n1 in range(n0, full_end, BLOCK_N):  # the chunk's keys every row sees: no mask
+        kpos = n1 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_rows + kpos[:, None] * stride_kt + d[None, :], mask=dmask[None, :], other=0.0)
+        v = tl.load(v_rows + kpos[:, None] * stride_vt + d[None, :], mask=dmask[None, :], other=0.0)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+    for n1 in range(tl.maximum(n0, full_end), kv_end, BLOCK_N):  # the diagonal: causal mask
+        kpos = n1 + tl.arange(0, BLOCK_N)
+        kmask = kpos < kv_end
+        lmask = kmask[:, None] & dmask[None, :]
+        k = tl.load(k_rows + kpos[:, None] * stride_kt + d[None, :], mask=lmask, other=0.0)
+        v = tl.load(v_rows + kpos[:, None] * stride_vt + d[None, :], mask=lmask, other=0.0)
+        scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+        visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + r)[:, None] * stride_ot + hq * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+# chunks of at least this many new tokens take ``chunk_prefill_attention`` (TritonOps); decodes and
+# shorter chunks the paged kernel, whose GQA packing fills its tiles with 8 tokens x 8 heads
+CHUNK_MIN_TOKENS = 64
+
+
+def chunk_config(max_query_len: int) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the chunk launch: the H200 probe's best
+    (diagnostics/prefill_attn_probe_f6cd55b.*): 64-token tiles, 4 warps up to 2,048-token chunks
+    (16 x 512 77.8 us, 4 x 2,048 195.5), 128-token tiles, 8 warps for longer ones (1 x 8,192 637.8);
+    64-key tiles, 3 stages either way. Key tiles stay 64 wide: the paged kernel's, so the same
+    arithmetic (and the mask splits stay at the same positions)."""
+    return (128, 64, 8, 3) if max_query_len > 2048 else (64, 64, 4, 3)
+
+
+def chunk_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
+    scale: float, out: torch.Tensor | None = None, min_len: int = CHUNK_MIN_TOKENS, block_m: int | None = None,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    heavy_first: bool = True,
+) -> torch.Tensor:
+    """The rows of the step's chunks of at least ``min_len`` new tokens, FlashAttention-2's tiling
+    (module docstring); every other row of ``out`` is left as it is (``paged_prefill_attention(...,
+    part="short", short_len=min_len - 1)`` writes those). q: [T, Hq, D]; k, v: [T, Hkv, D], the step's
+    rotated k and v in q's row order (strided views are fine: last dim contiguous), whose rows a
+    chunk reads for its own keys (they must equal what the step wrote to the cache); a cached
+    prefix is read from the caches [num_blocks, block_size, Hkv, D] through ``meta.block_tables``.
+    Needs the host copy ``meta.query_start_loc_cpu`` (the tile map is built on the host: eager
+    steps). ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: tuning knobs (default
+    ``chunk_config``); ``heavy_first`` as in ``paged_prefill_attention``: the same bits either way."""
+    page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
+    T, Hq, D = q.shape
+    check("k", k, shape=(T, Hkv, D), dtype=q.dtype)
+    check("v", v, shape=(T, Hkv, D), dtype=q.dtype)
+    out = torch.empty_like(q) if out is None else out
+    check("out", out, shape=(T, Hq, D), dtype=q.dtype)
+    if meta.query_start_loc_cpu is None:
+        raise ValueError("chunk_prefill_attention needs meta.query_start_loc_cpu (its tile map is built on the host)")
+    if B == 0 or T == 0 or meta.max_query_len < min_len:
+        return out
+    cfg = chunk_config(meta.max_query_len)
+    BLOCK_M, BLOCK_N = block_m or cfg[0], block_n or cfg[1]
+    tiles = query_tile_map(meta, BLOCK_M, B, q.device, part="long", short_len=min_len - 1, heavy_first=heavy_first)
+    n_tiles = tiles.shape[1]
+    if n_tiles == 0:
+        return out
+    _chunk_kernel[(n_tiles, Hq)](
+        q, k, v, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0), float(scale) * LOG2E, n_tiles,
+        GROUP=Hq // Hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=num_warps or cfg[2], num_stages=num_stages or cfg[3],
     )
     return out

@@ -53,6 +53,8 @@ ENGINE_MODES = {
     "default_full_grid": {"triton_options": {"prefill_tile_map": False}},
     # the prefill kernel's causal mask on every key tile, as before session 30
     "default_full_mask": {"triton_options": {"prefill_diag_mask": False}},
+    # session 31: eager steps' chunks of >= 64 new tokens through the paged kernel too, as before (no chunk launch)
+    "default_no_chunk_attention": {"triton_options": {"chunk_attention": False}},
     # the tile map in sequence order instead of longest tiles first (session 16)
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
     # eager steps at bucketed row counts, every bucket's GEMMs warmed at start-up (session 17)

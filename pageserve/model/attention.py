@@ -52,7 +52,10 @@ class PagedAttention:
     def attend_rope(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                     cos_sin: torch.Tensor, scale: float) -> torch.Tensor:
         """``attend`` on un-rotated q/k: RoPE and the K/V write are one ops call
-        (one kernel under ``TritonOps(fuse_rope_kv=True)``), then attention."""
+        (one kernel under ``TritonOps(fuse_rope_kv=True)``), then attention (with the rotated k
+        and v at hand where the ops take them: ``chunk_attention_for``)."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        q, _ = self.ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, self.meta.slot_mapping)
+        q, k = self.ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, self.meta.slot_mapping)
+        if self.ops.chunk_attention_for(self.meta):
+            return self.ops.chunk_kv_attention(q, k, v, k_cache, v_cache, self.meta, scale)
         return self.ops.paged_attention(q, k_cache, v_cache, self.meta, scale)

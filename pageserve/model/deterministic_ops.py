@@ -234,6 +234,9 @@ class DeterministicOps(TritonOps):
     def decode_context_limits(self) -> tuple[int | None, ...]:
         return (None,)  # one attention kernel for every context
 
+    def chunk_attention_for(self, meta) -> bool:
+        return False  # every row through the invariant attention below, whatever its chunk
+
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         from ..kernels import paged_attention_invariant
 

@@ -105,6 +105,16 @@ class TorchOps:
     def paged_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
+    def chunk_attention_for(self, meta) -> bool:
+        """Whether this step's attention runs ``chunk_kv_attention`` (the step's own k/v in hand)
+        instead of ``paged_attention``: never here (``TritonOps``: eager steps with long chunks)."""
+        return False
+
+    def chunk_kv_attention(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        """``paged_attention`` with the step's rotated k and v [T, Hkv, D] at hand (already in the
+        cache), for kernels that read a chunk's own keys from them rather than through the block table."""
+        return self.paged_attention(q, k_cache, v_cache, meta, scale)
+
 
 def rope_cos_sin(
     head_dim: int, max_pos: int, theta: float, scaling: dict | None, device: torch.device | str | None = None

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, matmul_invariant,
-                       paged_decode_attention, paged_prefill_attention, rms_norm, rotary, rotary_write_kv,
+                       chunk_prefill_attention, paged_decode_attention, paged_prefill_attention, rms_norm, rotary,
+                       rotary_write_kv,
                        silu_and_mul, silu_mul_gemv, write_kv)
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
@@ -20,6 +21,7 @@ from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
 from ..kernels.paged_decode import pipelined_device
+from ..kernels.paged_prefill import CHUNK_MIN_TOKENS
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -73,7 +75,11 @@ class TritonOps(TorchOps):
     "split" (the decode CUDA graphs capture both: ``decode_context_limits``). "auto" (default):
     "by_context" where "pipelined" runs (sm_90), else "split".
     Decode-only batches (``meta.max_query_len == 1`` and one query row per sequence) use the
-    CUDA-graph-safe decode kernel; anything else the prefill kernel.
+    CUDA-graph-safe decode kernel; anything else the prefill kernel. ``chunk_attention``: in eager
+    steps (host-built tile maps), chunks of at least ``CHUNK_MIN_TOKENS`` new tokens run
+    ``chunk_prefill_attention`` instead (FlashAttention-2 tiling, the chunk's own keys from the step's
+    rotated k/v; the paged kernel takes the decodes and shorter chunks). "auto" (default): on sm_90,
+    where it was measured; elsewhere (a T4 among them) the paged kernel takes every row.
 
     Kernel-count switches for the decode path (on by default: on the H200 each made the
     batch-1 step faster and batch 64 no slower, results/h200/diagnostics/decode_switches.json; off, each
@@ -127,7 +133,8 @@ class TritonOps(TorchOps):
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
                  int8_silu_down_rows: int = INT8_SILU_DOWN_ROWS,
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
-                 prefill_tile_order: str = "heavy_first", prefill_diag_mask: bool = True, decode_schedule: str = "auto",
+                 prefill_tile_order: str = "heavy_first", prefill_diag_mask: bool = True,
+                 chunk_attention: bool | str = "auto", decode_schedule: str = "auto",
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
@@ -199,6 +206,11 @@ class TritonOps(TorchOps):
         self.prefill_tile_order = prefill_tile_order
         # False: the causal mask on every key tile of a prefill block, as before session 30 (the A/B)
         self.prefill_diag_mask = prefill_diag_mask
+        if chunk_attention == "auto":
+            chunk_attention = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
+        if not isinstance(chunk_attention, bool):
+            raise ValueError(f"chunk_attention must be a bool or 'auto', got {chunk_attention!r}")
+        self.chunk_attention = chunk_attention
 
     def pdl_for(self, rows: int) -> bool | str | None:
         """``pdl`` for a launch over ``rows`` rows: False above ``pdl_max_rows``."""
@@ -306,6 +318,17 @@ class TritonOps(TorchOps):
             return self.decode_schedule
         short = max_seq_len is not None and max_seq_len <= self.decode_short_context
         return "pipelined" if short else "split"
+
+    def chunk_attention_for(self, meta: AttentionMetadata) -> bool:
+        # eager steps only: the chunk launch's tile map is built on the host (a graphed mixed step's is static)
+        return (self.chunk_attention and meta.max_query_len >= CHUNK_MIN_TOKENS
+                and meta.query_start_loc_cpu is not None and "static_tiles" not in meta.scratch)
+
+    def chunk_kv_attention(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = chunk_prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, tile_map=True,
+                                       heavy_first=self.prefill_tile_order == "heavy_first",
+                                       diag_mask=self.prefill_diag_mask, part="short", short_len=CHUNK_MIN_TOKENS - 1)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
