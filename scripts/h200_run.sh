@@ -8,20 +8,22 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests cublasbits tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (default: tests:80 04:190 02:170 01:95).
+# Stages: tests cublasbits tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
 # that had compiled its kernels and > 330 s on a cold Triton cache (give it 480), dettests ~200 warm but > 230 cold in one process, 77 s cold under pytest-xdist (session 13; give 150), tests 40-60 s under xdist (> 150 cold without), int8tests ~50 s under xdist, 06b ~80-110 s, 08tput ~210 s (245 s at 4ad65be), detm1 ~27, argmaxab ~40-60 s (session 14; with 256 rows ~75 s), w1prof nano-vllm ~60 s and chat ~45 s with --no-cprofile, 09 387 s and 06b 142 s after 08tput (session 15). E.g.
 #   04:180 05:110 tests:170      then      switches:120 decode_switches:150 01:100 02:180
 set -uo pipefail
+# no default stages: a call that forgot them ran tests + 04 + 02 + 01 and lost ~500 s of device time (session 30)
+[ $# -gt 0 ] || { echo "usage: bash scripts/h200_run.sh stage:seconds [stage:seconds ...] (no default stages)" >&2; exit 2; }
 # no --upgrade: packages already in /tmp/site (vLLM's pinned pydantic/fastapi from .vllm3/install.sh) stay as they are
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .wheels/*.whl 2>&1 | grep -v 'already exists' || true
 export PYTHONPATH=/tmp/site:$PWD JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; RES=/tmp/pageserve_res/h200; mkdir -p "$RES/diagnostics" "$OUT"
 export PAGESERVE_RESULTS_DIR=$RES
-stages=${*:-tests:80 04:190 02:170 01:95}
+stages=$*
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
