@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     # a mixed step's running list: the decodes, the last step's prompts (landing) and this step's
     mixed_prompts = -(-args.mixed_prefill_tokens // args.mixed_prompt_len) + 1
     mixed_seqs = args.mixed_decodes + 2 * mixed_prompts + 1 if args.mixed else 0
-    for mode in args.modes.split(","):
+    for n, mode in enumerate(args.modes.split(",")):  # a mode may repeat (A/B/A/B): "default#3"
+        name = mode if mode not in record["modes"] else f"{mode}#{n + 1}"
         mode_kw, patch = engine_mode(mode)
         patch.__enter__()
         llm = LLM(args.model, dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, seed=0,
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
             rec["mixed"] = profile_mixed(llm, args.mixed_decodes, args.context, args.mixed_prefill_tokens,
                                          args.mixed_prompt_len, args.mixed_steps, ceilings["matmul_bf16_tflops"],
                                          args.mixed_host_steps)
-        record["modes"][mode] = rec
+        record["modes"][name] = rec
         out.write_text(json.dumps(record, indent=1, default=str))
         llm.shutdown()
         del llm

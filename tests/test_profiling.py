@@ -111,12 +111,13 @@ def test_the_gpu_profile_script_runs_end_to_end_on_the_cpu(tmp_path):
     profile_steps = _script("profile_steps")
 
     profile_steps.main(["--out", str(tmp_path), "--device", "cpu", "--model", "smollm2-135m", "--modes",
-                        "default,int8,deterministic", "--batches", "1", "--context", "4", "--prefill-prompts", "1",
+                        "default,int8,deterministic,default", "--batches", "1", "--context", "4", "--prefill-prompts", "1",
                         "--prefill-len", "4", "--max-model-len", "32", "--decode-steps", "2",
                         "--mixed-decodes", "2", "--mixed-prefill-tokens", "12", "--mixed-prompt-len", "8",
                         "--mixed-steps", "2", "--mixed-host-steps", "1"])
     rec = json.loads((tmp_path / "profile_steps.json").read_text())
-    assert set(rec["modes"]) == {"default", "int8", "deterministic"} and "git_commit" in rec
+    # a repeated mode (an A/B/A/B) keeps both records
+    assert set(rec["modes"]) == {"default", "int8", "deterministic", "default#4"} and "git_commit" in rec
     for mode in rec["modes"].values():
         decode = mode["decode"]["1"]
         assert decode["step_ms"] > 0 and decode["host"]["steps"] == 2 and decode["host"]["host_busy_us"] > 0
