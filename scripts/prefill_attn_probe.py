@@ -280,16 +280,21 @@ def run_case(num_prompts: int, length: int) -> dict:
     cmeta = copy.copy(meta)
     cmeta.query_start_loc_cpu = meta.query_start_loc.tolist()
     cmeta.scratch = {}
-    out = torch.empty_like(q)
-    try:
-        ms = graph_ms(lambda i: chunk_prefill_attention(q, k2, v2, kc, vc, cmeta, scale, out=out), calls=8, replays=10)
-        rows["chunk_shipped"] = {"us": ms * 1e3, "tflops": flops / ms / 1e9,
-                                 "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
-                                 "bits_equal_shipped": bool(torch.equal(out, ref))}
-        print(f"{num_prompts}x{length} chunk_shipped {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s "
-              f"bits equal {rows['chunk_shipped']['bits_equal_shipped']}", flush=True)
-    except Exception as e:  # noqa: BLE001
-        rows["chunk_shipped"] = {"error": f"{type(e).__name__}: {e}"[:200]}
+    for name, kw in (("chunk_shipped", {}), ("chunk_heads_inner", {"heads_inner": True}),
+                     ("chunk_bm64", {"block_m": 64, "num_warps": 4}),
+                     ("chunk_bm128_w8", {"block_m": 128, "num_warps": 8}),
+                     ("chunk_heads_inner_bm128_w8", {"heads_inner": True, "block_m": 128, "num_warps": 8})):
+        out = torch.empty_like(q)
+        try:
+            ms = graph_ms(lambda i, kw=kw: chunk_prefill_attention(q, k2, v2, kc, vc, cmeta, scale, out=out, **kw),
+                          calls=8, replays=10)
+            rows[name] = {**kw, "us": ms * 1e3, "tflops": flops / ms / 1e9,
+                          "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+                          "bits_equal_shipped": bool(torch.equal(out, ref))}
+            print(f"{num_prompts}x{length} {name:32s} {ms * 1e3:8.1f} us {flops / ms / 1e9:6.0f} TFLOP/s "
+                  f"bits equal {rows[name]['bits_equal_shipped']}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
     # torch SDPA (flash where it applies) on [B, H, L, D], the KV heads repeated for the group
     qb = q.view(num_prompts, length, HQ, HEAD_DIM).transpose(1, 2)
     kb = k2.view(num_prompts, length, HKV, HEAD_DIM).transpose(1, 2).repeat_interleave(HQ // HKV, dim=1)

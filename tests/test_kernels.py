@@ -278,12 +278,13 @@ def test_chunk_attention_matches_the_reference_and_leaves_short_rows_to_the_page
     assert not out[long_rows].isnan().any() and out.isnan().sum() == (q.shape[0] - long_rows.numel()) * Hq * D
     paged_prefill_attention(q, kc, vc, meta, scale, out=out, part="short", short_len=n - 1)
     _ok(checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, scale)), dtype)
-    paged = paged_prefill_attention(q, kc, vc, meta, scale)
-    if CUDA and config.get("block_n", 64) == 64:
-        # the same key tiles in the same order as the paged kernel (64 keys): the same bits
-        assert torch.equal(out, paged)
-    else:  # the interpreter's dot over different tile shapes may sum in another order
-        assert checks.rel_err(out, paged) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    # the paged kernel's key tiles in its order, but other tile heights: equal to rounding, not bit for bit
+    # (on the H200 some shapes match exactly and some do not, NOTES.md session 31)
+    assert checks.rel_err(out, paged_prefill_attention(q, kc, vc, meta, scale)) <= (1e-5 if dtype == torch.float32 else 2e-2)
+    # the heads as the launch's fastest axis: the same programs in another order, so the same bits
+    other = torch.full_like(q, float("nan"))
+    chunk_prefill_attention(q, k, v, kc, vc, meta, scale, out=other, heads_inner=True, **config)
+    assert torch.equal(other[long_rows], out[long_rows])
 
 
 def test_chunk_attention_refuses_a_step_without_the_host_copy_of_its_layout(gen):

@@ -27,7 +27,7 @@ def _script(name: str):
     ("_gemv_kernel", "gemm"), ("_matmul_invariant_kernel", "gemm"), ("_gemm_int8_kernel", "gemm"),
     ("_decode_split_kernel", "attention"), ("_decode_merge_kernel", "attention"),
     ("_paged_prefill_kernel", "attention"), ("_paged_invariant_kernel", "attention"),
-    ("_prefill_kernel", "attention"), ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
+    ("_prefill_kernel", "attention"), ("_chunk_kernel", "attention"), ("_split_kernel", "attention"), ("_merge_kernel", "attention"),
     ("_rms_norm_kernel", "norm"), ("_add_rms_norm_kernel", "norm"),
     ("_rope_kv_kernel", "rope_kv"), ("_kv_write_kernel", "rope_kv"), ("_write_kv_kernel", "rope_kv"),
     ("_dequant_kernel", "gemm"),

@@ -23,7 +23,9 @@ the chunk's own keys read from the step's contiguous rotated k and v (no block t
 gather's address math and scattered rows are what held the paged kernel at ~0.2 of the tensor
 cores on W1's 512-token prompts, NOTES.md session 30), a cached prefix through the block table.
 Key tiles sit at the same absolute positions as the paged kernel's and are folded in the same
-order, so a row gets the paged kernel's arithmetic.
+order; on the H200 a row's bits still differ from the paged kernel's at some shapes (the compiler
+schedules other tile heights differently: bit-equal at 16 x 512 and 4 x 2,048, not at 1 x 8,192,
+NOTES.md session 31), so the two agree to rounding, not bit for bit.
 """
 from __future__ import annotations
 
@@ -194,11 +196,16 @@ def _chunk_kernel(
     stride_bt, qk_scale, n_tiles,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, HEADS_INNER: tl.constexpr,
 ):
-    # program (t, hq): the map's t-th tile (sequence b, BLOCK_M tokens of its chunk), query head hq
-    t = tl.program_id(0)
-    hq = tl.program_id(1)
+    # the map's t-th tile (sequence b, BLOCK_M tokens of its chunk), query head hq; HEADS_INNER: the
+    # heads of one tile launch next to each other (a KV head's group reads its K/V tiles together)
+    if HEADS_INNER:
+        hq = tl.program_id(0)
+        t = tl.program_id(1)
+    else:
+        t = tl.program_id(0)
+        hq = tl.program_id(1)
     h = hq // GROUP
     b = tl.load(tiles_ptr + t).to(tl.int64)
     mb = tl.load(tiles_ptr + n_tiles + t)
@@ -279,8 +286,8 @@ def chunk_config(max_query_len: int) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of the chunk launch: the H200 probe's best
     (diagnostics/prefill_attn_probe_f6cd55b.*): 64-token tiles, 4 warps up to 2,048-token chunks
     (16 x 512 77.8 us, 4 x 2,048 195.5), 128-token tiles, 8 warps for longer ones (1 x 8,192 637.8);
-    64-key tiles, 3 stages either way. Key tiles stay 64 wide: the paged kernel's, so the same
-    arithmetic (and the mask splits stay at the same positions)."""
+    64-key tiles, 3 stages either way (the paged kernel's key tiles: the mask splits stay at the same
+    positions)."""
     return (128, 64, 8, 3) if max_query_len > 2048 else (64, 64, 4, 3)
 
 
@@ -288,7 +295,7 @@ def chunk_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
     scale: float, out: torch.Tensor | None = None, min_len: int = CHUNK_MIN_TOKENS, block_m: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    heavy_first: bool = True,
+    heavy_first: bool = True, heads_inner: bool = False,
 ) -> torch.Tensor:
     """The rows of the step's chunks of at least ``min_len`` new tokens, FlashAttention-2's tiling
     (module docstring); every other row of ``out`` is left as it is (``paged_prefill_attention(...,
@@ -298,7 +305,8 @@ def chunk_prefill_attention(
     prefix is read from the caches [num_blocks, block_size, Hkv, D] through ``meta.block_tables``.
     Needs the host copy ``meta.query_start_loc_cpu`` (the tile map is built on the host: eager
     steps). ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: tuning knobs (default
-    ``chunk_config``); ``heavy_first`` as in ``paged_prefill_attention``: the same bits either way."""
+    ``chunk_config``); ``heavy_first`` as in ``paged_prefill_attention``; ``heads_inner``: the grid's
+    fastest axis is the query head instead of the tile (launch order only: the same bits)."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     check("k", k, shape=(T, Hkv, D), dtype=q.dtype)
@@ -315,14 +323,14 @@ def chunk_prefill_attention(
     n_tiles = tiles.shape[1]
     if n_tiles == 0:
         return out
-    _chunk_kernel[(n_tiles, Hq)](
+    _chunk_kernel[(Hq, n_tiles) if heads_inner else (n_tiles, Hq)](
         q, k, v, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc, tiles,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_tables.stride(0), float(scale) * LOG2E, n_tiles,
         GROUP=Hq // Hkv, HEAD_DIM=D, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
-        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), HEADS_INNER=bool(heads_inner),
         num_warps=num_warps or cfg[2], num_stages=num_stages or cfg[3],
     )
     return out

@@ -36,7 +36,7 @@ CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # this repository's own attention kernels by name: "_prefill_kernel" would otherwise land in "copy"
     # (it holds "fill"), as it did in the profile_steps records before session 15
     ("attention", ("paged", "decode_split", "decode_merge", "prefill_attn", "attention", "flash", "fmha",
-                   "_prefill_kernel", "_split_kernel", "_merge_kernel")),
+                   "_prefill_kernel", "_chunk_kernel", "_split_kernel", "_merge_kernel")),
     ("norm", ("rms_norm", "rmsnorm", "layer_norm")),
     ("rope_kv", ("rope", "rotary", "kv_write", "write_kv", "reshape_and_cache")),
     ("activation", ("silu", "gelu", "act_and_mul")),
