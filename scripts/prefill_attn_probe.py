@@ -280,10 +280,10 @@ def run_case(num_prompts: int, length: int) -> dict:
     cmeta = copy.copy(meta)
     cmeta.query_start_loc_cpu = meta.query_start_loc.tolist()
     cmeta.scratch = {}
-    for name, kw in (("chunk_shipped", {}), ("chunk_heads_inner", {"heads_inner": True}),
+    for name, kw in (("chunk_shipped", {}), ("chunk_tiles_inner", {"heads_inner": False}),
                      ("chunk_bm64", {"block_m": 64, "num_warps": 4}),
                      ("chunk_bm128_w8", {"block_m": 128, "num_warps": 8}),
-                     ("chunk_heads_inner_bm128_w8", {"heads_inner": True, "block_m": 128, "num_warps": 8})):
+                     ("chunk_tiles_inner_bm128_w8", {"heads_inner": False, "block_m": 128, "num_warps": 8})):
         out = torch.empty_like(q)
         try:
             ms = graph_ms(lambda i, kw=kw: chunk_prefill_attention(q, k2, v2, kc, vc, cmeta, scale, out=out, **kw),

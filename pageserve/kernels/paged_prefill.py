@@ -295,7 +295,7 @@ def chunk_prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
     scale: float, out: torch.Tensor | None = None, min_len: int = CHUNK_MIN_TOKENS, block_m: int | None = None,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    heavy_first: bool = True, heads_inner: bool = False,
+    heavy_first: bool = True, heads_inner: bool = True,
 ) -> torch.Tensor:
     """The rows of the step's chunks of at least ``min_len`` new tokens, FlashAttention-2's tiling
     (module docstring); every other row of ``out`` is left as it is (``paged_prefill_attention(...,
@@ -306,7 +306,8 @@ def chunk_prefill_attention(
     Needs the host copy ``meta.query_start_loc_cpu`` (the tile map is built on the host: eager
     steps). ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: tuning knobs (default
     ``chunk_config``); ``heavy_first`` as in ``paged_prefill_attention``; ``heads_inner``: the grid's
-    fastest axis is the query head instead of the tile (launch order only: the same bits)."""
+    fastest axis is the query head (a tile's heads launch together), else the tile; launch order
+    only, the same bits. H200 probe at 4807f40: 1 x 8,192 660.7 -> 597.5 us, 16 x 512 84.6 -> 84.2."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
     check("k", k, shape=(T, Hkv, D), dtype=q.dtype)
