@@ -12,7 +12,7 @@
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
-# that had compiled its kernels and > 330 s on a cold Triton cache (give it 480), dettests ~200 warm but > 230 cold in one process, 77 s cold under pytest-xdist (session 13; give 150), tests 40-60 s under xdist (> 150 cold without), int8tests ~50 s under xdist, 06b ~80-110 s, 08tput ~210 s (245 s at 4ad65be), detm1 ~27, argmaxab ~40-60 s (session 14; with 256 rows ~75 s), w1prof nano-vllm ~60 s and chat ~45 s with --no-cprofile, 09 387 s and 06b 142 s after 08tput (session 15). E.g.
+# that had compiled its kernels and > 330 s on a cold Triton cache (give it 480), dettests ~200 warm but > 230 cold in one process, 77 s cold under pytest-xdist (session 13; give 150), tests 40-60 s under xdist warm, 103 s for 382 tests at 05e6ae9 and > 170 s on a cold cache (give it 250; > 150 cold without xdist), int8tests ~50 s under xdist, 06b ~80-110 s, 08tput ~210 s (245 s at 4ad65be), detm1 ~27, argmaxab ~40-60 s (session 14; with 256 rows ~75 s), w1prof nano-vllm ~60 s and chat ~45 s with --no-cprofile, 09 387 s and 06b 142 s after 08tput (session 15). E.g.
 #   04:180 05:110 tests:170      then      switches:120 decode_switches:150 01:100 02:180
 set -uo pipefail
 # no default stages: a call that forgot them ran tests + 04 + 02 + 01 and lost ~500 s of device time (session 30)
