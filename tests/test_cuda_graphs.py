@@ -344,6 +344,35 @@ def test_new_prompt_lengths_compile_no_attention_or_rope_variant_after_a_warm_up
     assert not [n for n in compiled if n in ("_prefill_kernel", "_rope_kv_kernel")], compiled
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="Triton's JIT compiles only on the GPU (the CPU interpreter compiles nothing)")
+def test_long_prompts_compile_no_chunk_attention_variant_after_start_up(tiny_qwen2_config):
+    # the engine compiles the chunk launch's two tile configs at start-up (TritonOps.warm_chunk_attention):
+    # eager steps whose chunks take the 64-token tiles (two 1,100-token prompts) and the 128-token ones
+    # (a 2,100-token prompt) then compile nothing; on the H200 chat's first long chunk compiled mid-run
+    from pageserve.lab.profiling import CompileLog
+
+    if not CompileLog().available:
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    cfg = dataclasses.replace(tiny_qwen2_config, max_position_embeddings=4096)
+    model = Decoder(cfg).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    llm = LLM.from_model(model.eval(), device=DEVICE, dtype="bfloat16", block_size=16, num_blocks=1024,
+                         max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=4096)
+    ops = llm.engine.runner.ops
+    if not ops.chunk_attention:
+        pytest.skip("the chunk launch runs on sm_90 only")
+    calls = []
+    chunk = ops.chunk_kv_attention
+    ops.chunk_kv_attention = lambda q, *a: calls.append(q.shape[0]) or chunk(q, *a)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    with CompileLog() as log:
+        llm.generate([torch.randint(1, 256, (n,), generator=g).tolist() for n in (1100, 1100)], params, use_tqdm=False)
+        llm.generate([torch.randint(1, 256, (2100,), generator=g).tolist()], params, use_tqdm=False)
+    assert calls, "no step took the chunk launch"
+    assert "_chunk_kernel" not in log.names, log.names
+
+
 # ---------------------------------------------------------------- eager steps' row buckets
 def test_eager_row_buckets_keep_small_counts_and_pad_larger_ones_by_at_most_one_sixteenth():
     from pageserve.engine.model_runner import EAGER_ROWS_EXACT, eager_rows_bucket, eager_rows_buckets

@@ -287,6 +287,20 @@ def test_chunk_attention_matches_the_reference_and_leaves_short_rows_to_the_page
     assert torch.equal(other[long_rows], out[long_rows])
 
 
+def test_chunk_attention_warms_both_tile_configs_without_touching_the_cache(gen):
+    # the engine compiles the chunk launch at start-up (ModelRunner), so no request pays for it
+    from pageserve.kernels.paged_prefill import CHUNK_CONFIGS
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    kc = torch.randn(6, 16, 2, 64, generator=gen).to(DEVICE)
+    vc = torch.randn(6, 16, 2, 64, generator=gen).to(DEVICE)
+    k0, v0 = kc.clone(), vc.clone()
+    assert TritonOps(chunk_attention=True).warm_chunk_attention(kc, vc, num_heads=8) == len(CHUNK_CONFIGS)
+    assert torch.equal(kc, k0) and torch.equal(vc, v0)
+    assert TritonOps(chunk_attention=False).warm_chunk_attention(kc, vc, num_heads=8) == 0
+    assert DeterministicOps().warm_chunk_attention(kc, vc, num_heads=8) == 0
+
+
 def test_chunk_attention_refuses_a_step_without_the_host_copy_of_its_layout(gen):
     from pageserve.kernels.paged_prefill import chunk_prefill_attention
 

@@ -282,13 +282,17 @@ def _chunk_kernel(
 CHUNK_MIN_TOKENS = 64
 
 
+# (block_m, block_n, num_warps, num_stages) of the chunk launch's two tile configs (``chunk_config``)
+CHUNK_CONFIGS = ((64, 64, 4, 3), (128, 64, 8, 3))
+
+
 def chunk_config(max_query_len: int) -> tuple[int, int, int, int]:
     """(block_m, block_n, num_warps, num_stages) of the chunk launch: the H200 probe's best
     (diagnostics/prefill_attn_probe_f6cd55b.*): 64-token tiles, 4 warps up to 2,048-token chunks
     (16 x 512 77.8 us, 4 x 2,048 195.5), 128-token tiles, 8 warps for longer ones (1 x 8,192 637.8);
     64-key tiles, 3 stages either way (the paged kernel's key tiles: the mask splits stay at the same
     positions)."""
-    return (128, 64, 8, 3) if max_query_len > 2048 else (64, 64, 4, 3)
+    return CHUNK_CONFIGS[1] if max_query_len > 2048 else CHUNK_CONFIGS[0]
 
 
 def chunk_prefill_attention(

@@ -105,6 +105,7 @@ class DeterministicOps(TritonOps):
         # PDL up to 4 rows: on the H200 the graphed 3B decode step at batch 8 took 3.17 ms with it,
         # 3.01 without; at 1-4 rows it gains 0.17-0.19 ms (diagnostics/det_b1_switches_6bad32f.*)
         triton_options.setdefault("pdl_max_rows", 4)
+        triton_options.setdefault("chunk_attention", False)  # nothing to warm: chunk_attention_for is always False
         super().__init__(**triton_options)
         self.kv_split = kv_split
         self.matmul_block_m = matmul_block_m

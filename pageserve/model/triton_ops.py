@@ -21,7 +21,7 @@ from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
 from ..kernels.paged_decode import pipelined_device
-from ..kernels.paged_prefill import CHUNK_MIN_TOKENS
+from ..kernels.paged_prefill import CHUNK_CONFIGS, CHUNK_MIN_TOKENS
 from .attention import AttentionMetadata
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -329,6 +329,32 @@ class TritonOps(TorchOps):
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, tile_map=True,
                                        heavy_first=self.prefill_tile_order == "heavy_first",
                                        diag_mask=self.prefill_diag_mask, part="short", short_len=CHUNK_MIN_TOKENS - 1)
+
+    def warm_chunk_attention(self, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> int:
+        """Compile the chunk launch at each of its tile configs before the engine serves, so that no
+        request pays the compile (seen on the H200: chat's first chunk over 2,048 tokens compiled mid-run,
+        diagnostics/chat_profile_chunk_ab_4807f40.json). One 64-token chunk over cache block 0 (read,
+        never written), its q, k and v laid out as the decoder's (v a view of a qkv row). Returns the
+        launches made (0 with ``chunk_attention`` off)."""
+        if not self.chunk_attention:
+            return 0
+        page, Hkv, D = k_cache.shape[1:]
+        T, dev, dtype = CHUNK_MIN_TOKENS, k_cache.device, k_cache.dtype
+        q = torch.zeros(T, num_heads, D, dtype=dtype, device=dev)
+        k = torch.zeros(T, Hkv, D, dtype=dtype, device=dev)
+        qkv = torch.zeros(T, (num_heads + 2 * Hkv) * D, dtype=dtype, device=dev)
+        v = qkv[:, (num_heads + Hkv) * D:].view(T, Hkv, D)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((T,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, T], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([T], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(1, -(-T // page), dtype=torch.int32, device=dev),
+            max_query_len=T, max_seq_len=T, query_start_loc_cpu=[0, T], seq_lens_cpu=[T])
+        for block_m, block_n, warps, stages in CHUNK_CONFIGS:
+            meta.scratch.clear()
+            chunk_prefill_attention(q, k, v, k_cache, v_cache, meta, D ** -0.5, block_m=block_m, block_n=block_n,
+                                    num_warps=warps, num_stages=stages)
+        return len(CHUNK_CONFIGS)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
