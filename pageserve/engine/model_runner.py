@@ -217,7 +217,7 @@ class ModelRunner:
         self.eager_warm_s = None  # seconds warm_eager_gemms took at start-up
         if self.eager_row_buckets and self.device.type == "cuda":
             self.eager_warm_s = self.warm_eager_gemms()
-        if self.device.type == "cuda" and config.tensor_parallel_size == 1 and hasattr(self.ops, "warm_chunk_attention"):
+        if self.device.type == "cuda" and config.tensor_parallel_size == 1:
             self.ops.warm_chunk_attention(self.kv_cache[0, 0], self.kv_cache[0, 1], cfg.num_heads)
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None

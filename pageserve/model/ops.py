@@ -110,6 +110,10 @@ class TorchOps:
         instead of ``paged_attention``: never here (``TritonOps``: eager steps with long chunks)."""
         return False
 
+    def warm_chunk_attention(self, k_cache, v_cache, num_heads: int) -> int:
+        """Compile what ``chunk_kv_attention`` launches before serving (``TritonOps``); nothing here: 0."""
+        return 0
+
     def chunk_kv_attention(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         """``paged_attention`` with the step's rotated k and v [T, Hkv, D] at hand (already in the
         cache), for kernels that read a chunk's own keys from them rather than through the block table."""
