@@ -8,7 +8,7 @@
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests cublasbits tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
+# Stages: tests cublasbits tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -64,6 +64,8 @@ for st in $stages; do
                      > "$RES/prefill_attn_sweep.log" 2>&1; echo "prefill_sweep rc=$?"; tail -n 16 "$RES/prefill_attn_sweep.log" ;;
     prefillprobe) timeout "$t" python3 scripts/prefill_attn_probe.py --out "$RES/diagnostics" ${PREFILL_PROBE_ARGS:-} \
                     > "$RES/prefill_attn_probe.log" 2>&1; echo "prefillprobe rc=$?"; tail -n 30 "$RES/prefill_attn_probe.log" ;;
+    gusprobe) timeout "$t" python3 scripts/gate_up_silu_probe.py --out "$RES/diagnostics" ${GUS_PROBE_ARGS:-} \
+                > "$RES/gate_up_silu_probe.log" 2>&1; echo "gusprobe rc=$?"; tail -n 45 "$RES/gate_up_silu_probe.log" ;;
     gemmfirst) timeout "$t" python3 scripts/gemm_first_call.py --out "$RES/diagnostics" ${GEMM_FIRST_ARGS:-} \
                  > "$RES/gemm_first_call.log" 2>&1; echo "gemmfirst rc=$?"; tail -n 30 "$RES/gemm_first_call.log" ;;
     tunableop) timeout "$t" python3 scripts/tunableop_probe.py --out "$RES/diagnostics" ${TUNABLEOP_ARGS:-} \

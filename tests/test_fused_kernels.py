@@ -3,6 +3,7 @@
 - ``silu_mul_gemv``: down projection reading gate|up (``reference.silu_mul_linear``)
 - ``gemv(split_k="never")``: the GEMV as one kernel (``reference.linear``)
 - ``rotary_write_kv``: RoPE fused with the paged KV write (``reference.rotary_write_kv``)
+- ``gate_up_silu``: the gate|up product with SiLU·mul in its epilogue (``reference.gate_up_silu_reference``)
 
 and a tiny decoder that must give the same logits with every switch on or off. CPU: the
 Triton interpreter on tiny shapes; CUDA: the same tests on the GPU.
@@ -23,6 +24,9 @@ from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
 from pageserve.kernels.gemv import GemvConfig, gemv_config  # noqa: E402
 from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES as SHAPES_3B  # noqa: E402
 from pageserve.model.ops import TorchOps, rope_cos_sin  # noqa: E402
+from pageserve.kernels import matmul_invariant, silu_and_mul  # noqa: E402
+from pageserve.kernels.gate_up_silu import gate_up_silu, gate_up_silu_reference  # noqa: E402
+from pageserve.kernels.matmul_invariant import InvariantMatmulConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -230,3 +234,101 @@ def test_gate_up_silu_rows_puts_silu_mul_in_the_gate_up_product_for_those_batche
     # the default: on Hopper only (where it was measured), off on other GPUs and on the interpreter
     hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
     assert TritonOps(tuned_configs=False).gate_up_silu_rows == (triton_ops.GATE_UP_SILU_ROWS if hopper else None)
+
+
+# ---------------------------------------------------------------- gate_up with SiLU·mul in one MMA chain
+GUS_CONFIGS = {  # block_n = the tile's weight rows (half gate, half up)
+    "pointer": InvariantMatmulConfig(16, 32, 32, 4, 2), "tma": InvariantMatmulConfig(32, 16, 64, 4, 2, tma=True),
+    "default": None,
+}
+GUS_DTYPES = DTYPES + ([torch.float16] if CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", GUS_DTYPES)
+@pytest.mark.parametrize("M,I,K", [(1, 16, 32), (37, 40, 96), (70, 72, 200)])
+@pytest.mark.parametrize("path", list(GUS_CONFIGS))
+def test_gate_up_silu_matches_its_reference(M, I, K, path, dtype, gen):
+    # odd row counts, I not a multiple of the tile's columns, K not a multiple of BLOCK_K; against the exact
+    # (float64) value. Three roundings to the dtype (gate, up, the output): on the GPU they round to
+    # nearest, within the dtype's tolerance; Triton's CPU interpreter truncates fp32 -> bf16 (toward zero,
+    # NOTES.md session 32), three truncations a value: twice the tolerance there
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    w = (torch.randn(2 * I, K, generator=gen) / K ** 0.5).to(dtype)
+    out = gate_up_silu(x.to(DEVICE), w.to(DEVICE), config=GUS_CONFIGS[path])
+    assert out.shape == (M, I) and out.dtype == dtype
+    err = checks.rel_err(out, gate_up_silu_reference(x.double(), w.double()))
+    _ok(err / 2 if dtype == torch.bfloat16 and not CUDA else err, dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="the MMA's bits are tile-independent on the GPU; the interpreter's numpy dot is not")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [65, 300, 2048])
+def test_gate_up_silu_gives_the_bits_of_the_product_then_the_silu_mul_kernel_on_the_3b_shape(M, dtype, gen):
+    # each output is the same chain of k16 MMAs over K as the invariant matmul's (no split-K), each half
+    # rounded to the dtype before silu_mul_f32: bitwise the two-launch path, whichever load path
+    N2, K = SHAPES_3B["gate_up"]
+    x = torch.randn(M, K, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.randn(N2, K, generator=gen) / K ** 0.5).to(dtype).to(DEVICE)
+    want = silu_and_mul(matmul_invariant(x, w))
+    for cfg in (None, InvariantMatmulConfig(128, 256, 64, 8, 3), InvariantMatmulConfig(64, 128, 64, 4, 4, tma=True)):
+        assert torch.equal(gate_up_silu(x, w, config=cfg), want), cfg
+
+
+def test_gate_up_silu_refuses_bad_arguments_clearly():
+    x = torch.randn(3, 32).to(DEVICE)
+    with pytest.raises(ValueError, match="even row count"):
+        gate_up_silu(x, torch.randn(33, 32).to(DEVICE))
+    with pytest.raises(ValueError, match="w"):
+        gate_up_silu(x, torch.randn(32, 16).to(DEVICE))
+    with pytest.raises(ValueError, match="out"):
+        gate_up_silu(x, torch.randn(32, 32).to(DEVICE), out=torch.empty(3, 15).to(DEVICE))
+    with pytest.raises(ValueError, match="persistent"):
+        gate_up_silu(x, torch.randn(32, 32).to(DEVICE), config=InvariantMatmulConfig(16, 32, 32, persistent=True))
+    assert gate_up_silu(x[:0], torch.randn(32, 32).to(DEVICE)).shape == (0, 16)
+
+
+def test_paired_silu_rows_routes_those_steps_gate_up_through_gate_up_silu(monkeypatch):
+    # TritonOps(paired_silu_rows=(5, 8)): 5-8 row steps run gate_up_silu, then down as a plain linear;
+    # other steps and int8 weights as before; logits as the reference's throughout
+    import copy
+
+    from pageserve.model.attention import PagedAttention
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
+    from pageserve.model.quant import quantize_model
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                      max_position_embeddings=128)
+    model = Decoder(cfg)
+    model.init_dummy_weights(seed=8, std=0.2)
+    model = model.to(DEVICE)
+    calls = []
+    real = triton_ops.gate_up_silu
+    monkeypatch.setattr(triton_ops, "gate_up_silu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+
+    def run(m, ops, rows):
+        m.set_ops(ops)
+        lens = [5 + r for r in range(rows)]
+        meta = checks.random_paged_batch([1] * rows, lens, 1, cfg.num_kv_heads, cfg.head_dim, 8, torch.float32,
+                                         DEVICE, torch.Generator().manual_seed(rows))[-1]
+        cache = torch.randn(cfg.num_layers, 2, int(meta.block_tables.max()) + 1, 8, cfg.num_kv_heads, cfg.head_dim,
+                            generator=torch.Generator().manual_seed(9)).to(DEVICE)
+        with torch.no_grad():
+            return m.compute_logits(m(torch.arange(rows, device=DEVICE) + 3, torch.tensor(lens, device=DEVICE) - 1,
+                                      PagedAttention(cache, meta, ops)))
+
+    ops = TritonOps(paired_silu_rows=(5, 8), gate_up_silu_rows=(2, 3), tuned_configs=False)
+    for rows in (1, 3, 6, 9):
+        calls.clear()
+        assert checks.rel_err(run(model, ops, rows), run(model, TorchOps(), rows)) < 1e-5, rows
+        assert calls == ([rows] * cfg.num_layers if rows == 6 else []), (rows, calls)
+    qmodel = quantize_model(copy.deepcopy(model), "int8")  # int8 weights keep their own kernels
+    calls.clear()
+    assert checks.rel_err(run(qmodel, ops, 6), run(qmodel, TorchOps(), 6)) < 1e-5
+    assert calls == []
+    for bad in ((0, 4), (5, 4), (3,), "always", (2.0, 4)):
+        with pytest.raises(ValueError, match="paired_silu_rows"):
+            TritonOps(paired_silu_rows=bad)
+    hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
+    assert TritonOps(tuned_configs=False).paired_silu_rows == (triton_ops.PAIRED_SILU_ROWS if hopper else None)

@@ -153,6 +153,16 @@ def matmul_invariant_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Ten
     return acc.to(x.dtype)
 
 
+def gate_up_silu_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """SiLU(x @ gate^T) * (x @ up^T) with ``kernels.gate_up_silu``'s rounding points: the gate|up
+    product summed in at least fp32 and rounded to x's dtype, then SiLU·mul in fp32, rounded once.
+    x: [T, K], w: the gate|up matrix [2I, K] (gate rows first) -> [T, I]."""
+    gate_up = matmul_invariant_reference(x, w)
+    acc_dtype = torch.promote_types(x.dtype, torch.float32)
+    gate, up = gate_up.to(acc_dtype).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
 def all_reduce_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """The one-shot all-reduce's result: every rank's tensor summed in rank order in fp32,
     rounded once to the storage dtype (so every rank gets the same bits)."""

@@ -55,6 +55,10 @@ ENGINE_MODES = {
     "default_full_mask": {"triton_options": {"prefill_diag_mask": False}},
     # session 31: eager steps' chunks of >= 64 new tokens through the paged kernel too, as before (no chunk launch)
     "default_no_chunk_attention": {"triton_options": {"chunk_attention": False}},
+    # session 32: the gate_up product of steps over 64 rows with SiLU·mul in its epilogue (kernels.gate_up_silu:
+    # gate and up rows interleaved in one tile) instead of cuBLAS + the SiLU·mul kernel, and without it
+    "default_paired_silu": {"triton_options": {"paired_silu_rows": (65, 1 << 20)}},
+    "default_no_paired_silu": {"triton_options": {"paired_silu_rows": None}},
     # the tile map in sequence order instead of longest tiles first (session 16)
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
     # eager steps at bucketed row counts, every bucket's GEMMs warmed at start-up (session 17)

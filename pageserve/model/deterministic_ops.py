@@ -102,6 +102,7 @@ class DeterministicOps(TritonOps):
         # that policy inherited, batch 4 ran the epilogue under PDL: 3.07 ms a graphed 3B step against 2.74,
         # diagnostics/det_b1_switches_det_b1_parts_3416e93.*)
         triton_options.setdefault("gate_up_silu_rows", None)
+        triton_options.setdefault("paired_silu_rows", None)  # its bits are measured for the default mode only
         # PDL up to 4 rows: on the H200 the graphed 3B decode step at batch 8 took 3.17 ms with it,
         # 3.01 without; at 1-4 rows it gains 0.17-0.19 ms (diagnostics/det_b1_switches_6bad32f.*)
         triton_options.setdefault("pdl_max_rows", 4)

@@ -15,6 +15,7 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        chunk_prefill_attention, paged_decode_attention, paged_prefill_attention, rms_norm, rotary,
                        rotary_write_kv,
                        silu_and_mul, silu_mul_gemv, write_kv)
+from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
 from ..kernels.int8_planes import supported as planes_supported
@@ -55,6 +56,9 @@ DECODE_SHORT_CONTEXT = 768
 # and 80 / 96 / 112 rows +0.22-0.27 ms (..._gate_up_silu_80_112_82a5456.*)
 # (Hopper only, where it was measured: elsewhere, a T4 among them, cuBLAS keeps every batch)
 GATE_UP_SILU_ROWS = (2, 64)
+# steps whose gate_up product runs ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile, SiLU·mul
+# in the epilogue) instead of cuBLAS + the SiLU·mul kernel (Hopper; None: not measured yet, session 32)
+PAIRED_SILU_ROWS = None
 
 
 class TritonOps(TorchOps):
@@ -86,6 +90,10 @@ class TritonOps(TorchOps):
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
+    ``paired_silu_rows``: (lo, hi) or None: steps of lo..hi rows (outside ``gate_up_silu_rows``) run the gate_up
+    product through ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile: one MMA chain, SiLU·mul
+    in the epilogue, no [T, 2I] intermediate) instead of cuBLAS + the SiLU·mul kernel; float weights only.
+    "auto" (default): ``PAIRED_SILU_ROWS`` on Hopper, None elsewhere.
     ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
     of cuBLAS followed by the SiLU·mul kernel; float weights only. "auto" (default): ``GATE_UP_SILU_ROWS``
@@ -135,7 +143,8 @@ class TritonOps(TorchOps):
                  pdl_max_rows: int = PDL_MAX_TOKENS, prefill_tile_map: bool = True,
                  prefill_tile_order: str = "heavy_first", prefill_diag_mask: bool = True,
                  chunk_attention: bool | str = "auto", decode_schedule: str = "auto",
-                 decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto") -> None:
+                 decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto",
+                 paired_silu_rows: tuple[int, int] | str | None = "auto") -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -184,14 +193,21 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
+        hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
         if gate_up_silu_rows == "auto":
-            hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
             gate_up_silu_rows = GATE_UP_SILU_ROWS if hopper else None
         if gate_up_silu_rows is not None and not (
                 isinstance(gate_up_silu_rows, (tuple, list)) and len(gate_up_silu_rows) == 2
                 and all(isinstance(r, int) for r in gate_up_silu_rows) and 1 <= gate_up_silu_rows[0] <= gate_up_silu_rows[1]):
             raise ValueError(f"gate_up_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {gate_up_silu_rows!r}")
         self.gate_up_silu_rows = None if gate_up_silu_rows is None else tuple(gate_up_silu_rows)
+        if paired_silu_rows == "auto":
+            paired_silu_rows = PAIRED_SILU_ROWS if hopper else None
+        if paired_silu_rows is not None and not (
+                isinstance(paired_silu_rows, (tuple, list)) and len(paired_silu_rows) == 2
+                and all(isinstance(r, int) for r in paired_silu_rows) and 1 <= paired_silu_rows[0] <= paired_silu_rows[1]):
+            raise ValueError(f"paired_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {paired_silu_rows!r}")
+        self.paired_silu_rows = None if paired_silu_rows is None else tuple(paired_silu_rows)
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         if pdl not in PDL_MODES:
@@ -274,11 +290,18 @@ class TritonOps(TorchOps):
         r = self.gate_up_silu_rows
         return r is not None and r[0] <= rows <= r[1] and not isinstance(weight, QuantizedWeight)
 
+    def _paired_silu_fits(self, rows: int, weight) -> bool:
+        r = self.paired_silu_rows
+        return r is not None and r[0] <= rows <= r[1] and not isinstance(weight, QuantizedWeight)
+
     def silu_in_gate_up_for(self, rows: int, weight) -> bool:
-        return self.silu_in_gate_up or self._gate_up_silu_fits(rows, weight)
+        return self.silu_in_gate_up or self._gate_up_silu_fits(rows, weight) or self._paired_silu_fits(rows, weight)
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
         if not self._gate_up_silu_fits(x.shape[0], weight):
+            if self._paired_silu_fits(x.shape[0], weight):
+                x = x if x.stride(-1) == 1 else x.contiguous()
+                return gate_up_silu(x, weight, pdl=self.pdl_for(x.shape[0]))
             return super().gate_up_silu_mul(x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
         # the generic compile: one per tile config, not one per graph bucket's row count
