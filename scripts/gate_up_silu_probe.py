@@ -11,7 +11,7 @@ run it, GPU time per call from CUDA-graph replays (weights rotated out of L2), Q
 Each fused variant's output is compared with ``cublas_then_silu``'s (bitwise, and the largest
 difference). Issue 14: W1's prefill step spends ~4.6 ms of ~80 in the SiLU·mul kernel.
 
-    python scripts/gate_up_silu_probe.py --out DIR [--ms 512,2048,8192] [--dtype bf16]
+    python scripts/gate_up_silu_probe.py --out DIR [--ms 512,2048,8192] [--dtype bf16] [--variants round2]
 
 Writes DIR/gate_up_silu_probe.json (with the commit) after every row count. Stage ``gusprobe`` of
 scripts/h200_run.sh.
@@ -36,7 +36,7 @@ DUAL = {  # block_n = both halves: matmul_invariant halves it per accumulator
     "dual_128x256x64_w8s3_tma": C(128, 256, 64, 8, 3, tma=True),
     "dual_128x256x64_w8s4_tma": C(128, 256, 64, 8, 4, tma=True),
 }
-PAIRED = {  # block_n = the tile's weight rows: half gate, half up
+PAIRED_ROUND1 = {  # block_n = the tile's weight rows: half gate, half up
     "paired_128x256x64_w8s3_tma": C(128, 256, 64, 8, 3, tma=True),
     "paired_128x256x64_w8s4_tma": C(128, 256, 64, 8, 4, tma=True),
     "paired_256x128x64_w8s4_tma": C(256, 128, 64, 8, 4, tma=True),
@@ -45,6 +45,17 @@ PAIRED = {  # block_n = the tile's weight rows: half gate, half up
     "paired_128x256x64_w8s4_ptr": C(128, 256, 64, 8, 4),
     "paired_256x128x64_w8s4_ptr": C(256, 128, 64, 8, 4),
 }
+PAIRED_ROUND2 = {  # after round 1 (83d553f): TMA 128 x 256 x 64, 3 stages best; the persistent walk, K tiles, groups
+    "paired_128x256x64_w8s3_tma": C(128, 256, 64, 8, 3, tma=True),
+    "paired_128x256x64_w8s3_tma_g16": C(128, 256, 64, 8, 3, group_m=16, tma=True),
+    "paired_128x256x128_w8s2_tma": C(128, 256, 128, 8, 2, tma=True),
+    "paired_256x256x64_w16s3_tma": C(256, 256, 64, 16, 3, tma=True),
+    "persist_128x256x64_w8s3": C(128, 256, 64, 8, 3, tma=True, persistent=True),
+    "persist_128x256x64_w8s4": C(128, 256, 64, 8, 4, tma=True, persistent=True),
+    "persist_128x256x64_w8s3_g16": C(128, 256, 64, 8, 3, group_m=16, tma=True, persistent=True),
+    "persist_128x256x128_w8s2": C(128, 256, 128, 8, 2, tma=True, persistent=True),
+}
+ROUNDS = {"round1": (DUAL, PAIRED_ROUND1), "round2": ({}, PAIRED_ROUND2)}
 
 
 def main() -> None:
@@ -52,12 +63,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="512,2048,8192")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--variants", default="round2", choices=tuple(ROUNDS))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gate_up_silu_probe times CUDA graphs: it needs a GPU")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     out = Path(args.out) / "gate_up_silu_probe.json"
-    rec = {**provenance(), "dtype": args.dtype, "us": {}, "bit_equal": {}, "max_abs_diff": {}, "errors": {}}
+    dual, paired = ROUNDS[args.variants]
+    rec = {**provenance(), "dtype": args.dtype, "variants": args.variants, "us": {}, "bit_equal": {}, "max_abs_diff": {}, "errors": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
     N, K = GEMV_SHAPES["gate_up"]
     ws = weight_copies(N, K, dtype, gen, min_bytes=200e6)
@@ -65,10 +78,10 @@ def main() -> None:
         x = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
         impls = {"cublas": lambda i: torch.nn.functional.linear(x, ws[i % len(ws)]),
                  "cublas_then_silu": lambda i: silu_and_mul(torch.nn.functional.linear(x, ws[i % len(ws)]))}
-        for name, cfg in DUAL.items():
+        for name, cfg in dual.items():
             impls[name] = lambda i, cfg=cfg: matmul_invariant(x, ws[i % len(ws)], silu_mul=True, config=cfg,
                                                                specialize=False)
-        for name, cfg in PAIRED.items():
+        for name, cfg in paired.items():
             impls[name] = lambda i, cfg=cfg: gate_up_silu(x, ws[i % len(ws)], config=cfg)
         ref = impls["cublas_then_silu"](0)
         for impl, fn in impls.items():

@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._util import cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, pdl_args, pdl_enter
+from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, pdl_args, pdl_enter,
+                    sm_count_for)
 from .activation import silu_mul_f32
 from .matmul_invariant import InvariantMatmulConfig, TensorDescriptor, _acc_dot, _tma_ok, fit_shared_memory, smem_budget
 
@@ -103,6 +104,29 @@ def _gate_up_silu_tma_kernel(
     _store(out_ptr, y, pid_m, pid_n, M, I, stride_om, BLOCK_M, HALF)
 
 
+@triton.jit(do_not_specialize=["M"])
+def _gate_up_silu_persistent_kernel(
+    x_desc, w_desc, out_desc, M, I, K, num_programs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # the TMA kernel's tile for tiles pid, pid + num_programs, ...: one launch wave, the tile loop
+    # flattened into the K loop so that the next tile's first loads are in flight during this
+    # one's epilogue, and the output stored through a descriptor (rows past M and columns past I
+    # are dropped by its bounds). The same K loop from zero each tile: the same bits.
+    HALF: tl.constexpr = BLOCK_N // 2
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(I, HALF)
+    pdl_enter(USE_PDL)
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
+        pid_m, pid_n = grouped_tile(tile, M, I, BLOCK_M, HALF, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = x_desc.load([pid_m * BLOCK_M, k0])
+            b = tl.reshape(w_desc.load([pid_n * HALF, 0, k0]), [BLOCK_N, BLOCK_K])
+            acc = _acc_dot(a, b, acc, PREC, UPCAST)
+        out_desc.store([pid_m * BLOCK_M, pid_n * HALF], _silu_pairs(acc, BLOCK_M, BLOCK_N, out_desc.dtype))
+
+
 def gate_up_silu_config(x: torch.Tensor) -> InvariantMatmulConfig:
     """The launch config: ``DEFAULT_CONFIG`` shrunk to the device's shared memory (a T4's 64 KB);
     the interpreter a small tile."""
@@ -116,7 +140,8 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None =
     """x: [M, K], w: the gate|up matrix [2I, K] (gate rows first) -> SiLU(x @ gate^T) * (x @ up^T):
     [M, I] in x's dtype (fp32, fp16, bf16), fp32 accumulation. ``out``: a [M, I] buffer to write
     (row stride free). ``config``: the tile (``block_n`` counts weight rows: half of them gate,
-    half up; ``tma`` uses the descriptor path where ``_tma_ok``; ``persistent`` is not supported).
+    half up; ``tma`` uses the descriptor path where ``_tma_ok``; ``persistent`` (with ``tma``) one
+    program per SM walking the tiles, the output stored through a descriptor).
     ``pdl``: see ``_util.use_pdl``. No host syncs: safe to capture in a CUDA graph."""
     M, N2, K = check_linear(x, w, None, "w")
     if N2 % 2:
@@ -129,8 +154,6 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None =
     if K == 0:
         return out.zero_()  # SiLU(0) * 0
     cfg = config or gate_up_silu_config(x)
-    if cfg.persistent:
-        raise ValueError("gate_up_silu: no persistent variant")
     if cfg.block_n < 2 or cfg.block_n & (cfg.block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 2 (gate and up rows), got {cfg.block_n}")
     half = cfg.block_n // 2
@@ -138,11 +161,20 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None =
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
-    if cfg.tma and _tma_ok(x, w) and (w.stride(0) * I * w.element_size()) % 16 == 0:
+    tma = cfg.tma and _tma_ok(x, w) and (w.stride(0) * I * w.element_size()) % 16 == 0
+    if cfg.persistent and not (tma and _tma_ok(out, out)):
+        raise ValueError("gate_up_silu: the persistent variant needs TMA descriptors (tma=True, a Hopper-class GPU, "
+                         "16-byte aligned rows)")
+    if tma:
         x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
         # w as [I, 2, K]: box [half, 2, BLOCK_K] = gate and up rows of half output columns, interleaved
         w_desc = TensorDescriptor(w, [I, 2, K], [w.stride(0), I * w.stride(0), 1], [half, 2, cfg.block_k])
-        _gate_up_silu_tma_kernel[grid](x_desc, w_desc, out, M, I, K, out.stride(0), **consts)
+        if cfg.persistent:
+            programs = min(grid[0], sm_count_for(x))
+            out_desc = TensorDescriptor(out, [M, I], [out.stride(0), 1], [cfg.block_m, half])
+            _gate_up_silu_persistent_kernel[(programs,)](x_desc, w_desc, out_desc, M, I, K, programs, **consts)
+        else:
+            _gate_up_silu_tma_kernel[grid](x_desc, w_desc, out, M, I, K, out.stride(0), **consts)
     else:
         _gate_up_silu_kernel[grid](x, w, out, M, I, K, x.stride(0), w.stride(0), out.stride(0), **consts)
     return out

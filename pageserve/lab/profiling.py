@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.matmul_invariant import InvariantMatmulConfig
+
 # (category, substrings of a kernel's name, lower case); the first match wins
 CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     # this repository's own attention kernels by name: "_prefill_kernel" would otherwise land in "copy"
@@ -57,7 +59,9 @@ ENGINE_MODES = {
     "default_no_chunk_attention": {"triton_options": {"chunk_attention": False}},
     # session 32: the gate_up product of steps over 64 rows with SiLU·mul in its epilogue (kernels.gate_up_silu:
     # gate and up rows interleaved in one tile) instead of cuBLAS + the SiLU·mul kernel, and without it
-    "default_paired_silu": {"triton_options": {"paired_silu_rows": (65, 1 << 20)}},
+    "default_paired_silu": {"triton_options": {"paired_silu_rows": (4096, 1 << 20)}},
+    "default_paired_silu_persistent": {"triton_options": {"paired_silu_rows": (4096, 1 << 20), "paired_silu_config":
+                                                          InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True)}},
     "default_no_paired_silu": {"triton_options": {"paired_silu_rows": None}},
     # the tile map in sequence order instead of longest tiles first (session 16)
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},

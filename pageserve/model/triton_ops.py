@@ -16,6 +16,7 @@ from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_dev
                        rotary_write_kv,
                        silu_and_mul, silu_mul_gemv, write_kv)
 from ..kernels.gate_up_silu import gate_up_silu
+from ..kernels.matmul_invariant import InvariantMatmulConfig
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
 from ..kernels.int8_planes import supported as planes_supported
@@ -93,7 +94,8 @@ class TritonOps(TorchOps):
     ``paired_silu_rows``: (lo, hi) or None: steps of lo..hi rows (outside ``gate_up_silu_rows``) run the gate_up
     product through ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile: one MMA chain, SiLU·mul
     in the epilogue, no [T, 2I] intermediate) instead of cuBLAS + the SiLU·mul kernel; float weights only.
-    "auto" (default): ``PAIRED_SILU_ROWS`` on Hopper, None elsewhere.
+    "auto" (default): ``PAIRED_SILU_ROWS`` on Hopper, None elsewhere. ``paired_silu_config``: its tile
+    (an ``InvariantMatmulConfig``; None: ``gate_up_silu``'s default).
     ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
     of cuBLAS followed by the SiLU·mul kernel; float weights only. "auto" (default): ``GATE_UP_SILU_ROWS``
@@ -144,7 +146,8 @@ class TritonOps(TorchOps):
                  prefill_tile_order: str = "heavy_first", prefill_diag_mask: bool = True,
                  chunk_attention: bool | str = "auto", decode_schedule: str = "auto",
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto",
-                 paired_silu_rows: tuple[int, int] | str | None = "auto") -> None:
+                 paired_silu_rows: tuple[int, int] | str | None = "auto",
+                 paired_silu_config: InvariantMatmulConfig | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -208,6 +211,9 @@ class TritonOps(TorchOps):
                 and all(isinstance(r, int) for r in paired_silu_rows) and 1 <= paired_silu_rows[0] <= paired_silu_rows[1]):
             raise ValueError(f"paired_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {paired_silu_rows!r}")
         self.paired_silu_rows = None if paired_silu_rows is None else tuple(paired_silu_rows)
+        if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
+            raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
+        self.paired_silu_config = paired_silu_config
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         if pdl not in PDL_MODES:
@@ -301,7 +307,7 @@ class TritonOps(TorchOps):
         if not self._gate_up_silu_fits(x.shape[0], weight):
             if self._paired_silu_fits(x.shape[0], weight):
                 x = x if x.stride(-1) == 1 else x.contiguous()
-                return gate_up_silu(x, weight, pdl=self.pdl_for(x.shape[0]))
+                return gate_up_silu(x, weight, config=self.paired_silu_config, pdl=self.pdl_for(x.shape[0]))
             return super().gate_up_silu_mul(x, weight)
         x = x if x.stride(-1) == 1 else x.contiguous()
         # the generic compile: one per tile config, not one per graph bucket's row count
