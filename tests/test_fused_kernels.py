@@ -333,3 +333,8 @@ def test_paired_silu_rows_routes_those_steps_gate_up_through_gate_up_silu(monkey
             TritonOps(paired_silu_rows=bad)
     hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
     assert TritonOps(tuned_configs=False).paired_silu_rows == (triton_ops.PAIRED_SILU_ROWS if hopper else None)
+    # the start-up compile: where the kernel can run (CUDA, float weights, rows set), else nothing
+    w = model.layers[0].mlp.gate_up_proj.weight
+    assert ops.warm_gate_up_silu(w) == (1 if CUDA else 0)
+    assert TritonOps(paired_silu_rows=None).warm_gate_up_silu(w) == 0 and TorchOps().warm_gate_up_silu(w) == 0
+    assert ops.warm_gate_up_silu(qmodel.layers[0].mlp.gate_up_proj.weight) == 0

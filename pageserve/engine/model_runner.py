@@ -219,6 +219,8 @@ class ModelRunner:
             self.eager_warm_s = self.warm_eager_gemms()
         if self.device.type == "cuda" and config.tensor_parallel_size == 1:
             self.ops.warm_chunk_attention(self.kv_cache[0, 0], self.kv_cache[0, 1], cfg.num_heads)
+        if self.device.type == "cuda":
+            self.ops.warm_gate_up_silu(self.model.layers[0].mlp.gate_up_proj.weight)
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps

@@ -25,6 +25,8 @@ gives wherever the products agree bitwise.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -37,8 +39,12 @@ from .matmul_invariant import InvariantMatmulConfig, TensorDescriptor, _acc_dot,
 
 gate_up_silu_reference = reference.gate_up_silu_reference
 
-# BLOCK_N counts the tile's weight rows: BLOCK_N / 2 output columns, their gate and up rows
-DEFAULT_CONFIG = InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True)
+# BLOCK_N counts the tile's weight rows: BLOCK_N / 2 output columns, their gate and up rows. The H200's best
+# (diagnostics/gate_up_silu_probe_{83d553f,c3d080f}.*): the persistent walk, 128 x 256 x 64, 3 stages -- 974 us at
+# 8,192 rows of the 3B gate_up where the same tile one program a tile took 1,195 and cuBLAS's product alone 943;
+# 4 stages, GROUP_M 16, BLOCK_K 128 slower, 256 x 256 with 16 warps out of registers. Off Hopper (no TMA) the
+# pointer kernel at the same tile, shrunk to the GPU's shared memory.
+DEFAULT_CONFIG = InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True)
 INTERPRETER_CONFIG = InvariantMatmulConfig(16, 32, 32, 4, 2)
 
 
@@ -128,11 +134,14 @@ def _gate_up_silu_persistent_kernel(
 
 
 def gate_up_silu_config(x: torch.Tensor) -> InvariantMatmulConfig:
-    """The launch config: ``DEFAULT_CONFIG`` shrunk to the device's shared memory (a T4's 64 KB);
-    the interpreter a small tile."""
+    """The launch config: ``DEFAULT_CONFIG`` (persistent only where TMA can run: Hopper-class GPUs)
+    shrunk to the device's shared memory (a T4's 64 KB); the interpreter a small tile."""
     if not x.is_cuda:
         return INTERPRETER_CONFIG
-    return fit_shared_memory(DEFAULT_CONFIG, x.dtype, smem_budget(x))
+    cfg = DEFAULT_CONFIG
+    if TensorDescriptor is None or torch.cuda.get_device_capability(x.device)[0] < 9:
+        cfg = dataclasses.replace(cfg, tma=False, persistent=False)
+    return fit_shared_memory(cfg, x.dtype, smem_budget(x))
 
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None = None,
@@ -162,7 +171,9 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None =
                   PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
     tma = cfg.tma and _tma_ok(x, w) and (w.stride(0) * I * w.element_size()) % 16 == 0
-    if cfg.persistent and not (tma and _tma_ok(out, out)):
+    if cfg.persistent and not (tma and _tma_ok(out, out)) and config is None:
+        cfg = dataclasses.replace(cfg, tma=False, persistent=False)  # the default's tile through pointers
+    elif cfg.persistent and not (tma and _tma_ok(out, out)):
         raise ValueError("gate_up_silu: the persistent variant needs TMA descriptors (tma=True, a Hopper-class GPU, "
                          "16-byte aligned rows)")
     if tma:

@@ -114,6 +114,10 @@ class TorchOps:
         """Compile what ``chunk_kv_attention`` launches before serving (``TritonOps``); nothing here: 0."""
         return 0
 
+    def warm_gate_up_silu(self, weight) -> int:
+        """Compile the large-batch gate_up + SiLU·mul kernel before serving (``TritonOps``); nothing here: 0."""
+        return 0
+
     def chunk_kv_attention(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         """``paged_attention`` with the step's rotated k and v [T, Hkv, D] at hand (already in the
         cache), for kernels that read a chunk's own keys from them rather than through the block table."""

@@ -58,8 +58,10 @@ DECODE_SHORT_CONTEXT = 768
 # (Hopper only, where it was measured: elsewhere, a T4 among them, cuBLAS keeps every batch)
 GATE_UP_SILU_ROWS = (2, 64)
 # steps whose gate_up product runs ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile, SiLU·mul
-# in the epilogue) instead of cuBLAS + the SiLU·mul kernel (Hopper; None: not measured yet, session 32)
-PAIRED_SILU_ROWS = None
+# in the epilogue; its persistent TMA default) instead of cuBLAS + the SiLU·mul kernel. H200, 3B gate_up, bf16
+# (diagnostics/gate_up_silu_probe_c3d080f.*): 2,048 rows 253 vs 269 us, 4,096 487 vs 607, 8,192 974 vs 1,203 (cuBLAS's
+# product alone 943); the non-persistent tile lost at 129-512 rows (..._83d553f.*). Hopper only, where it was measured.
+PAIRED_SILU_ROWS = (2048, 1 << 30)
 
 
 class TritonOps(TorchOps):
@@ -312,6 +314,15 @@ class TritonOps(TorchOps):
         x = x if x.stride(-1) == 1 else x.contiguous()
         # the generic compile: one per tile config, not one per graph bucket's row count
         return matmul_invariant(x, weight, None, pdl=self.pdl_for(x.shape[0]), silu_mul=True, specialize=False)
+
+    def warm_gate_up_silu(self, weight) -> int:
+        """Compile ``gate_up_silu`` at this object's config before the engine serves (its row count is not
+        specialized: one compile serves every step). Returns the launches made (0 where it never runs)."""
+        if self.paired_silu_rows is None or isinstance(weight, QuantizedWeight) or not weight.is_cuda:
+            return 0
+        gate_up_silu(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device), weight,
+                     config=self.paired_silu_config)
+        return 1
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, pdl=self.pdl_for(x.shape[0]))
