@@ -13,6 +13,8 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
                     also the down projection fused with SiLU(gate) * up
 - ``step_inputs``   a decode step's inputs into the CUDA graphs' static buffers in one launch
 - ``argmax``        each row's first maximal index over the vocabulary (the sampler's pick)
+- ``gate_up_silu``  the MLP's gate|up product with SiLU·mul in its epilogue for prefill-sized steps
+                    (gate and up rows interleaved in one tile: one MMA chain; a persistent TMA walk on Hopper)
 - ``gemv_int8``     int8 weight-only (W8A16) linears: the decode GEMV (and its SiLU·mul form),
                     a GEMM for larger M, and a dequantize kernel for dequantize-then-cuBLAS
 - ``int8_planes``   int8 weight-only linears for 1-8 rows on the integer MMAs: the activations as
@@ -32,6 +34,7 @@ from .activation import silu_and_mul
 from .argmax import argmax_rows
 from ._util import interpreting
 from .gemv import SPLIT_K_MODES, GemvConfig, gemv, load_device_configs, parse_configs, silu_mul_gemv
+from .gate_up_silu import gate_up_silu
 from .gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, silu_mul_gemv_int8
 from .int8_planes import gemv_int8_planes, silu_mul_gemv_int8_planes
 from .kv_write import write_kv
@@ -46,7 +49,7 @@ from .step_inputs import stage_decode_inputs
 
 __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
-    "gemv", "silu_mul_gemv", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8",
+    "gemv", "silu_mul_gemv", "gate_up_silu", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8",
     "gemv_int8_planes", "silu_mul_gemv_int8_planes", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
     "rotary", "rotary_write_kv", "stage_decode_inputs", "argmax_rows", "paged_decode_attention", "paged_prefill_attention",
     "chunk_prefill_attention",
