@@ -185,38 +185,50 @@ def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen, monkeypatc
             assert "write_kv" not in called, name
 
 
+def _small_decoder(seed: int):
+    """A 2-layer Qwen2-style decoder with random weights on DEVICE: (its config, the model)."""
+    from pageserve.model.config import ModelConfig
+    from pageserve.model.decoder import Decoder
+
+    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
+                      max_position_embeddings=128)
+    model = Decoder(cfg)
+    model.init_dummy_weights(seed=seed, std=0.2)
+    return cfg, model.to(DEVICE)
+
+
+def _decode_logits(m, cfg, ops, rows: int, cache_seed: int) -> torch.Tensor:
+    """Logits of one decode step of ``rows`` sequences (contexts 5, 6, ...) over a random paged cache, with ``ops``."""
+    from pageserve.model.attention import PagedAttention
+
+    m.set_ops(ops)
+    lens = [5 + r for r in range(rows)]
+    meta = checks.random_paged_batch([1] * rows, lens, 1, cfg.num_kv_heads, cfg.head_dim, 8, torch.float32,
+                                     DEVICE, torch.Generator().manual_seed(rows))[-1]
+    cache = torch.randn(cfg.num_layers, 2, int(meta.block_tables.max()) + 1, 8, cfg.num_kv_heads, cfg.head_dim,
+                        generator=torch.Generator().manual_seed(cache_seed)).to(DEVICE)
+    with torch.no_grad():
+        return m.compute_logits(m(torch.arange(rows, device=DEVICE) + 3, torch.tensor(lens, device=DEVICE) - 1,
+                                  PagedAttention(cache, meta, ops)))
+
+
 def test_gate_up_silu_rows_puts_silu_mul_in_the_gate_up_product_for_those_batches_only(monkeypatch):
     # TritonOps(gate_up_silu_rows=(2, 4)): 2-4 row steps run gate_up with SiLU·mul in its epilogue
     # (matmul_invariant(silu_mul=True)) and down as a plain linear; 1 row (the fused SiLU·down GEMV)
     # and 5+ rows (cuBLAS + the SiLU·mul kernel) as before; logits as the reference's throughout
     import copy
 
-    from pageserve.model.attention import PagedAttention
-    from pageserve.model.config import ModelConfig
-    from pageserve.model.decoder import Decoder
     from pageserve.model.quant import quantize_model
 
-    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
-                      max_position_embeddings=128)
-    model = Decoder(cfg)
-    model.init_dummy_weights(seed=6, std=0.2)
-    model = model.to(DEVICE)
+    cfg, model = _small_decoder(seed=6)
     epilogues = []
     real = triton_ops.matmul_invariant
     monkeypatch.setattr(triton_ops, "matmul_invariant", lambda *a, **kw: epilogues.append(
         (a[0].shape[0], kw.get("silu_mul"))) or real(*a, **kw))
 
     def run(m, ops, rows):
-        m.set_ops(ops)
-        lens = [5 + r for r in range(rows)]
-        meta = checks.random_paged_batch([1] * rows, lens, 1, cfg.num_kv_heads, cfg.head_dim, 8, torch.float32,
-                                         DEVICE, torch.Generator().manual_seed(rows))[-1]
-        cache = torch.randn(cfg.num_layers, 2, int(meta.block_tables.max()) + 1, 8, cfg.num_kv_heads, cfg.head_dim,
-                            generator=torch.Generator().manual_seed(7)).to(DEVICE)
-        with torch.no_grad():
-            return m.compute_logits(m(torch.arange(rows, device=DEVICE) + 3, torch.tensor(lens, device=DEVICE) - 1,
-                                      PagedAttention(cache, meta, ops)))
+        return _decode_logits(m, cfg, ops, rows, cache_seed=7)
 
     ops = TritonOps(gate_up_silu_rows=(2, 4), tuned_configs=False)
     for rows in (1, 3, 6):
@@ -293,31 +305,15 @@ def test_paired_silu_rows_routes_those_steps_gate_up_through_gate_up_silu(monkey
     # other steps and int8 weights as before; logits as the reference's throughout
     import copy
 
-    from pageserve.model.attention import PagedAttention
-    from pageserve.model.config import ModelConfig
-    from pageserve.model.decoder import Decoder
     from pageserve.model.quant import quantize_model
 
-    cfg = ModelConfig(architecture="qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-                      num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, tie_word_embeddings=True,
-                      max_position_embeddings=128)
-    model = Decoder(cfg)
-    model.init_dummy_weights(seed=8, std=0.2)
-    model = model.to(DEVICE)
+    cfg, model = _small_decoder(seed=8)
     calls = []
     real = triton_ops.gate_up_silu
     monkeypatch.setattr(triton_ops, "gate_up_silu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
 
     def run(m, ops, rows):
-        m.set_ops(ops)
-        lens = [5 + r for r in range(rows)]
-        meta = checks.random_paged_batch([1] * rows, lens, 1, cfg.num_kv_heads, cfg.head_dim, 8, torch.float32,
-                                         DEVICE, torch.Generator().manual_seed(rows))[-1]
-        cache = torch.randn(cfg.num_layers, 2, int(meta.block_tables.max()) + 1, 8, cfg.num_kv_heads, cfg.head_dim,
-                            generator=torch.Generator().manual_seed(9)).to(DEVICE)
-        with torch.no_grad():
-            return m.compute_logits(m(torch.arange(rows, device=DEVICE) + 3, torch.tensor(lens, device=DEVICE) - 1,
-                                      PagedAttention(cache, meta, ops)))
+        return _decode_logits(m, cfg, ops, rows, cache_seed=9)
 
     ops = TritonOps(paired_silu_rows=(5, 8), gate_up_silu_rows=(2, 3), tuned_configs=False)
     for rows in (1, 3, 6, 9):

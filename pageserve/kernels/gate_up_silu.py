@@ -90,24 +90,30 @@ def _gate_up_silu_kernel(
     _store(out_ptr, y, pid_m, pid_n, M, I, stride_om, BLOCK_M, HALF)
 
 
+@triton.jit
+def _tma_tile_sums(x_desc, w_desc, pid_m, pid_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The tile's [BLOCK_M, BLOCK_N] fp32 sums, gate and up in alternate columns, through TMA: rows past
+    M, columns past K and output columns past I come back as zeros (the descriptors' bounds)."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
+        b = tl.reshape(w_desc.load([pid_n * (BLOCK_N // 2), 0, k0]), [BLOCK_N, BLOCK_K])  # [BLOCK_N / 2, 2, BLOCK_K]
+        acc = _acc_dot(a, b, acc, PREC, UPCAST)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gate_up_silu_tma_kernel(
     x_desc, w_desc, out_ptr, M, I, K, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    # rows past M, columns past K and output columns past I come back as zeros (the
-    # descriptors' bounds); the last two are never stored
-    HALF: tl.constexpr = BLOCK_N // 2
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, I, BLOCK_M, HALF, GROUP_M)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, I, BLOCK_M, BLOCK_N // 2, GROUP_M)
     pdl_enter(USE_PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
-        b = tl.reshape(w_desc.load([pid_n * HALF, 0, k0]), [BLOCK_N, BLOCK_K])  # [HALF, 2, BLOCK_K]: gate, up rows
-        acc = _acc_dot(a, b, acc, PREC, UPCAST)
+    acc = _tma_tile_sums(x_desc, w_desc, pid_m, pid_n, K, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
     y = _silu_pairs(acc, BLOCK_M, BLOCK_N, out_ptr.dtype.element_ty)
-    _store(out_ptr, y, pid_m, pid_n, M, I, stride_om, BLOCK_M, HALF)
+    _store(out_ptr, y, pid_m, pid_n, M, I, stride_om, BLOCK_M, BLOCK_N // 2)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -125,11 +131,7 @@ def _gate_up_silu_persistent_kernel(
     pdl_enter(USE_PDL)
     for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=True):
         pid_m, pid_n = grouped_tile(tile, M, I, BLOCK_M, HALF, GROUP_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            a = x_desc.load([pid_m * BLOCK_M, k0])
-            b = tl.reshape(w_desc.load([pid_n * HALF, 0, k0]), [BLOCK_N, BLOCK_K])
-            acc = _acc_dot(a, b, acc, PREC, UPCAST)
+        acc = _tma_tile_sums(x_desc, w_desc, pid_m, pid_n, K, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST)
         out_desc.store([pid_m * BLOCK_M, pid_n * HALF], _silu_pairs(acc, BLOCK_M, BLOCK_N, out_desc.dtype))
 
 

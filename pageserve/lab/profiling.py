@@ -57,9 +57,11 @@ ENGINE_MODES = {
     "default_full_mask": {"triton_options": {"prefill_diag_mask": False}},
     # session 31: eager steps' chunks of >= 64 new tokens through the paged kernel too, as before (no chunk launch)
     "default_no_chunk_attention": {"triton_options": {"chunk_attention": False}},
-    # session 32: the gate_up product of steps over 64 rows with SiLU·mul in its epilogue (kernels.gate_up_silu:
-    # gate and up rows interleaved in one tile) instead of cuBLAS + the SiLU·mul kernel, and without it
-    "default_paired_silu": {"triton_options": {"paired_silu_rows": (4096, 1 << 20)}},
+    # session 32: the gate_up product with SiLU·mul in its epilogue (kernels.gate_up_silu: gate and up rows
+    # interleaved in one tile) from 4,096 rows, one program a tile (83d553f ran it from 65 rows), and the
+    # persistent walk (the default from 2,048 rows since 9b5c754); and without it (cuBLAS + the SiLU·mul kernel)
+    "default_paired_silu": {"triton_options": {"paired_silu_rows": (4096, 1 << 20), "paired_silu_config":
+                                               InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True)}},
     "default_paired_silu_persistent": {"triton_options": {"paired_silu_rows": (4096, 1 << 20), "paired_silu_config":
                                                           InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True)}},
     "default_no_paired_silu": {"triton_options": {"paired_silu_rows": None}},

@@ -64,6 +64,15 @@ GATE_UP_SILU_ROWS = (2, 64)
 PAIRED_SILU_ROWS = (2048, 1 << 30)
 
 
+def _row_range(name: str, value, auto: tuple[int, int] | None) -> tuple[int, int] | None:
+    """A (lo, hi) row-range option: None, "auto" (-> ``auto``) or two ints with 1 <= lo <= hi."""
+    value = auto if value == "auto" else value
+    if value is not None and not (isinstance(value, (tuple, list)) and len(value) == 2
+                                  and all(isinstance(r, int) for r in value) and 1 <= value[0] <= value[1]):
+        raise ValueError(f"{name} must be None or (lo, hi) with 1 <= lo <= hi, got {value!r}")
+    return None if value is None else tuple(value)
+
+
 class TritonOps(TorchOps):
     """Same methods and signatures as ``TorchOps``; each runs a Triton kernel.
 
@@ -199,20 +208,8 @@ class TritonOps(TorchOps):
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
         hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
-        if gate_up_silu_rows == "auto":
-            gate_up_silu_rows = GATE_UP_SILU_ROWS if hopper else None
-        if gate_up_silu_rows is not None and not (
-                isinstance(gate_up_silu_rows, (tuple, list)) and len(gate_up_silu_rows) == 2
-                and all(isinstance(r, int) for r in gate_up_silu_rows) and 1 <= gate_up_silu_rows[0] <= gate_up_silu_rows[1]):
-            raise ValueError(f"gate_up_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {gate_up_silu_rows!r}")
-        self.gate_up_silu_rows = None if gate_up_silu_rows is None else tuple(gate_up_silu_rows)
-        if paired_silu_rows == "auto":
-            paired_silu_rows = PAIRED_SILU_ROWS if hopper else None
-        if paired_silu_rows is not None and not (
-                isinstance(paired_silu_rows, (tuple, list)) and len(paired_silu_rows) == 2
-                and all(isinstance(r, int) for r in paired_silu_rows) and 1 <= paired_silu_rows[0] <= paired_silu_rows[1]):
-            raise ValueError(f"paired_silu_rows must be None or (lo, hi) with 1 <= lo <= hi, got {paired_silu_rows!r}")
-        self.paired_silu_rows = None if paired_silu_rows is None else tuple(paired_silu_rows)
+        self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
+        self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
         if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
             raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
         self.paired_silu_config = paired_silu_config
