@@ -174,7 +174,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor | None =
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
     tma = cfg.tma and _tma_ok(x, w) and (w.stride(0) * I * w.element_size()) % 16 == 0
     if cfg.persistent and not (tma and _tma_ok(out, out)) and config is None:
-        cfg = dataclasses.replace(cfg, tma=False, persistent=False)  # the default's tile through pointers
+        cfg = dataclasses.replace(cfg, persistent=False)  # the default tile, one program a tile (TMA loads where they fit)
     elif cfg.persistent and not (tma and _tma_ok(out, out)):
         raise ValueError("gate_up_silu: the persistent variant needs TMA descriptors (tma=True, a Hopper-class GPU, "
                          "16-byte aligned rows)")
