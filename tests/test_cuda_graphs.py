@@ -371,6 +371,10 @@ def test_long_prompts_compile_no_chunk_attention_variant_after_start_up(tiny_qwe
         llm.generate([torch.randint(1, 256, (2100,), generator=g).tolist()], params, use_tqdm=False)
     assert calls, "no step took the chunk launch"
     assert "_chunk_kernel" not in log.names, log.names
+    # the same for the gate_up + SiLU·mul kernel of steps of 2,048+ rows (TritonOps.warm_gate_up_silu;
+    # both prompts' steps here are 2,100-2,200 rows)
+    if ops.paired_silu_rows is not None:
+        assert not [n for n in log.names if "gate_up_silu" in n], log.names
 
 
 # ---------------------------------------------------------------- eager steps' row buckets

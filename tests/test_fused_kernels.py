@@ -329,8 +329,16 @@ def test_paired_silu_rows_routes_those_steps_gate_up_through_gate_up_silu(monkey
             TritonOps(paired_silu_rows=bad)
     hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
     assert TritonOps(tuned_configs=False).paired_silu_rows == (triton_ops.PAIRED_SILU_ROWS if hopper else None)
-    # the start-up compile: where the kernel can run (CUDA, float weights, rows set), else nothing
+    # the start-up compile: float weights with rows set, else nothing; it launches exactly what a step of the
+    # range's first row counts launches (the same rows, config and PDL setting: PDL is a compile-time constant)
     w = model.layers[0].mlp.gate_up_proj.weight
-    assert ops.warm_gate_up_silu(w) == (1 if CUDA else 0)
+    launches = []
+    monkeypatch.setattr(triton_ops, "gate_up_silu", lambda *a, **kw: launches.append(
+        (a[0].shape[0], kw.get("config"), kw.get("pdl"))) or real(*a, **kw))
+    assert ops.warm_gate_up_silu(w) == 2
+    assert launches == [(m, None, ops.pdl_for(m)) for m in (5, 6)]
+    launches.clear()
+    run(model, ops, 6)
+    assert launches[0] == (6, None, ops.pdl_for(6))
     assert TritonOps(paired_silu_rows=None).warm_gate_up_silu(w) == 0 and TorchOps().warm_gate_up_silu(w) == 0
     assert ops.warm_gate_up_silu(qmodel.layers[0].mlp.gate_up_proj.weight) == 0

@@ -313,13 +313,18 @@ class TritonOps(TorchOps):
         return matmul_invariant(x, weight, None, pdl=self.pdl_for(x.shape[0]), silu_mul=True, specialize=False)
 
     def warm_gate_up_silu(self, weight) -> int:
-        """Compile ``gate_up_silu`` at this object's config before the engine serves (its row count is not
-        specialized: one compile serves every step). Returns the launches made (0 where it never runs)."""
-        if self.paired_silu_rows is None or isinstance(weight, QuantizedWeight) or not weight.is_cuda:
+        """Compile ``gate_up_silu`` before the engine serves, through the very call a step makes
+        (``gate_up_silu_mul``: the same config and PDL setting, which is a compile-time constant; a
+        1-row warm-up would compile the PDL variant no step of 2,048+ rows runs). At the range's first
+        two row counts: the row count is not specialized in the pointer kernel, but the TMA descriptors
+        carry it too. Returns the launches made (0 where it never runs)."""
+        if self.paired_silu_rows is None or isinstance(weight, QuantizedWeight):
             return 0
-        gate_up_silu(torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device), weight,
-                     config=self.paired_silu_config)
-        return 1
+        lo, hi = self.paired_silu_rows
+        rows = sorted({lo, min(lo + 1, hi)})
+        for m in rows:
+            self.gate_up_silu_mul(torch.zeros(m, weight.shape[1], dtype=weight.dtype, device=weight.device), weight)
+        return len(rows)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps, pdl=self.pdl_for(x.shape[0]))
