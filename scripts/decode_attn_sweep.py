@@ -5,6 +5,7 @@ choose the kernel's defaults). K/V caches are rotated so back-to-back calls read
     python scripts/decode_attn_sweep.py --out /tmp/out     # Qwen2.5-3B heads, bf16
     python scripts/decode_attn_sweep.py --cases 256x640,512x640 --warps 2,4,8   # W1's decode batches
     python scripts/decode_attn_sweep.py --splits auto,8 --stages 2,3 --prefetch 0,1   # the loads' schedule
+    python scripts/decode_attn_sweep.py --cases 200x880 --pages 16,64 --pool-gib 0,1.5 --reference   # the KV layout
 
 Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
 """
@@ -24,13 +25,31 @@ from pageserve.lab.results import provenance
 from pageserve.kernels.paged_decode import decode_num_splits, paged_decode_attention
 
 
-def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict]) -> list[dict]:
+def spread_caches(bt: torch.Tensor, used: int, page: int, pool_gib: float, copies: int, gen: torch.Generator):
+    """K/V caches of ``pool_gib`` GiB each (K and V), the table's blocks moved to random places among
+    all of them, as an engine's pool (sized from the GPU's memory) holds a step's blocks. Values are
+    random normals made on the device (their size would take the host minutes)."""
+    block_bytes = page * HKV * HEAD_DIM * 2
+    num_blocks = max(used, int(pool_gib * 2**30) // block_bytes)
+    where = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32).to(bt.device)
+    table = where[bt.long().clamp(max=used - 1)]
+    shape = (num_blocks, page, HKV, HEAD_DIM)
+    caches = [tuple(torch.empty(shape, dtype=torch.bfloat16, device=bt.device).normal_() for _ in range(2))
+              for _ in range(copies)]
+    return table, caches
+
+
+def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict], page: int = 16,
+          pool_gib: float = 0.0) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
-    q, _, _, kc, vc, meta = checks.random_paged_batch([1] * batch, [ctx] * batch, HQ, HKV, HEAD_DIM, 16,
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1] * batch, [ctx] * batch, HQ, HKV, HEAD_DIM, page,
                                                       torch.bfloat16, "cuda", gen)
     bt = torch.zeros(batch, max_blocks, dtype=torch.int32, device="cuda")
     bt[:, : meta.block_tables.shape[1]] = meta.block_tables[:, :max_blocks]
-    caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+    if pool_gib > 0:
+        bt, caches = spread_caches(bt, kc.shape[0], page, pool_gib, copies, gen)
+    else:
+        caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
     out = torch.empty_like(q)
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
     rows = []
@@ -52,7 +71,10 @@ def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
-    ap.add_argument("--max-blocks", type=int, default=128, help="block-table width (max_model_len 2048 / 16)")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="the block table's width in tokens")
+    ap.add_argument("--pages", default="16", help="KV block sizes (tokens a page) to time every case at")
+    ap.add_argument("--pool-gib", default="0", help="K (and V) cache sizes in GiB to spread each case's blocks "
+                    "over (0: just the blocks the case uses, a random order); the engine's pool is tens of GiB")
     ap.add_argument("--cases", default="1x512,64x512,64x2048",
                     help="batch x context pairs, e.g. 256x640,512x640 for W1's decode steps")
     ap.add_argument("--warps", default="2,4", help="num_warps values to sweep (e.g. 2,4,8)")
@@ -70,8 +92,10 @@ def main() -> None:
     block_ns = tuple(int(v) for v in args.block_n.split(","))
     stages = tuple(int(v) for v in args.stages.split(","))
     prefetch = tuple(bool(int(v)) for v in args.prefetch.split(","))
-    for batch, ctx in cases:
-        auto = decode_num_splits(batch, HKV, args.max_blocks, 16, sms)
+    for (batch, ctx), page, pool in itertools.product(cases, [int(p) for p in args.pages.split(",")],
+                                                       [float(g) for g in args.pool_gib.split(",")]):
+        max_blocks = -(-args.max_model_len // page)
+        auto = decode_num_splits(batch, HKV, max_blocks, page, sms)
         if args.splits:
             splits = sorted({auto if v == "auto" else int(v) for v in args.splits.split(",")})
         else:  # from batch 32 up the grid holds 64+ (sequence, KV head) pairs: 1-2 splits are candidates too
@@ -85,13 +109,13 @@ def main() -> None:
             configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 2, "prefetch": False,
                             "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
-        rows = sweep(batch, ctx, args.max_blocks, min(copies, 64), configs)
-        key = f"b{batch}_ctx{ctx}"
-        record[key] = {"auto_splits": auto, "rows": rows}
+        rows = sweep(batch, ctx, max_blocks, min(copies, 64), configs, page, pool)
+        key = f"b{batch}_ctx{ctx}" + (f"_page{page}" if page != 16 else "") + (f"_pool{pool:g}gib" if pool else "")
+        record[key] = {"auto_splits": auto, "page": page, "pool_gib": pool, "rows": rows}
         default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
                         and r.get("num_warps") == 4 and r.get("num_stages") == 2
                         and not r.get("prefetch") and "direct" not in r), None)
-        print(f"== batch {batch} x ctx {ctx} (auto splits {auto}); default "
+        print(f"== batch {batch} x ctx {ctx}, page {page}, pool {pool:g} GiB (auto splits {auto}); default "
               f"{default and round(default['us'], 2)} µs", flush=True)
         for r in rows[:10]:
             print("  ", r, flush=True)

@@ -55,7 +55,15 @@ PAIRED_ROUND2 = {  # after round 1 (83d553f): TMA 128 x 256 x 64, 3 stages best;
     "persist_128x256x64_w8s3_g16": C(128, 256, 64, 8, 3, group_m=16, tma=True, persistent=True),
     "persist_128x256x128_w8s2": C(128, 256, 128, 8, 2, tma=True, persistent=True),
 }
-ROUNDS = {"round1": (DUAL, PAIRED_ROUND1), "round2": ({}, PAIRED_ROUND2),
+PAIRED_ROUND3 = {  # session 33, below 2,048 rows (cuBLAS + SiLU·mul there): the persistent walk with smaller tiles
+    "persist_128x256x64_w8s3": C(128, 256, 64, 8, 3, tma=True, persistent=True),
+    "persist_128x256x64_w8s4": C(128, 256, 64, 8, 4, tma=True, persistent=True),
+    "persist_64x256x64_w4s4": C(64, 256, 64, 4, 4, tma=True, persistent=True),
+    "persist_128x128x64_w8s4": C(128, 128, 64, 8, 4, tma=True, persistent=True),
+    "persist_128x128x64_w4s4": C(128, 128, 64, 4, 4, tma=True, persistent=True),
+    "persist_64x128x64_w4s5": C(64, 128, 64, 4, 5, tma=True, persistent=True),
+}
+ROUNDS = {"round1": (DUAL, PAIRED_ROUND1), "round2": ({}, PAIRED_ROUND2), "round3": ({}, PAIRED_ROUND3),
           "default": ({}, {"default_config": None})}  # gate_up_silu's own default (a check of the shipped code)
 
 

@@ -87,6 +87,10 @@ ENGINE_MODES = {
     # session 29: the logits converted to fp32 after the head, as before (``fp32_logits``; "_patch" keys name a
     # patch of ``PATCHES`` that ``engine_mode`` applies around the engine, not an ``LLM`` argument)
     "fp32_logits": {"_patch": "fp32_logits"},
+    # session 33: KV pages of 32 / 64 tokens instead of 16 (fewer block-table reads and longer runs of
+    # contiguous keys a tile), and a KV pool of 16,384 blocks (9.4 GB at the 3B shape) instead of one sized
+    # from the GPU's memory (~100 GB): whether the decode attention's page walks pay for the pool's spread
+    "block32": {"block_size": 32}, "block64": {"block_size": 64}, "kv_pool_16k": {"num_blocks": 16384},
 }
 
 
