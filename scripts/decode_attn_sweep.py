@@ -6,6 +6,7 @@ choose the kernel's defaults). K/V caches are rotated so back-to-back calls read
     python scripts/decode_attn_sweep.py --cases 256x640,512x640 --warps 2,4,8   # W1's decode batches
     python scripts/decode_attn_sweep.py --splits auto,8 --stages 2,3 --prefetch 0,1   # the loads' schedule
     python scripts/decode_attn_sweep.py --cases 200x880 --pages 16,64 --pool-gib 0,1.5 --reference   # the KV layout
+    python scripts/decode_attn_sweep.py --cases 200x880 --under-load --reference   # kernel time beside a layer's GEMMs
 
 Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
 """
@@ -39,8 +40,41 @@ def spread_caches(bt: torch.Tensor, used: int, page: int, pool_gib: float, copie
     return table, caches
 
 
+def kernel_us(fn, calls: int, name: str) -> float:
+    """Device µs of the kernels whose names hold ``name`` per call of ``fn(i)``, the calls captured back to back in
+    one CUDA graph and its replays profiled (the kernel's own time, no launch gaps)."""
+    from pageserve.lab.profiling import profile_kernels
+
+    fn(0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    rows = profile_kernels(graph.replay, repeats=3)
+    return sum(r.us for r in rows if name in r.name) / calls
+
+
+def layer_load(batch: int, copies: int, gen: torch.Generator):
+    """A decode layer's big products at ``batch`` rows (gate_up then down, cuBLAS, bf16, weights rotated
+    over ``copies`` so they come from HBM): what runs on the GPU between two attention launches of a step."""
+    from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
+
+    (n_gu, k_gu), (n_dn, k_dn) = GEMV_SHAPES["gate_up"], GEMV_SHAPES["down"]
+    mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02  # noqa: E731
+    ws = [(mk(n_gu, k_gu), mk(n_dn, k_dn)) for _ in range(copies)]
+    x, h = mk(batch, k_gu), mk(batch, k_dn)
+
+    def run(i):
+        w_gu, w_dn = ws[i % copies]
+        torch.nn.functional.linear(x, w_gu)
+        torch.nn.functional.linear(h, w_dn)
+    return run
+
+
 def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict], page: int = 16,
-          pool_gib: float = 0.0) -> list[dict]:
+          pool_gib: float = 0.0, under_load: bool = False) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     q, _, _, kc, vc, meta = checks.random_paged_batch([1] * batch, [ctx] * batch, HQ, HKV, HEAD_DIM, page,
                                                       torch.bfloat16, "cuda", gen)
@@ -52,6 +86,7 @@ def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict
         caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
     out = torch.empty_like(q)
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
+    load = layer_load(batch, 2, torch.Generator(device="cuda").manual_seed(1)) if under_load else None
     rows = []
     for cfg in configs:
         kw = {k: v for k, v in cfg.items() if k != "reference"}
@@ -64,7 +99,15 @@ def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict
         except Exception as e:  # out of resources: skip
             rows.append({**cfg, "error": f"{type(e).__name__}: {e}"[:200]})
             continue
-        rows.append({**cfg, "us": ms * 1e3, "gbps": nbytes / ms / 1e6})
+        row = {**cfg, "us": ms * 1e3, "gbps": nbytes / ms / 1e6}
+        if under_load:  # the kernel's device time alone, and with a layer's GEMMs between its launches
+
+            def loaded(i, call=call):
+                load(i)
+                call(i)
+            row["kernel_us"] = kernel_us(call, 4 * copies, "_decode_")
+            row["kernel_us_loaded"] = kernel_us(loaded, 4 * copies, "_decode_")
+        rows.append(row)
     return sorted(rows, key=lambda r: r.get("us", float("inf")))
 
 
@@ -82,6 +125,9 @@ def main() -> None:
     ap.add_argument("--block-n", default="32,64", help="key-tile sizes to sweep")
     ap.add_argument("--stages", default="2", help="num_stages values to sweep (the kernel's default is 2)")
     ap.add_argument("--prefetch", default="0", help="prefetch values to sweep (1: q with seq_len, blocks a tile ahead)")
+    ap.add_argument("--under-load", action="store_true",
+                    help="also profile each config's kernel time alone and with a layer's gate_up and down GEMMs "
+                         "(cuBLAS, the case's rows) between launches, as in an engine step (power and clock)")
     ap.add_argument("--reference", action="store_true",
                     help="also time the kernel's own launch (no keywords) in every case, as row 'reference'")
     args = ap.parse_args()
@@ -109,7 +155,7 @@ def main() -> None:
             configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 2, "prefetch": False,
                             "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
-        rows = sweep(batch, ctx, max_blocks, min(copies, 64), configs, page, pool)
+        rows = sweep(batch, ctx, max_blocks, min(copies, 64), configs, page, pool, args.under_load)
         key = f"b{batch}_ctx{ctx}" + (f"_page{page}" if page != 16 else "") + (f"_pool{pool:g}gib" if pool else "")
         record[key] = {"auto_splits": auto, "page": page, "pool_gib": pool, "rows": rows}
         default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
