@@ -242,3 +242,24 @@ def test_w1_profile_summarises_both_graph_runners_and_none_where_nothing_was_cap
         "decode": {"buckets": 3, "max_bs": 4, "capture_s": 1.5, "capture_mib": 3.0}, "mixed": None}
     llm.engine.runner.graphs = None  # enforce_eager
     assert w1_profile.graphs_summary(llm)["decode"] is None
+
+
+def test_decode_attn_sweep_spreads_a_case_over_a_large_pool_keeping_every_block_distinct():
+    """``--pool-gib``: the case's blocks land at distinct random places of a larger pool, the table
+    keeps which block each (sequence, position) reads, and every cache copy has the pool's size."""
+    import torch
+
+    from pageserve.lab import kernel_checks as checks
+
+    sweep = _script("decode_attn_sweep")
+    gen = torch.Generator().manual_seed(0)
+    _, _, _, kc, _, meta = checks.random_paged_batch([1] * 3, [40, 17, 33], 16, 2, 128, 16, torch.bfloat16, "cpu", gen)
+    bt = meta.block_tables
+    table, caches = sweep.spread_caches(bt, kc.shape[0], 16, 0.01, 2, gen)
+    pool = int(0.01 * 2**30) // (16 * 2 * 128 * 2)
+    assert len(caches) == 2 and all(c.shape == (pool, 16, 2, 128) for kv in caches for c in kv)
+    assert table.shape == bt.shape and int(table.max()) < pool
+    # the same old block maps to the same new one, different ones to different ones
+    old, new = bt.flatten().tolist(), table.flatten().tolist()
+    assert len({(o, n) for o, n in zip(old, new)}) == len(set(old)) == len(set(new))
+    assert max(new) >= kc.shape[0]  # spread beyond the case's own blocks (p of failing ~ (11/1310)^12)
