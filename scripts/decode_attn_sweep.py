@@ -62,7 +62,9 @@ def layer_load(batch: int, copies: int, gen: torch.Generator):
     from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
 
     (n_gu, k_gu), (n_dn, k_dn) = GEMV_SHAPES["gate_up"], GEMV_SHAPES["down"]
-    mk = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02  # noqa: E731
+    def mk(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+
     ws = [(mk(n_gu, k_gu), mk(n_dn, k_dn)) for _ in range(copies)]
     x, h = mk(batch, k_gu), mk(batch, k_dn)
 
