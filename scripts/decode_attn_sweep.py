@@ -33,7 +33,7 @@ def spread_caches(bt: torch.Tensor, used: int, page: int, pool_gib: float, copie
     block_bytes = page * HKV * HEAD_DIM * 2
     num_blocks = max(used, int(pool_gib * 2**30) // block_bytes)
     where = torch.randperm(num_blocks, generator=gen)[:used].to(torch.int32).to(bt.device)
-    table = where[bt.long().clamp(max=used - 1)]
+    table = where[bt.long()]  # every id in the table is one of the case's ``used`` blocks
     shape = (num_blocks, page, HKV, HEAD_DIM)
     caches = [tuple(torch.empty(shape, dtype=torch.bfloat16, device=bt.device).normal_() for _ in range(2))
               for _ in range(copies)]
