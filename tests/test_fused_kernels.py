@@ -104,7 +104,8 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
             torch.testing.assert_close(ops.silu_mul_linear(gu, w), TorchOps().silu_mul_linear(gu, w))
         ops.rotary_write_kv(q, k, v, pos, cs, kc, vc, meta.slot_mapping)
     assert calls == ["silu_mul_gemv", "rotary_write_kv"]
-    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv  # on by default (measured, kernels/NOTES.md)
+    # on by default (measured, kernels/NOTES.md)
+    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv and TritonOps().fuse_rope_attention
 
 
 def test_the_gemv_serves_one_row_and_cublas_two_or_more_by_default(monkeypatch, gen):
@@ -120,19 +121,22 @@ def test_the_gemv_serves_one_row_and_cublas_two_or_more_by_default(monkeypatch, 
     assert ops.gemv_max_m == 1 and calls == [1]
 
 
-FUSED = {"silu_mul_gemv", "rotary_write_kv"}  # the kernels the two fusion switches turn on
-SWITCHES = {  # TritonOps keywords -> the fused kernels the decode step must run (the defaults: both on)
-    "all_off": ({"fuse_silu_down": False, "fuse_rope_kv": False}, set()),
-    "fuse_silu_down": ({"fuse_silu_down": True, "fuse_rope_kv": False}, {"silu_mul_gemv"}),
-    "fuse_rope_kv": ({"fuse_silu_down": False, "fuse_rope_kv": True}, {"rotary_write_kv"}),
+FUSED = {"silu_mul_gemv", "rotary_write_kv", "rope_decode_attention"}  # the kernels the fusion switches turn on
+OFF = {"fuse_silu_down": False, "fuse_rope_kv": False, "fuse_rope_attention": False}
+SWITCHES = {  # TritonOps keywords -> the fused kernels the steps must run (the defaults: all on)
+    "all_off": (OFF, set()),
+    "fuse_silu_down": ({**OFF, "fuse_silu_down": True}, {"silu_mul_gemv"}),
+    "fuse_rope_kv": ({**OFF, "fuse_rope_kv": True}, {"rotary_write_kv"}),
+    # the decode step's RoPE and K/V write in its attention; the prefill's stay two kernels
+    "fuse_rope_attention": ({**OFF, "fuse_rope_attention": True}, {"rope_decode_attention"}),
     "defaults": ({}, FUSED),
-    "all_on_never_split": ({"fuse_silu_down": True, "fuse_rope_kv": True, "gemv_split_k": "never"}, FUSED),
+    "all_on_never_split": ({"gemv_split_k": "never"}, FUSED),
 }
 
 
 def test_decoder_logits_are_the_same_with_each_switch_on_and_off(gen, monkeypatch):
-    """Prefill (T > gemv_max_m: cuBLAS + fused RoPE/KV) then a 2-row decode (GEMV, fused MLP)
-    through PagedAttention, and a prompt through phase 01's contiguous cache (no attend_rope).
+    """Prefill (T > gemv_max_m: cuBLAS + fused RoPE/KV) then a 2-row decode (GEMV, fused MLP, RoPE in
+    the attention) through PagedAttention, and a prompt through phase 01's contiguous cache (no attend_rope).
     Each setting runs exactly the fused kernels it switches on; off, the separate ones instead."""
     from pageserve.model.attention import PagedAttention
     from pageserve.model.config import ModelConfig
@@ -342,3 +346,18 @@ def test_paired_silu_rows_routes_those_steps_gate_up_through_gate_up_silu(monkey
     assert launches[0] == (6, None, ops.pdl_for(6))
     assert TritonOps(paired_silu_rows=None).warm_gate_up_silu(w) == 0 and TorchOps().warm_gate_up_silu(w) == 0
     assert ops.warm_gate_up_silu(qmodel.layers[0].mlp.gate_up_proj.weight) == 0
+
+
+def test_deterministic_mode_keeps_rope_out_of_its_attention(gen):
+    # its attention is the batch-invariant kernel: the decode RoPE stays rope_kv's launch, and asking for the
+    # default kernel's fusion there is an error, not a silent switch
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    with pytest.raises(ValueError, match="fuse_rope_attention"):
+        DeterministicOps(fuse_rope_attention=True)
+    meta = checks.random_paged_batch([1, 1], [5, 9], 4, 2, 16, 16, torch.float32, DEVICE, gen)[-1]
+    meta.max_query_len = 1
+    q = torch.zeros(2, 4, 16, device=DEVICE)
+    assert TritonOps().rope_in_decode_attention(q, meta)
+    assert not DeterministicOps().rope_in_decode_attention(q, meta)
+    assert not TorchOps().rope_in_decode_attention(q, meta)

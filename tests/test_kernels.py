@@ -145,6 +145,34 @@ def test_decode_attention_prefetched_block_table_gives_the_default_bits(dtype, n
     _ok(checks.rel_err(ahead, checks.attention_reference(q, kc, vc, meta, 64**-0.5)), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "hq%d-hkv%d-d%d-bs%d" % s)
+@pytest.mark.parametrize("schedule,num_splits", [("split", None), ("split", 1), ("split", 3), ("pipelined", None)])
+def test_rope_decode_attention_matches_rope_then_attention_and_writes_the_rope_kv_cache_bits(shape, dtype, schedule,
+                                                                                            num_splits, gen):
+    # RoPE, the K/V write and the attention in one launch: the newest position (read from the step, not
+    # the cache) alone in a split, at a block's first / last slot, a padding row (zeros, no write)
+    Hq, Hkv, D, bs = shape
+    ctx = [0, 1, bs, bs + 1, 2 * bs + 1, 3 * bs - 1 + 40 * (BIG - 1), 7]
+    err, same_cache = checks.check_rope_decode(ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen, schedule=schedule,
+                                               num_splits=num_splits)
+    _ok(err, dtype)
+    assert same_cache  # rope_kv's own expression, rounded once: the bits the two-launch path stores
+
+
+def test_rope_decode_attention_refuses_head_sizes_it_cannot_pair(gen):
+    from pageserve.kernels.paged_decode import rope_decode_attention, rope_supported
+
+    assert rope_supported(64) and rope_supported(128) and not rope_supported(96) and not rope_supported(8)
+    q, k, kc, vc = (torch.zeros(1, 2, 96, device=DEVICE), torch.zeros(1, 1, 96, device=DEVICE),
+                    torch.zeros(2, 16, 1, 96, device=DEVICE), torch.zeros(2, 16, 1, 96, device=DEVICE))
+    with pytest.raises(ValueError, match="power of two"):
+        rope_decode_attention(q, k, k, torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                              torch.zeros(8, 96, device=DEVICE), kc, vc, torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                              torch.ones(1, dtype=torch.int32, device=DEVICE),
+                              torch.zeros(1, 1, dtype=torch.int32, device=DEVICE), 0.1)
+
+
 def test_decode_split_count_is_the_fewest_that_fill_the_gpu_three_times_without_short_pieces():
     sms, bs = 132, 16
     # the H200 case the sweep measured: batch 64, 2 KV heads, a 2,048-token table -> 4 splits (4 beat 5)

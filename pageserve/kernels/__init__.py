@@ -2,7 +2,8 @@
 
 One file per kernel family, each with its plain-PyTorch reference importable beside it:
 
-- ``paged_decode``  paged attention, one query per sequence, split-K + merge (CUDA-graph safe)
+- ``paged_decode``  paged attention, one query per sequence, split-K + merge (CUDA-graph safe);
+                    also with the step's RoPE and K/V write in the same launch (``rope_decode_attention``)
 - ``paged_prefill`` paged attention for prefill chunks over a cached prefix (and mixed batches)
 - ``kv_write``      K/V into the paged cache through slot_mapping (-1 skipped)
 - ``norm``          RMSNorm, fused residual-add + RMSNorm
@@ -40,7 +41,7 @@ from .int8_planes import gemv_int8_planes, silu_mul_gemv_int8_planes
 from .kv_write import write_kv
 from .matmul_invariant import matmul_invariant
 from .norm import add_rms_norm, rms_norm
-from .paged_decode import paged_decode_attention
+from .paged_decode import paged_decode_attention, rope_decode_attention
 from .paged_invariant import paged_attention_invariant
 from .paged_prefill import chunk_prefill_attention, paged_prefill_attention
 from .rope_kv import rotary_write_kv
@@ -51,7 +52,8 @@ __all__ = [
     "reference", "GemvConfig", "SPLIT_K_MODES", "interpreting", "load_device_configs", "parse_configs",
     "gemv", "silu_mul_gemv", "gate_up_silu", "gemv_int8", "silu_mul_gemv_int8", "gemm_int8", "dequantize_int8",
     "gemv_int8_planes", "silu_mul_gemv_int8_planes", "write_kv", "rms_norm", "add_rms_norm", "silu_and_mul",
-    "rotary", "rotary_write_kv", "stage_decode_inputs", "argmax_rows", "paged_decode_attention", "paged_prefill_attention",
+    "rotary", "rotary_write_kv", "stage_decode_inputs", "argmax_rows", "paged_decode_attention", "rope_decode_attention",
+    "paged_prefill_attention",
     "chunk_prefill_attention",
     "matmul_invariant", "paged_attention_invariant",  # batch-invariant (deterministic mode, issue 15)
 ]

@@ -19,6 +19,13 @@ launches can be captured in a CUDA graph. A row with seq_len 0 (padding) gets ze
 the "pipelined" schedule for sm_90 (block-table entries a tile ahead, 3 stages, one split from
 moderate batches up; faster at short contexts, slower at long ones). The engine's ops choose
 between the two per step from the longest context (``TritonOps(decode_schedule="by_context")``).
+
+``rope_decode_attention`` is the same launch taking the step's q, k and v before RoPE (the qkv
+projection's views): each program rotates its group's query rows itself, and the program whose
+split holds the sequence's newest position rotates that token's k, writes k and v into the cache
+(the work of ``rope_kv.rotary_write_kv``, whose launch it replaces in decode steps) and folds the
+token into its softmax from registers; the other positions come from the cache as above
+(reference: ``reference.rotary_write_kv``, then ``reference.paged_attention``).
 """
 from __future__ import annotations
 
@@ -34,8 +41,8 @@ from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, d
                     load_kv_at, mma, next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs,
                     pdl_enter_before_inputs, sm_count_for)
 
-__all__ = ["paged_decode_attention", "paged_attention_reference", "decode_num_splits", "decode_schedule",
-           "schedule_for", "pipelined_device", "DecodeSchedule", "SCHEDULES"]
+__all__ = ["paged_decode_attention", "rope_decode_attention", "paged_attention_reference", "decode_num_splits",
+           "decode_schedule", "schedule_for", "pipelined_device", "DecodeSchedule", "DecodeRope", "SCHEDULES"]
 
 SCHEDULES = ("split", "pipelined")
 
@@ -51,6 +58,58 @@ def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
     return per, s * per
 
 
+@triton.jit
+def _rope_row(cs_ptr, pos_ptr, b, stride_cs, d, dmask, HEAD_DIM: tl.constexpr):
+    """Row b's position's cos and sin spread over the head's lanes (lane d takes entry d mod HALF,
+    fp32) and each lane's rotate-half partner (d xor HALF: HEAD_DIM is a power of two)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    cos = tl.load(cs_ptr + pos * stride_cs + d % HALF, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d % HALF, mask=dmask, other=0.0).to(tl.float32)
+    return cos, sin, d ^ HALF
+
+
+@triton.jit
+def _rotate(x_ptr, d, partner, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate-half RoPE of the values at x_ptr + d (any shape broadcasting with d) in fp32, each half by
+    ``rope_kv``'s own expression (x1 cos - x2 sin, x2 cos + x1 sin), so both round to the same bits."""
+    x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(d < HALF, x * cos - xp * sin, x * cos + xp * sin)
+
+
+@triton.jit
+def _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_row, cos, sin, partner, HEAD_DIM: tl.constexpr):
+    """The group's query rows [BLOCK_G, BLOCK_D] before RoPE, rotated and rounded once to q's dtype."""
+    r = _rotate(q_row + heads[:, None] * stride_qh, d[None, :], partner[None, :], gmask[:, None] & dmask[None, :],
+                cos[None, :], sin[None, :], HEAD_DIM // 2)
+    return r.to(q_row.dtype.element_ty)
+
+
+@triton.jit
+def _newest_token(q, kn_row, vn_row, kc_ptr, vc_ptr, slot, h, d, dmask, cos, sin, partner,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, m_i, l_i, acc,
+                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The step's own token for KV head h: k rotated and rounded to the cache's dtype, k and v
+    stored at ``slot`` (unless -1), and the token folded into the running softmax (m_i, l_i, acc)
+    as ``online_softmax_step`` folds a one-key tile: its score in fp32, its weight rounded to v's
+    dtype where it meets v (the tile's MMA does the same)."""
+    k = _rotate(kn_row, d, partner, dmask, cos, sin, HEAD_DIM // 2).to(kc_ptr.dtype.element_ty)
+    v = tl.load(vn_row + d, mask=dmask, other=0.0).to(vc_ptr.dtype.element_ty)
+    if slot >= 0:
+        page = slot // PAGE
+        off = slot % PAGE
+        tl.store(kc_ptr + page * stride_kb + off * stride_ks + h * stride_kh + d, k, mask=dmask)
+        tl.store(vc_ptr + page * stride_vb + off * stride_vs + h * stride_vh + d, v, mask=dmask)
+    score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale  # [BLOCK_G], log2 units
+    m_new = tl.maximum(m_i, score)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(score - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v.dtype).to(tl.float32)[:, None] * v.to(tl.float32)[None, :]
+    return m_new, l_i, acc
+
+
 # stride_bt is the step's block-table width: unspecialised, so a new width never compiles a variant
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
@@ -58,15 +117,22 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, qk_scale,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     UPCAST: tl.constexpr, DIRECT: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    ROPE: tl.constexpr = False,
 ):
     # DIRECT (one split): the normalised output goes straight to out, and no merge kernel runs.
     # PREFETCH (the pipelined schedule): each tile's block-table entries are loaded one iteration
     # ahead (a loop-carried value), so a tile's K/V addresses never wait on a load issued in the
     # same iteration (kernels/NOTES.md, session 20); the first tile's, with seq_len, before the
-    # PDL wait (_util, "Step inputs before the wait")
+    # PDL wait (_util, "Step inputs before the wait").
+    # ROPE (``rope_decode_attention``): q is the step's query before RoPE (rotated here, as rope_kv rounds
+    # it), the cache lacks the newest position, and kn/vn hold that token's k (before RoPE) and v: the
+    # program whose split ends at seq_len rotates k, writes k and v at the row's slot (-1: no write) and
+    # folds the token in after its loop; the loops stop short of it. The kn_ptr..stride_cs arguments are
+    # unused without ROPE.
     pdl_enter_before_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -82,30 +148,41 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + b)
     per, start = _split_bounds(seq_len, s, NUM_SPLITS, BLOCK_N)
     end = tl.minimum(start + per, seq_len)
+    stop = end  # the last position this program reads from the cache (exclusive)
+    if ROPE:
+        stop = tl.minimum(end, seq_len - 1)
+        cos, sin, partner = _rope_row(cs_ptr, pos_ptr, b, stride_cs, d, dmask, HEAD_DIM)
+        slot = tl.load(slot_ptr + b).to(tl.int64)
     bt_row = bt_ptr + b * stride_bt
     if PREFETCH:  # the first tile's blocks
         tok = start + tl.arange(0, BLOCK_N)
-        page = kv_pages(bt_row, tok, tok < end, PAGE)
+        page = kv_pages(bt_row, tok, tok < stop, PAGE)
     pdl_enter_after_inputs(USE_PDL)
     if PREFETCH:  # issued before the branch on seq_len
-        q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        if ROPE:
+            q = _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_ptr + b * stride_qb, cos, sin, partner, HEAD_DIM)
+        else:
+            q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     if start >= seq_len:
         if DIRECT:  # a padding row (seq_len 0): zeros, as the merge would write
             tl.store(out_ptrs, tl.zeros([BLOCK_G, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
                      mask=gmask[:, None] & dmask[None, :])
         return
     if not PREFETCH:
-        q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        if ROPE:
+            q = _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_ptr + b * stride_qb, cos, sin, partner, HEAD_DIM)
+        else:
+            q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, stop, BLOCK_N):
         tok = n0 + tl.arange(0, BLOCK_N)
-        tmask = tok < end
+        tmask = tok < stop
         if PREFETCH:
             nxt = tok + BLOCK_N
-            page_next = kv_pages(bt_row, nxt, nxt < end, PAGE)
+            page_next = kv_pages(bt_row, nxt, nxt < stop, PAGE)
         else:
             page = kv_pages(bt_row, tok, tmask, PAGE)
         k, v = load_kv_at(kc_ptr, vc_ptr, page, tok, tmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
@@ -115,6 +192,12 @@ def _decode_split_kernel(
         m_i, l_i, acc = online_softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST)
         if PREFETCH:
             page = page_next
+    if ROPE:
+        if end == seq_len:  # this split holds the newest position: its k and v come from the step
+            m_i, l_i, acc = _newest_token(q, kn_ptr + b * stride_knb + h * stride_knh,
+                                          vn_ptr + b * stride_vnb + h * stride_vnh, kc_ptr, vc_ptr, slot, h, d, dmask,
+                                          cos, sin, partner, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                          stride_vh, qk_scale, m_i, l_i, acc, PAGE, HEAD_DIM)
 
     out = acc / l_i[:, None]
     if DIRECT:
@@ -235,12 +318,54 @@ def schedule_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
                            k_cache.shape[1], sm_count_for(q), pipelined)
 
 
+class DecodeRope(NamedTuple):
+    """The step's own token for ``rope_decode_attention``: k, v [B, Hkv, D] before RoPE (strided views of
+    the qkv projection are fine; last dim contiguous), positions [B] int, the cos|sin table [max_pos, D]
+    fp32, slot_mapping [B] int (-1: write nothing)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+def rope_supported(head_dim: int) -> bool:
+    """Whether ``rope_decode_attention`` takes this head size: a power of two (each lane's rotate-half
+    partner is ``d xor head_dim / 2``), at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def rope_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, seq_lens: torch.Tensor,
+    block_tables: torch.Tensor, scale: float, **launch,
+) -> torch.Tensor:
+    """A decode step's RoPE, K/V write and attention in one launch (plus the merge where it splits):
+    ``rotary_write_kv`` then ``paged_decode_attention``, with q [B, Hq, D] and k, v [B, Hkv, D] as the qkv
+    projection gives them (before RoPE). Row b's newest position (seq_lens[b] - 1 = positions[b]) is
+    not read from the cache, which this call writes; the cache holds the earlier ones. ``launch``:
+    ``paged_decode_attention``'s keywords (out, schedule, pdl, ...). Returns [B, Hq, D]."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    check("k", k, shape=(B, Hkv, D), dtype=q.dtype)
+    check("v", v, shape=(B, Hkv, D), dtype=q.dtype)
+    check("positions", positions, shape=(B,), dtype=(torch.int32, torch.int64), last_contiguous=False)
+    check("cos_sin", cos_sin, shape=(None, D), dtype=torch.float32)
+    check("slot_mapping", slot_mapping, shape=(B,), dtype=(torch.int32, torch.int64), last_contiguous=False)
+    check_device(q=q, k=k, v=v, positions=positions, cos_sin=cos_sin, slot_mapping=slot_mapping)
+    if not rope_supported(D):
+        raise ValueError(f"rope_decode_attention: head_dim must be a power of two >= 16, got {D}")
+    rope = DecodeRope(k, v, positions.contiguous(), cos_sin, slot_mapping.contiguous())
+    return paged_decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, rope=rope, **launch)
+
+
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     out: torch.Tensor | None = None, num_splits: int | None = None, block_n: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, pdl: bool | None = None,
     direct: bool | None = None, prefetch: bool | None = None, schedule: str = "split",
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """q: [B, Hq, D] (query b belongs to sequence b); caches [num_blocks, block_size, Hkv, D];
     seq_lens: [B] int32 (context after this step, 0 = padding row -> zeros);
@@ -252,7 +377,8 @@ def paged_decode_attention(
     (a copy at one split) is skipped; None = whenever there is one split, False = always merge
     (the A/B reference: large batches get one split, results/h200/diagnostics/profile_steps.json).
     ``prefetch``: q with seq_len, and each tile's block-table entries one iteration ahead
-    (same bits: the loads move, not the arithmetic)."""
+    (same bits: the loads move, not the arithmetic). ``rope``: q, and ``rope.k`` / ``rope.v``, are before
+    RoPE and the cache lacks each row's newest position (``rope_decode_attention``, which checks them)."""
     page, Hkv = check_paged_qkv(q, k_cache, v_cache)
     B, Hq, D = q.shape
     check("seq_lens", seq_lens, shape=(B,), dtype=torch.int32)
@@ -279,16 +405,21 @@ def paged_decode_attention(
         part_o = torch.empty((B, Hq, S, D), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     launch = pdl_args(q, B, pdl)
+    if rope is None:  # unused pointers point at something valid
+        step = (q, q, seq_lens, q, seq_lens, 0, 0, 0, 0, 0)
+    else:
+        step = (rope.k, rope.v, rope.positions, rope.cos_sin, rope.slot_mapping, rope.k.stride(0), rope.k.stride(1),
+                rope.v.stride(0), rope.v.stride(1), rope.cos_sin.stride(0))
     _decode_split_kernel[(B, Hkv, S)](
         q, k_cache, v_cache, block_tables, seq_lens, part_o, part_lse, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), float(scale) * LOG2E,
+        block_tables.stride(0), float(scale) * LOG2E, *step,
         GROUP=group, HEAD_DIM=D, PAGE=page, NUM_SPLITS=S,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), DIRECT=direct, PREFETCH=bool(prefetch),
-        num_warps=num_warps, num_stages=num_stages, **launch,
+        ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if direct:
         return out

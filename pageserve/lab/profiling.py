@@ -91,6 +91,9 @@ ENGINE_MODES = {
     # contiguous keys a tile), and a KV pool of 16,384 blocks (9.4 GB at the 3B shape) instead of one sized
     # from the GPU's memory (~100 GB): whether the decode attention's page walks pay for the pool's spread
     "block32": {"block_size": 32}, "block64": {"block_size": 64}, "kv_pool_16k": {"num_blocks": 16384},
+    # session 34: decode steps' RoPE and K/V write as rope_kv's own launch before the attention, as before
+    # (the default since: inside the decode attention's launch, kernels.paged_decode.rope_decode_attention)
+    "default_no_rope_attention": {"triton_options": {"fuse_rope_attention": False}},
 }
 
 

@@ -53,8 +53,11 @@ class PagedAttention:
                     cos_sin: torch.Tensor, scale: float) -> torch.Tensor:
         """``attend`` on un-rotated q/k: RoPE and the K/V write are one ops call
         (one kernel under ``TritonOps(fuse_rope_kv=True)``), then attention (with the rotated k
-        and v at hand where the ops take them: ``chunk_attention_for``)."""
+        and v at hand where the ops take them: ``chunk_attention_for``); in decode steps where the
+        ops say so (``rope_in_decode_attention``), all of it in the attention's own launch."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        if self.ops.rope_in_decode_attention(q, self.meta):
+            return self.ops.rope_decode_attention(q, k, v, positions, cos_sin, k_cache, v_cache, self.meta, scale)
         q, k = self.ops.rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, self.meta.slot_mapping)
         if self.ops.chunk_attention_for(self.meta):
             return self.ops.chunk_kv_attention(q, k, v, k_cache, v_cache, self.meta, scale)

@@ -97,6 +97,10 @@ class DeterministicOps(TritonOps):
                  cublas_rows: tuple[int, int] | str | None = "auto", **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
+        # its attention is kernels/paged_invariant.py: RoPE and the K/V write stay rope_kv's launch
+        if triton_options.setdefault("fuse_rope_attention", False):
+            raise ValueError("deterministic mode: fuse_rope_attention is the default decode kernel's; its attention "
+                             "is the batch-invariant one")
         # the default mode's gate_up epilogue policy (2-64 rows on Hopper) is not this mode's: its own
         # gate_up_silu_mul decides, and its fallback under PDL must be the product + the SiLU·mul kernel (with
         # that policy inherited, batch 4 ran the epilogue under PDL: 3.07 ms a graphed 3B step against 2.74,

@@ -105,6 +105,12 @@ class TorchOps:
     def paged_attention(self, q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         return reference.paged_attention(q, k_cache, v_cache, meta, scale)
 
+    def rope_in_decode_attention(self, q: torch.Tensor, meta) -> bool:
+        """Whether this step's RoPE, K/V write and attention are one ``rope_decode_attention(q, k, v,
+        positions, cos_sin, k_cache, v_cache, meta, scale)`` call (q, k, v before RoPE) instead of
+        ``rotary_write_kv`` then the attention: never here (``TritonOps``: decode steps)."""
+        return False
+
     def chunk_attention_for(self, meta) -> bool:
         """Whether this step's attention runs ``chunk_kv_attention`` (the step's own k/v in hand)
         instead of ``paged_attention``: never here (``TritonOps``: eager steps with long chunks)."""

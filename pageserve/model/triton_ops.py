@@ -13,7 +13,7 @@ import torch
 
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, matmul_invariant,
                        chunk_prefill_attention, paged_decode_attention, paged_prefill_attention, rms_norm, rotary,
-                       rotary_write_kv,
+                       rope_decode_attention, rotary_write_kv,
                        silu_and_mul, silu_mul_gemv, write_kv)
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.matmul_invariant import InvariantMatmulConfig
@@ -22,7 +22,7 @@ from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_
 from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
-from ..kernels.paged_decode import pipelined_device
+from ..kernels.paged_decode import pipelined_device, rope_supported
 from ..kernels.paged_prefill import CHUNK_CONFIGS, CHUNK_MIN_TOKENS
 from .attention import AttentionMetadata
 from .ops import TorchOps
@@ -102,6 +102,9 @@ class TritonOps(TorchOps):
     op runs as the separate kernels it replaces):
     ``fuse_silu_down``: ``silu_mul_linear`` as one GEMV reading gate|up (M <= gemv_max_m).
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
+    ``fuse_rope_attention``: in decode-only steps, RoPE and the K/V write inside the decode attention's
+    launch (``kernels.paged_decode.rope_decode_attention``) instead of ``rotary_write_kv`` before it
+    (head sizes that are powers of two).
     ``paired_silu_rows``: (lo, hi) or None: steps of lo..hi rows (outside ``gate_up_silu_rows``) run the gate_up
     product through ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile: one MMA chain, SiLU·mul
     in the epilogue, no [T, 2I] intermediate) instead of cuBLAS + the SiLU·mul kernel; float weights only.
@@ -149,6 +152,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 1, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
+                 fuse_rope_attention: bool = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
@@ -207,6 +211,7 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
+        self.fuse_rope_attention = fuse_rope_attention
         hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
         self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
         self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
@@ -347,6 +352,18 @@ class TritonOps(TorchOps):
                                    pdl=self.pdl_for(q.shape[0]))
         return super().rotary_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
 
+    def _decode_only(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]
+
+    def rope_in_decode_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return self.fuse_rope_attention and self._decode_only(q, meta) and rope_supported(q.shape[-1])
+
+    def rope_decode_attention(self, q, k, v, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+        return rope_decode_attention(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping, meta.seq_lens,
+                                     meta.block_tables, scale, num_splits=self.decode_num_splits,
+                                     pdl=self.pdl_for(q.shape[0]), schedule=self.decode_schedule_for(meta.max_seq_len))
+
     def decode_context_limits(self) -> tuple[int | None, ...]:
         """The context classes a decode step's launch depends on, shortest first: (limit, None) under
         "by_context" (steps whose longest context is at most ``limit``, then every other), else (None,).
@@ -399,7 +416,7 @@ class TritonOps(TorchOps):
         return len(CHUNK_CONFIGS)
 
     def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]:
+        if self._decode_only(q, meta):
             return paged_decode_attention(q, k_cache, v_cache, meta.seq_lens, meta.block_tables, scale,
                                           num_splits=self.decode_num_splits, pdl=self.pdl_for(q.shape[0]),
                                           schedule=self.decode_schedule_for(meta.max_seq_len))
