@@ -88,6 +88,7 @@ VARIANTS = {
     # inside the decode attention's launch (kernels.paged_decode.rope_decode_attention, the default since)
     "default_no_rope_attention": (False, {"fuse_rope_attention": False}),
     "int8_no_rope_attention": (False, {"fuse_rope_attention": False}, "int8"),
+    "default_rope_attention_9_up": (False, {"fuse_rope_attention": (9, 1 << 30)}),  # not in steps under PDL
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),

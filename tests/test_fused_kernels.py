@@ -105,7 +105,7 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
         ops.rotary_write_kv(q, k, v, pos, cs, kc, vc, meta.slot_mapping)
     assert calls == ["silu_mul_gemv", "rotary_write_kv"]
     # on by default (measured, kernels/NOTES.md)
-    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv and TritonOps().fuse_rope_attention
+    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv and TritonOps().rope_attention_rows == (1, 1 << 30)
 
 
 def test_the_gemv_serves_one_row_and_cublas_two_or_more_by_default(monkeypatch, gen):
@@ -359,5 +359,10 @@ def test_deterministic_mode_keeps_rope_out_of_its_attention(gen):
     meta.max_query_len = 1
     q = torch.zeros(2, 4, 16, device=DEVICE)
     assert TritonOps().rope_in_decode_attention(q, meta)
+    assert TritonOps(fuse_rope_attention=(1, 2)).rope_in_decode_attention(q, meta)
+    assert not TritonOps(fuse_rope_attention=(3, 64)).rope_in_decode_attention(q, meta)  # 2 rows: outside
+    assert not TritonOps(fuse_rope_attention=False).rope_in_decode_attention(q, meta)
+    with pytest.raises(ValueError, match="fuse_rope_attention"):
+        TritonOps(fuse_rope_attention=(0, 4))
     assert not DeterministicOps().rope_in_decode_attention(q, meta)
     assert not TorchOps().rope_in_decode_attention(q, meta)

@@ -61,12 +61,14 @@ def _split_bounds(seq_len, s, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _rope_row(cs_ptr, pos_ptr, b, stride_cs, d, dmask, HEAD_DIM: tl.constexpr):
     """Row b's position's cos and sin spread over the head's lanes (lane d takes entry d mod HALF,
-    fp32) and each lane's rotate-half partner (d xor HALF: HEAD_DIM is a power of two)."""
+    fp32) and each lane's rotate-half partner (d xor HALF: HEAD_DIM is a power of two). Both index
+    vectors run contiguously in HALF-long pieces that start at multiples of HALF: said, so loads vectorize."""
     HALF: tl.constexpr = HEAD_DIM // 2
     pos = tl.load(pos_ptr + b).to(tl.int64)
-    cos = tl.load(cs_ptr + pos * stride_cs + d % HALF, mask=dmask, other=0.0).to(tl.float32)
-    sin = tl.load(cs_ptr + pos * stride_cs + HALF + d % HALF, mask=dmask, other=0.0).to(tl.float32)
-    return cos, sin, d ^ HALF
+    lane = tl.max_contiguous(tl.multiple_of(d % HALF, HALF), HALF)
+    cos = tl.load(cs_ptr + pos * stride_cs + lane, mask=dmask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + lane, mask=dmask, other=0.0).to(tl.float32)
+    return cos, sin, tl.max_contiguous(tl.multiple_of(d ^ HALF, HALF), HALF)
 
 
 @triton.jit
@@ -87,21 +89,30 @@ def _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_row, cos, sin, partner,
 
 
 @triton.jit
-def _newest_token(q, kn_row, vn_row, kc_ptr, vc_ptr, slot, h, d, dmask, cos, sin, partner,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, m_i, l_i, acc,
-                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The step's own token for KV head h: k rotated and rounded to the cache's dtype, k and v
-    stored at ``slot`` (unless -1), and the token folded into the running softmax (m_i, l_i, acc)
-    as ``online_softmax_step`` folds a one-key tile: its score in fp32, its weight rounded to v's
-    dtype where it meets v (the tile's MMA does the same)."""
+def _newest_kv(kn_row, vn_row, kc_ptr, vc_ptr, slot, store, h, d, dmask, cos, sin, partner,
+               stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+               PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The step's own token for KV head h: k rotated and rounded to the cache's dtype, and v, both
+    [BLOCK_D]; stored at ``slot`` where ``store`` (and slot is not -1). Loaded before the key loop, so
+    that its latency hides behind the loop; the slot is one no program of this launch reads."""
     k = _rotate(kn_row, d, partner, dmask, cos, sin, HEAD_DIM // 2).to(kc_ptr.dtype.element_ty)
     v = tl.load(vn_row + d, mask=dmask, other=0.0).to(vc_ptr.dtype.element_ty)
-    if slot >= 0:
+    if store & (slot >= 0):
         page = slot // PAGE
         off = slot % PAGE
         tl.store(kc_ptr + page * stride_kb + off * stride_ks + h * stride_kh + d, k, mask=dmask)
         tl.store(vc_ptr + page * stride_vb + off * stride_vs + h * stride_vh + d, v, mask=dmask)
+    return k, v
+
+
+@triton.jit
+def _fold_newest(q, k, v, fold, qk_scale, m_i, l_i, acc):
+    """Fold one key (k, v: [BLOCK_D]) into the running softmax (m_i, l_i, acc) as ``online_softmax_step``
+    folds a one-key tile (score in fp32, its weight rounded to v's dtype where it meets v, as the tile's
+    MMA takes it), where ``fold``; elsewhere its score is -inf, which leaves every bit as it was
+    (alpha = 1, weight 0): no branch."""
     score = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * qk_scale  # [BLOCK_G], log2 units
+    score = tl.where(fold, score, float("-inf"))
     m_new = tl.maximum(m_i, score)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(score - m_new)
@@ -130,9 +141,9 @@ def _decode_split_kernel(
     # PDL wait (_util, "Step inputs before the wait").
     # ROPE (``rope_decode_attention``): q is the step's query before RoPE (rotated here, as rope_kv rounds
     # it), the cache lacks the newest position, and kn/vn hold that token's k (before RoPE) and v: the
-    # program whose split ends at seq_len rotates k, writes k and v at the row's slot (-1: no write) and
-    # folds the token in after its loop; the loops stop short of it. The kn_ptr..stride_cs arguments are
-    # unused without ROPE.
+    # program whose split ends at seq_len writes k (rotated) and v at the row's slot (-1: no write) before
+    # its loop and folds the token in after it; every loop stops short of it. The kn_ptr..stride_cs
+    # arguments are unused without ROPE.
     pdl_enter_before_inputs(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -174,6 +185,12 @@ def _decode_split_kernel(
         else:
             q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
+    if ROPE:  # the split that ends at seq_len holds the newest position: its k and v come from the step
+        newest = end == seq_len
+        k_new, v_new = _newest_kv(kn_ptr + b * stride_knb + h * stride_knh, vn_ptr + b * stride_vnb + h * stride_vnh,
+                                  kc_ptr, vc_ptr, slot, newest, h, d, dmask, cos, sin, partner, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, PAGE, HEAD_DIM)
+
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -193,11 +210,7 @@ def _decode_split_kernel(
         if PREFETCH:
             page = page_next
     if ROPE:
-        if end == seq_len:  # this split holds the newest position: its k and v come from the step
-            m_i, l_i, acc = _newest_token(q, kn_ptr + b * stride_knb + h * stride_knh,
-                                          vn_ptr + b * stride_vnb + h * stride_vnh, kc_ptr, vc_ptr, slot, h, d, dmask,
-                                          cos, sin, partner, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                                          stride_vh, qk_scale, m_i, l_i, acc, PAGE, HEAD_DIM)
+        m_i, l_i, acc = _fold_newest(q, k_new, v_new, newest, qk_scale, m_i, l_i, acc)
 
     out = acc / l_i[:, None]
     if DIRECT:

@@ -104,7 +104,7 @@ class TritonOps(TorchOps):
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
     ``fuse_rope_attention``: in decode-only steps, RoPE and the K/V write inside the decode attention's
     launch (``kernels.paged_decode.rope_decode_attention``) instead of ``rotary_write_kv`` before it
-    (head sizes that are powers of two).
+    (head sizes that are powers of two): True (every decode step), False, or (lo, hi): steps of lo..hi rows.
     ``paired_silu_rows``: (lo, hi) or None: steps of lo..hi rows (outside ``gate_up_silu_rows``) run the gate_up
     product through ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile: one MMA chain, SiLU·mul
     in the epilogue, no [T, 2I] intermediate) instead of cuBLAS + the SiLU·mul kernel; float weights only.
@@ -152,7 +152,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 1, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 fuse_rope_attention: bool = True,
+                 fuse_rope_attention: bool | tuple[int, int] = True,
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
@@ -211,7 +211,9 @@ class TritonOps(TorchOps):
         self.gemv_split_k = gemv_split_k
         self.fuse_silu_down = fuse_silu_down
         self.fuse_rope_kv = fuse_rope_kv
-        self.fuse_rope_attention = fuse_rope_attention
+        if isinstance(fuse_rope_attention, bool):
+            fuse_rope_attention = (1, 1 << 30) if fuse_rope_attention else None
+        self.rope_attention_rows = _row_range("fuse_rope_attention", fuse_rope_attention, None)
         hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
         self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
         self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
@@ -356,7 +358,9 @@ class TritonOps(TorchOps):
         return meta.max_query_len == 1 and q.shape[0] == meta.seq_lens.shape[0]
 
     def rope_in_decode_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
-        return self.fuse_rope_attention and self._decode_only(q, meta) and rope_supported(q.shape[-1])
+        r = self.rope_attention_rows
+        return (r is not None and r[0] <= q.shape[0] <= r[1] and self._decode_only(q, meta)
+                and rope_supported(q.shape[-1]))
 
     def rope_decode_attention(self, q, k, v, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata,
                               scale: float) -> torch.Tensor:
