@@ -105,7 +105,8 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
         ops.rotary_write_kv(q, k, v, pos, cs, kc, vc, meta.slot_mapping)
     assert calls == ["silu_mul_gemv", "rotary_write_kv"]
     # on by default (measured, kernels/NOTES.md)
-    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv and TritonOps().rope_attention_rows == (1, 1 << 30)
+    assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv
+    assert TritonOps().rope_attention_rows == (9, 1 << 30)  # above the PDL steps (H200 A/B, triton_ops)
 
 
 def test_the_gemv_serves_one_row_and_cublas_two_or_more_by_default(monkeypatch, gen):
@@ -129,8 +130,8 @@ SWITCHES = {  # TritonOps keywords -> the fused kernels the steps must run (the 
     "fuse_rope_kv": ({**OFF, "fuse_rope_kv": True}, {"rotary_write_kv"}),
     # the decode step's RoPE and K/V write in its attention; the prefill's stay two kernels
     "fuse_rope_attention": ({**OFF, "fuse_rope_attention": True}, {"rope_decode_attention"}),
-    "defaults": ({}, FUSED),
-    "all_on_never_split": ({"gemv_split_k": "never"}, FUSED),
+    "defaults": ({}, FUSED - {"rope_decode_attention"}),  # the 2-row decode: under 9 rows, rope_kv's launch
+    "all_on_never_split": ({"gemv_split_k": "never", "fuse_rope_attention": True}, FUSED),
 }
 
 
@@ -358,7 +359,8 @@ def test_deterministic_mode_keeps_rope_out_of_its_attention(gen):
     meta = checks.random_paged_batch([1, 1], [5, 9], 4, 2, 16, 16, torch.float32, DEVICE, gen)[-1]
     meta.max_query_len = 1
     q = torch.zeros(2, 4, 16, device=DEVICE)
-    assert TritonOps().rope_in_decode_attention(q, meta)
+    assert not TritonOps().rope_in_decode_attention(q, meta)  # 2 rows: rope_kv's launch by default
+    assert TritonOps(fuse_rope_attention=True).rope_in_decode_attention(q, meta)
     assert TritonOps(fuse_rope_attention=(1, 2)).rope_in_decode_attention(q, meta)
     assert not TritonOps(fuse_rope_attention=(3, 64)).rope_in_decode_attention(q, meta)  # 2 rows: outside
     assert not TritonOps(fuse_rope_attention=False).rope_in_decode_attention(q, meta)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
+from .rotary import rope_first_half, rope_second_half
 from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, interpreting, kv_pages,
                     load_kv_at, mma, next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs,
                     pdl_enter_before_inputs, sm_count_for)
@@ -74,10 +75,11 @@ def _rope_row(cs_ptr, pos_ptr, b, stride_cs, d, dmask, HEAD_DIM: tl.constexpr):
 @triton.jit
 def _rotate(x_ptr, d, partner, mask, cos, sin, HALF: tl.constexpr):
     """Rotate-half RoPE of the values at x_ptr + d (any shape broadcasting with d) in fp32, each half by
-    ``rope_kv``'s own expression (x1 cos - x2 sin, x2 cos + x1 sin), so both round to the same bits."""
+    ``rotary``'s own FMAs (lane d < HALF: x1 = x, x2 = its partner; above: the other way round), so it
+    rounds to ``rope_kv``'s bits."""
     x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(d < HALF, x * cos - xp * sin, x * cos + xp * sin)
+    return tl.where(d < HALF, rope_first_half(x, xp, cos, sin), rope_second_half(xp, x, cos, sin))
 
 
 @triton.jit

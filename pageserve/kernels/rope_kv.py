@@ -15,7 +15,7 @@ import triton.language as tl
 from . import reference
 from ._util import (KERNEL_DTYPES, check, check_device, next_pow2, pdl_args, pdl_enter_after_inputs,
                     pdl_enter_before_inputs)
-from .rotary import _cos_sin, _rotate_heads
+from .rotary import _cos_sin, _rotate_heads, rope_first_half, rope_second_half
 
 rotary_write_kv_reference = reference.rotary_write_kv
 
@@ -44,8 +44,8 @@ def _rope_kv_kernel(
     k_src = k_ptr + t * stride_kt + hd * stride_kh + d[None, :]
     k1 = tl.load(k_src, mask=mask, other=0.0).to(tl.float32)
     k2 = tl.load(k_src + HALF, mask=mask, other=0.0).to(tl.float32)
-    r1 = (k1 * cos[None, :] - k2 * sin[None, :]).to(ko_ptr.dtype.element_ty)
-    r2 = (k2 * cos[None, :] + k1 * sin[None, :]).to(ko_ptr.dtype.element_ty)
+    r1 = rope_first_half(k1, k2, cos[None, :], sin[None, :]).to(ko_ptr.dtype.element_ty)
+    r2 = rope_second_half(k1, k2, cos[None, :], sin[None, :]).to(ko_ptr.dtype.element_ty)
     k_dst = ko_ptr + t * stride_kot + hd * stride_koh + d[None, :]
     tl.store(k_dst, r1, mask=mask)
     tl.store(k_dst + HALF, r2, mask=mask)

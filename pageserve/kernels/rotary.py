@@ -16,6 +16,21 @@ rotary_reference = reference.rotary
 
 
 @triton.jit
+def rope_first_half(x1, x2, cos, sin):
+    """Rotate-half RoPE's first half, x1 cos - x2 sin, in fp32 as one FMA over one product. Every kernel
+    that rotates (this module's, ``rope_kv``'s, ``paged_decode``'s) spells it this way, so all round it
+    alike: left to the compiler, which product goes into the FMA follows the code around it (on the H200
+    two kernels' fp32 bits of the same formula differed, NOTES.md session 34)."""
+    return tl.fma(x1, cos, -(x2 * sin))
+
+
+@triton.jit
+def rope_second_half(x1, x2, cos, sin):
+    """Rotate-half RoPE's second half, x2 cos + x1 sin, as ``rope_first_half`` spells it."""
+    return tl.fma(x2, cos, x1 * sin)
+
+
+@triton.jit
 def _rotate_heads(x_ptr, o_ptr, t, H, stride_xt, stride_xh, stride_ot, stride_oh, cos, sin, d, dmask,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr):
     h = tl.arange(0, BLOCK_H)
@@ -24,8 +39,8 @@ def _rotate_heads(x_ptr, o_ptr, t, H, stride_xt, stride_xh, stride_ot, stride_oh
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     dst = o_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :]
-    tl.store(dst, (x1 * cos[None, :] - x2 * sin[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, (x2 * cos[None, :] + x1 * sin[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst, rope_first_half(x1, x2, cos[None, :], sin[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, rope_second_half(x1, x2, cos[None, :], sin[None, :]).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

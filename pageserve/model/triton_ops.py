@@ -57,6 +57,12 @@ DECODE_SHORT_CONTEXT = 768
 # and 80 / 96 / 112 rows +0.22-0.27 ms (..._gate_up_silu_80_112_82a5456.*)
 # (Hopper only, where it was measured: elsewhere, a T4 among them, cuBLAS keeps every batch)
 GATE_UP_SILU_ROWS = (2, 64)
+# decode steps whose RoPE and K/V write run inside the decode attention's launch (``fuse_rope_attention="auto"``),
+# not in rope_kv's launch before it. H200, graphed 3B steps at context 512, two alternating pairs
+# (diagnostics/det_b1_switches_rope_attention_a048ef2.*): b64 2.930 -> 2.867 ms, b200 4.449 -> 4.410; but b1
+# 2.010 -> 2.126 (a048ef2; +0.19 at ddc5f36): under PDL the 1-row qkv GEMV lets the attention's programs in early,
+# and they sit on the SMs through it. So from 9 rows, above the PDL steps (``PDL_MAX_TOKENS``), on every GPU.
+ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 1 << 30)
 # steps whose gate_up product runs ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile, SiLU·mul
 # in the epilogue; its persistent TMA default) instead of cuBLAS + the SiLU·mul kernel. H200, 3B gate_up, bf16
 # (diagnostics/gate_up_silu_probe_c3d080f.*): 2,048 rows 253 vs 269 us, 4,096 487 vs 607, 8,192 974 vs 1,203 (cuBLAS's
@@ -104,7 +110,8 @@ class TritonOps(TorchOps):
     ``fuse_rope_kv``: ``rotary_write_kv`` as one kernel.
     ``fuse_rope_attention``: in decode-only steps, RoPE and the K/V write inside the decode attention's
     launch (``kernels.paged_decode.rope_decode_attention``) instead of ``rotary_write_kv`` before it
-    (head sizes that are powers of two): True (every decode step), False, or (lo, hi): steps of lo..hi rows.
+    (head sizes that are powers of two): True (every decode step), False, (lo, hi): steps of lo..hi rows,
+    or "auto" (default): ``ROPE_ATTENTION_ROWS``.
     ``paired_silu_rows``: (lo, hi) or None: steps of lo..hi rows (outside ``gate_up_silu_rows``) run the gate_up
     product through ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile: one MMA chain, SiLU·mul
     in the epilogue, no [T, 2I] intermediate) instead of cuBLAS + the SiLU·mul kernel; float weights only.
@@ -152,7 +159,7 @@ class TritonOps(TorchOps):
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 1, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
-                 fuse_rope_attention: bool | tuple[int, int] = True,
+                 fuse_rope_attention: bool | tuple[int, int] | str = "auto",
                  tuned_configs: bool | Mapping = True, pdl: bool | str | None = None, int8_gemm: str = "auto",
                  int8_gemm_max_m: int = 64, int8_tuned_configs: bool | Mapping = True,
                  int8_gemv_max_m: int = 64, int8_planes_rows: tuple[int, int] | str | None = "auto",
@@ -213,7 +220,7 @@ class TritonOps(TorchOps):
         self.fuse_rope_kv = fuse_rope_kv
         if isinstance(fuse_rope_attention, bool):
             fuse_rope_attention = (1, 1 << 30) if fuse_rope_attention else None
-        self.rope_attention_rows = _row_range("fuse_rope_attention", fuse_rope_attention, None)
+        self.rope_attention_rows = _row_range("fuse_rope_attention", fuse_rope_attention, ROPE_ATTENTION_ROWS)
         hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
         self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
         self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
