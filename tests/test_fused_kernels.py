@@ -106,7 +106,7 @@ def test_switches_route_to_the_fused_kernels_only_when_on_and_within_gemv_max_m(
     assert calls == ["silu_mul_gemv", "rotary_write_kv"]
     # on by default (measured, kernels/NOTES.md)
     assert TritonOps().fuse_silu_down and TritonOps().fuse_rope_kv
-    assert TritonOps().rope_attention_rows == (9, 1 << 30)  # above the PDL steps (H200 A/B, triton_ops)
+    assert TritonOps().rope_attention_rows == (9, 128)  # above the PDL steps, to 128 rows (H200 A/Bs, triton_ops)
 
 
 def test_the_gemv_serves_one_row_and_cublas_two_or_more_by_default(monkeypatch, gen):

@@ -94,6 +94,7 @@ ENGINE_MODES = {
     # session 34: decode steps' RoPE and K/V write as rope_kv's own launch before the attention, as before
     # (the default since: inside the decode attention's launch, kernels.paged_decode.rope_decode_attention)
     "default_no_rope_attention": {"triton_options": {"fuse_rope_attention": False}},
+    "default_rope_attention_9_up": {"triton_options": {"fuse_rope_attention": (9, 1 << 30)}},  # 45b6a3e's default
 }
 
 

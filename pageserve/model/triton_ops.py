@@ -61,8 +61,11 @@ GATE_UP_SILU_ROWS = (2, 64)
 # not in rope_kv's launch before it. H200, graphed 3B steps at context 512, two alternating pairs
 # (diagnostics/det_b1_switches_rope_attention_a048ef2.*): b64 2.930 -> 2.867 ms, b200 4.449 -> 4.410; but b1
 # 2.010 -> 2.126 (a048ef2; +0.19 at ddc5f36): under PDL the 1-row qkv GEMV lets the attention's programs in early,
-# and they sit on the SMs through it. So from 9 rows, above the PDL steps (``PDL_MAX_TOKENS``), on every GPU.
-ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 1 << 30)
+# and they sit on the SMs through it. nano-vllm's decode bands, two alternating pairs (diagnostics/
+# nanovllm_profile_rope_attention_45b6a3e.*): 9-32 rows (context ~1,390) -0.04 ms a step, 33-64 -0.04, 65-128 -0.04,
+# but 129-256 rows at ~890 tokens +0.05 (5.44 -> 5.49). So from 9 rows (above the PDL steps, ``PDL_MAX_TOKENS``) to
+# 128, on every GPU.
+ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 128)
 # steps whose gate_up product runs ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile, SiLU·mul
 # in the epilogue; its persistent TMA default) instead of cuBLAS + the SiLU·mul kernel. H200, 3B gate_up, bf16
 # (diagnostics/gate_up_silu_probe_c3d080f.*): 2,048 rows 253 vs 269 us, 4,096 487 vs 607, 8,192 974 vs 1,203 (cuBLAS's
