@@ -49,3 +49,14 @@ def test_int8_gemv_reads_the_same_values_in_either_vector_width():
     for match_x in (True, False):
         got = gemv_int8(x, q, s, match_x=match_x)
         assert ((got.double() - ref).norm() / ref.norm()).item() < 1e-5, match_x
+
+
+@pytest.mark.skipif(not _tools_present(), reason="this Triton wheel ships no NVIDIA backend tools")
+def test_rope_in_the_decode_attention_costs_no_program_an_sm_at_the_engines_launches():
+    # folded in after the key loop, the newest token's k and v stayed live through it: 154 registers a thread
+    # against 111 at the split rule's 200-row launch, 3 programs an SM instead of 4 (scripts/decode_regs.py)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_regs.py"), "--check"], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("programs an SM") == 8, p.stdout  # four launches, with and without RoPE
