@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gemv_sass import compile_sm90, cuobjdump  # noqa: E402  (this folder is on sys.path when run as a script)
+
 paged_decode = importlib.import_module("pageserve.kernels.paged_decode")
 
 POINTERS = dict(q_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16", bt_ptr="*i32", seq_lens_ptr="*i32",
@@ -49,15 +44,8 @@ def resources(rope: bool, splits: int, block_n: int, warps: int, stages: int) ->
     sig.update({n: "constexpr" for n in const})
     aligned = [["tt.divisibility", 16]]
     attrs = {(names.index(n),): aligned for n in names if n.endswith("_ptr") or n.startswith("stride_")}
-    src = ASTSource(k, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    compiled = compile_sm90(k, sig, const, attrs, warps, stages)
+    usage = cuobjdump(compiled, "-res-usage")
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     return regs, compiled.metadata.shared
 

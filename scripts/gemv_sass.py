@@ -56,13 +56,24 @@ def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: b
     names = list(k.arg_names)
     aligned = [["tt.divisibility", 16]]
     attrs = {(names.index(n),): aligned for n in ("x_ptr", "w_ptr", "K", "K_PER_SPLIT", "stride_wn", "stride_xm", "N")}
-    src = ASTSource(k, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return cuobjdump(compile_sm90(k, sig, const, attrs, warps, stages), "-sass")
+
+
+def compile_sm90(kernel, sig: dict, const: dict, attrs: dict, warps: int, stages: int):
+    """``kernel`` compiled for sm_90 with Triton's own tools: ``sig`` maps argument names to types
+    ("constexpr" for those in ``const``, which gives their values), ``attrs`` (argument index,) to hints."""
+    names = list(kernel.arg_names)
+    src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def cuobjdump(compiled, flag: str) -> str:
+    """``cuobjdump <flag>`` (``-sass``, ``-res-usage``) of a compiled kernel's cubin, by the wheel's own tool."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
     try:
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
 

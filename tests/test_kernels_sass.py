@@ -19,12 +19,18 @@ def _tools_present() -> bool:
     return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists()
 
 
+def _check(script: str) -> subprocess.CompletedProcess:
+    """``scripts/<script> --check`` in a process of its own, compiling (TRITON_INTERPRET off); it must pass."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--check"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
 @pytest.mark.skipif(not _tools_present(), reason="this Triton wheel ships no NVIDIA backend tools")
 def test_gemv_k_loop_has_no_barrier_or_shared_memory_for_bf16_and_int8_weights():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "gemv_sass.py"), "--check"], capture_output=True,
-                       text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = _check("gemv_sass.py")
     lines = [ln for ln in p.stdout.splitlines() if "instructions a loop trip" in ln]
     # bf16 once, each int8 case with the PTX and the Triton-ops conversion (--check: PTX has fewer)
     assert len(lines) == 9 and all("BAR 0, STS 0, LDS 0" in ln for ln in lines), p.stdout
@@ -55,8 +61,5 @@ def test_int8_gemv_reads_the_same_values_in_either_vector_width():
 def test_rope_in_the_decode_attention_costs_no_program_an_sm_at_the_engines_launches():
     # folded in after the key loop, the newest token's k and v stayed live through it: 154 registers a thread
     # against 111 at the split rule's 200-row launch, 3 programs an SM instead of 4 (scripts/decode_regs.py)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_regs.py"), "--check"], capture_output=True,
-                       text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = _check("decode_regs.py")
     assert p.stdout.count("programs an SM") == 8, p.stdout  # four launches, with and without RoPE
