@@ -40,10 +40,12 @@ def resources(rope: bool, splits: int, block_n: int, warps: int, stages: int) ->
     sig = {n: "i32" for n in names}
     sig.update(POINTERS, qk_scale="fp32")
     const = dict(GROUP=8, HEAD_DIM=128, PAGE=16, NUM_SPLITS=splits, BLOCK_G=16, BLOCK_D=128, BLOCK_N=block_n,
-                 PREC="tf32", UPCAST=False, DIRECT=splits == 1, USE_PDL=False, PREFETCH=True, ROPE=rope)
+                 PREC=None, UPCAST=False, DIRECT=splits == 1, USE_PDL=False, PREFETCH=True, ROPE=rope)
     sig.update({n: "constexpr" for n in const})
     aligned = [["tt.divisibility", 16]]
-    attrs = {(names.index(n),): aligned for n in names if n.endswith("_ptr") or n.startswith("stride_")}
+    # as the engine's calls specialize them: 16-byte aligned pointers and strides, stride_bt left unspecialized
+    attrs = {(names.index(n),): aligned for n in names
+             if n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_bt")}
     compiled = compile_sm90(k, sig, const, attrs, warps, stages)
     usage = cuobjdump(compiled, "-res-usage")
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
