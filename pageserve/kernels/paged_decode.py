@@ -83,7 +83,7 @@ def _rotate(x_ptr, d, partner, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_row, cos, sin, partner, HEAD_DIM: tl.constexpr):
+def _load_q(q_row, heads, gmask, d, dmask, stride_qh, cos, sin, partner, HEAD_DIM: tl.constexpr):
     """The group's query rows [BLOCK_G, BLOCK_D] before RoPE, rotated and rounded once to q's dtype."""
     r = _rotate(q_row + heads[:, None] * stride_qh, d[None, :], partner[None, :], gmask[:, None] & dmask[None, :],
                 cos[None, :], sin[None, :], HEAD_DIM // 2)
@@ -176,7 +176,7 @@ def _decode_split_kernel(
     pdl_enter_after_inputs(USE_PDL)
     if PREFETCH:  # issued before the branch on seq_len
         if ROPE:
-            q = _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_ptr + b * stride_qb, cos, sin, partner, HEAD_DIM)
+            q = _load_q(q_ptr + b * stride_qb, heads, gmask, d, dmask, stride_qh, cos, sin, partner, HEAD_DIM)
         else:
             q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     if start >= seq_len:
@@ -186,7 +186,7 @@ def _decode_split_kernel(
         return
     if not PREFETCH:
         if ROPE:
-            q = _load_q(q_ptrs, heads, gmask, d, dmask, stride_qh, q_ptr + b * stride_qb, cos, sin, partner, HEAD_DIM)
+            q = _load_q(q_ptr + b * stride_qb, heads, gmask, d, dmask, stride_qh, cos, sin, partner, HEAD_DIM)
         else:
             q = tl.load(q_ptrs, mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
