@@ -245,6 +245,13 @@ def check_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, d
     return rel_err(out, ref), same_cache
 
 
+def rope_decode_err(*args, **kw) -> float:
+    """``check_rope_decode``'s error, or inf where the cache it leaves is not bit for bit rope_kv's (the
+    sweeps' one-number form)."""
+    err, same_cache = check_rope_decode(*args, **kw)
+    return err if same_cache else math.inf
+
+
 def check_gemv(M, N, K, dtype, device, gen, bias=True, config=None, split_k="auto") -> float:
     x = _rand((M, K), dtype, device, gen)
     w = _rand((N, K), dtype, device, gen, K ** -0.5)
@@ -289,6 +296,9 @@ def full_size_checks(dtype, device, gen) -> dict:
         "silu_mul_gemv_m8": lambda: check_silu_mul_gemv(8, 2048, 11008, dtype, device, gen),
         "rotary_write_kv": lambda: check_rotary_write_kv([512, 1, 77], [512, 900, 1077], Hq, Hkv, D, bs, dtype,
                                                          device, gen),
+        # RoPE and the K/V write inside the decode attention (inf if its cache is not rope_kv's bits)
+        "rope_decode_attn": lambda: rope_decode_err([2048] * 60 + [1, 17, 0, 4000], Hq, Hkv, D, bs, dtype, device,
+                                                    gen),
     }
 
 

@@ -34,6 +34,8 @@ def small_checks(dtype, device="cpu", seed=0) -> dict:
         "silu_mul_gemv_m4": lambda: checks.check_silu_mul_gemv(4, 96, 512, dtype, device, gen),
         "rotary_write_kv": lambda: checks.check_rotary_write_kv([5, 1, 20], [40, 33, 20], 16, 2, 128, 16,
                                                                 dtype, device, gen),
+        "rope_decode_attn": lambda: checks.rope_decode_err([0, 1, 16, 33, 70], 16, 2, 128, 16, dtype, device, gen,
+                                                           num_splits=3),
     }
 
 
