@@ -60,12 +60,13 @@ GATE_UP_SILU_ROWS = (2, 64)
 # decode steps whose RoPE and K/V write run inside the decode attention's launch (``fuse_rope_attention="auto"``),
 # not in rope_kv's launch before it. H200, graphed 3B steps at context 512, two alternating pairs
 # (diagnostics/det_b1_switches_rope_attention_a048ef2.*): b64 2.930 -> 2.867 ms, b200 4.449 -> 4.410; but b1
-# 2.010 -> 2.126 (a048ef2; +0.19 at ddc5f36): under PDL the 1-row qkv GEMV lets the attention's programs in early,
-# and they sit on the SMs through it. nano-vllm's decode bands, two alternating pairs (diagnostics/
-# nanovllm_profile_rope_attention_{45b6a3e,7a9da09}.*, four pairs): 33-64 rows (context ~1,370) -0.04 ms a step in
-# all four, 9-32 -0.05 in three and +0.045 in one, 65-128 -0.03 to -0.04 in three and +0.05 in one; but 129-256 rows
-# at ~890 tokens +0.05 in both pairs that ran it (5.44 -> 5.49). So from 9 rows (above the PDL steps,
-# ``PDL_MAX_TOKENS``) to 128, on every GPU.
+# 2.010 -> 2.126 (+0.19 at ddc5f36), not explained (a guess: under PDL the attention's programs enter during the
+# 1-row qkv GEMV). nano-vllm's decode steps, four alternating pairs over two runs (diagnostics/
+# nanovllm_profile_rope_attention_{45b6a3e,7a9da09}.*): 33-64 rows (context ~1,370) -0.04 ms a step in all four,
+# 9-32 -0.05 in three and +0.045 in one, 65-128 -0.03 to -0.04 in three and +0.05 in one; 129-256 rows at ~890
+# tokens +0.05 in both pairs that ran it (5.44 -> 5.49), with a kernel that then held 154 registers a thread there
+# (the newest token's k and v live through the key loop: 3 programs an SM instead of 4; fixed since, not yet timed,
+# scripts/decode_regs.py). So from 9 rows (above the PDL steps, ``PDL_MAX_TOKENS``) to 128, on every GPU.
 ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 128)
 # steps whose gate_up product runs ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile, SiLU·mul
 # in the epilogue; its persistent TMA default) instead of cuBLAS + the SiLU·mul kernel. H200, 3B gate_up, bf16
