@@ -89,6 +89,7 @@ VARIANTS = {
     "default_no_rope_attention": (False, {"fuse_rope_attention": False}),
     "int8_no_rope_attention": (False, {"fuse_rope_attention": False}, "int8"),
     "default_rope_attention_9_up": (False, {"fuse_rope_attention": (9, 1 << 30)}),  # not in steps under PDL
+    "default_rope_attention_all": (False, {"fuse_rope_attention": True}),  # batch 1 too (+0.12 ms there at a048ef2)
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),

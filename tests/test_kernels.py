@@ -434,6 +434,18 @@ def test_argmax_rows_matches_torch_argmax_first_maximum_included(B, V, dtype, ge
     torch.testing.assert_close(argmax_rows(wide[:, :V]), wide[:, :V].argmax(dim=-1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("block", [16, 64, 8192])
+def test_argmax_rows_any_block_gives_torch_first_maximum(block, gen):
+    # the first-stage width argmax_ab times: ties across and inside blocks, a block wider than the row
+    from pageserve.kernels.argmax import argmax_rows
+
+    x = torch.randn(3, 1000, generator=gen).to(DEVICE)
+    x[0, 17] = x[0, 900] = x[1, 5] = x[1, 6] = x[2, 999] = 50.0
+    torch.testing.assert_close(argmax_rows(x, block=block), x.argmax(dim=-1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="power of two"):
+        argmax_rows(x, block=100)
+
+
 def test_argmax_rows_rejects_what_it_cannot_reduce():
     from pageserve.kernels.argmax import argmax_rows
 

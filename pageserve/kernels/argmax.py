@@ -55,26 +55,30 @@ def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, PARTS,
     tl.store(out_ptr + row, tl.min(tl.where(vals == top, idxs, V), axis=0).to(tl.int64))
 
 
-def argmax_rows(x: torch.Tensor, pdl: bool | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, pdl: bool | None = None, block: int | None = None) -> torch.Tensor:
     """x: [B, V] float (last dim contiguous, rows may be strided) -> [B] int64, the index of each
-    row's first maximum. ``pdl``: see ``_util.use_pdl``, except that any row count may use it."""
+    row's first maximum. ``pdl``: see ``_util.use_pdl``, except that any row count may use it.
+    ``block``: columns a first-stage program reads, a power of two (default ``BLOCK``)."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     check_device(x=x)
     B, V = x.shape
     if V == 0:
         raise ValueError("argmax_rows: a row needs at least one column")
-    if V >= 2**31 or cdiv(V, BLOCK) > MAX_PARTS:
-        raise ValueError(f"argmax_rows: rows of {V} columns exceed {BLOCK * MAX_PARTS}")
+    block = BLOCK if block is None else block
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"argmax_rows: block must be a power of two >= 16, got {block}")
+    if V >= 2**31 or cdiv(V, block) > MAX_PARTS:
+        raise ValueError(f"argmax_rows: rows of {V} columns exceed {block * MAX_PARTS}")
     out = torch.empty(B, dtype=torch.int64, device=x.device)
     if B == 0:
         return out
-    parts = cdiv(V, BLOCK)
+    parts = cdiv(V, block)
     vals = torch.empty(B, parts, dtype=torch.float32, device=x.device)
     idxs = torch.empty(B, parts, dtype=torch.int32, device=x.device)
     # under PDL at any row count (every other decode kernel stops at PDL_MAX_TOKENS rows): launched so
     # right after a graph replay, it made that graph's next replays 0.14-0.16 ms faster at 2-64 rows,
     # tokens unchanged (H200, one engine, diagnostics/argmax_ab_c6f794a.*; mechanism unknown)
     kw = pdl_args(x, 1, pdl)
-    _argmax_partial_kernel[(B, parts)](x, vals, idxs, V, x.stride(0), parts, BLOCK=BLOCK, num_warps=4, **kw)
+    _argmax_partial_kernel[(B, parts)](x, vals, idxs, V, x.stride(0), parts, BLOCK=block, num_warps=4 if block <= 4096 else 8, **kw)
     _argmax_reduce_kernel[(B,)](vals, idxs, out, V, parts, BLOCK_P=max(16, next_pow2(parts)), num_warps=4, **kw)
     return out

@@ -95,6 +95,7 @@ ENGINE_MODES = {
     # (the default since: inside the decode attention's launch, kernels.paged_decode.rope_decode_attention)
     "default_no_rope_attention": {"triton_options": {"fuse_rope_attention": False}},
     "default_rope_attention_9_up": {"triton_options": {"fuse_rope_attention": (9, 1 << 30)}},  # 45b6a3e's default
+    "default_rope_attention_all": {"triton_options": {"fuse_rope_attention": True}},  # steps under PDL too
 }
 
 
