@@ -173,8 +173,9 @@ for st in $stages; do
     w1defaults) timeout "$t" python3 scripts/w1_defaults.py --out "$RES/diagnostics" ${W1_DEFAULTS_ARGS:-} > "$RES/w1_defaults.log" 2>&1
                 echo "w1defaults rc=$?"; tail -n 8 "$RES/w1_defaults.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
-    dettests) timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_det_tests.xml" \
-             tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s \
+    dettests) { echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"  # as tests' log
+             timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_det_tests.xml" \
+             tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s; } \
              > "$RES/gpu_det_tests.log" 2>&1
            echo "dettests rc=$?"; tail -n 25 "$RES/gpu_det_tests.log" ;;
     05) run_nb "$t" 05_triton_kernels -p TUNE_GEMV False ;;  # the engine's configs (shipped tuned ones, else the heuristic)
