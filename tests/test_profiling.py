@@ -263,3 +263,20 @@ def test_decode_attn_sweep_spreads_a_case_over_a_large_pool_keeping_every_block_
     old, new = bt.flatten().tolist(), table.flatten().tolist()
     assert len({(o, n) for o, n in zip(old, new)}) == len(set(old)) == len(set(new))
     assert max(new) >= kc.shape[0]  # spread beyond the case's own blocks (p of failing ~ (11/1310)^12)
+
+
+def test_overlap_probe_splits_the_step_into_halves_that_compute_the_whole_batch(tmp_path, monkeypatch):
+    # the CPU smoke run of scripts/overlap_probe.py: every split variant runs the two halves (no streams
+    # here), and their output must be the full batch's to fp32 rounding: a wrong row slice would not be
+    import json
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    probe = _script("overlap_probe")
+    probe.main(["--out", str(tmp_path), "--shape", "tiny", "--cases", "4x40", "--layers", "2", "--device", "cpu",
+                "--rounds", "1"])
+    rec = json.loads((tmp_path / "overlap_probe.json").read_text())["cases"]["4x40"]
+    assert set(rec["best_ms"]) == set(probe.VARIANTS)
+    assert all(rec["same_bits"].values()) and rec["same_bits"]
+    assert 0 <= rec["max_rel_diff_vs_one"] < 1e-5
+    with pytest.raises(SystemExit, match="two equal halves"):
+        probe.main(["--out", str(tmp_path), "--shape", "tiny", "--cases", "3x40", "--device", "cpu"])
