@@ -650,3 +650,45 @@ def test_graphed_decode_loop_by_context_matches_eager(tiny_qwen2_config):
     # a replay equals the same step recomputed eagerly on its buffers and class; the unpadded batch differs by
     # batch-dependent launches (GEMM algorithms, attention splits), at bf16's rounding
     assert check.max_logit_rel_err < 1e-5 and check.max_unpadded_logit_rel_err < 3e-2
+
+
+@pytest.mark.parametrize("paced", [True, False], ids=["paced", "free"])
+def test_decode_buckets_split_into_two_halves_decode_like_eager(tiny_qwen2_config, monkeypatch, paced):
+    # decode_split_rows: buckets of 4+ rows run as two half-batches (on the GPU each on its own stream, the
+    # attentions taking turns when paced). The staggered loop's tokens and logits must be eager's, the
+    # unpadded comparison included (there the eager step is the whole batch in one forward)
+    _, llm = _staggered_llm(tiny_qwen2_config, decode_split_rows=4, decode_split_paced=paced)
+    model = llm.engine.runner.model
+    halves = []
+    real = model.forward_halves
+
+    def counted(input_ids, *a, **k):
+        halves.append(input_ids.shape[0])
+        return real(input_ids, *a, **k)
+
+    monkeypatch.setattr(model, "forward_halves", counted)
+    llm.engine.runner.enable_graphs(capture=DEVICE == "cuda")
+    assert llm.engine.runner.graphs.splits(4) and not llm.engine.runner.graphs.splits(2)
+    check = graph_vs_eager(llm, staggered_decode_workload(24, vocab_size=256, seed=1))
+    assert check.graphed_steps > 20 and halves and min(halves) >= 4 and set(halves) <= set(llm.engine.runner.graphs.buckets)
+    assert check.identical, f"{check.identical_requests}/{check.num_requests} requests identical"
+    assert check.max_logit_rel_err < 1e-5 and check.max_unpadded_logit_rel_err < 1e-5
+
+
+def test_forward_halves_rejects_a_split_that_leaves_a_side_empty(tiny_qwen2_config):
+    model = Decoder(tiny_qwen2_config)
+    ids = torch.zeros(4, dtype=torch.long)
+    for split in (0, 4):
+        with pytest.raises(ValueError, match="both sides"):
+            model.forward_halves(ids, ids, None, None, split)
+
+
+def test_decode_split_rows_is_validated():
+    from pageserve.engine.config import EngineConfig
+
+    for bad in (1, 0, True, 2.5, "8"):
+        with pytest.raises(ValueError, match="decode_split_rows"):
+            EngineConfig(device="cpu", decode_split_rows=bad)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(device="cpu", decode_split_rows=256, tensor_parallel_size=2)
+    assert EngineConfig(device="cpu").decode_split_rows is None  # off until measured
