@@ -18,10 +18,18 @@ of a whole step, graph-timed:
 - ``two_streams``: each half on its own stream, no order between them (the GPU interleaves as it can);
 - ``ping_pong``: as ``two_streams``, but the attentions alternate (B's layer-l attention after A's, A's
   layer-l+1 attention after B's layer-l one), so each attention has the other half's GEMMs beside it
-  rather than the other attention.
+  rather than the other attention;
+- ``kind_streams``: every attention on one stream, everything else on the other, events carrying each
+  half's order (NanoFlow's two-nano-batch pipeline: one half's attention beside the other half's MLP and
+  next qkv).
 
-Checks: ``halves``, ``two_streams`` and ``ping_pong`` give bitwise the same output (the same kernels on the
-same rows; a race between the streams would show), printed as ``same_bits``.
+A variant may end in ``@lt`` (its products on cuBLASLt) or ``@c<k>`` (cuBLASLt leaving k SMs free to the
+other stream: torch's experimental SM carveout), e.g. ``one@lt,kind_streams@lt,kind_streams@c32``: cuBLAS's
+heuristics fill the GPU with one product's tiles, which leaves another stream only the tails.
+
+Checks: the split variants give bitwise the same output (the same kernels on the same rows; a race between the
+streams would show), those on cuBLAS among themselves and those on cuBLASLt among themselves, printed as
+``same_bits``.
 
     python scripts/overlap_probe.py --out DIR [--cases 200x880,512x640] [--layers 36]
 
@@ -43,7 +51,7 @@ from pageserve.kernels.paged_decode import paged_decode_attention
 from pageserve.lab.kernel_bench.timing import graph_ms
 from pageserve.lab.results import provenance
 
-VARIANTS = ("one", "halves", "two_streams", "ping_pong")
+VARIANTS = ("one", "halves", "two_streams", "ping_pong", "kind_streams")
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim
     "qwen2.5-3b": (2048, 11008, 16, 2, 128),
     "tiny": (64, 128, 4, 2, 16),  # the CPU smoke run
@@ -154,9 +162,58 @@ def run_variant(step: Step, variant: str, side: torch.cuda.Stream | None) -> Non
                 b_done = torch.cuda.Event()
                 b_done.record(side)
                 step.mlp_part(layer, b)
+    elif variant == "kind_streams":
+        # NanoFlow's pipeline with two nano-batches: every norm, product and SiLU on the main stream, every
+        # attention on the side stream, events carrying each half's order across: while one half's attention
+        # runs, the main stream runs the other half's MLP and next qkv
+        def mark(stream):
+            e = torch.cuda.Event()
+            e.record(stream)
+            return e
+
+        step.start(a)
+        step.start(b)
+        attn_done: dict = {}
+        for layer in range(step.layers + 1):
+            for h, rows in (("a", a), ("b", b)):
+                if layer:
+                    main.wait_event(attn_done[h])
+                    step.mlp_part(layer - 1, rows)
+                if layer < step.layers:
+                    step.qkv_part(layer, rows)
+                    q_ready = mark(main)
+                    with torch.cuda.stream(side):
+                        side.wait_event(q_ready)
+                        step.attention(layer, rows)
+                        attn_done[h] = mark(side)
     else:
         raise ValueError(f"unknown variant {variant!r}")
     main.wait_stream(side)
+
+
+@contextlib.contextmanager
+def blas_for(spec: str):
+    """The cuBLAS setting a variant spec names: "<variant>@lt" runs its products on cuBLASLt, "<variant>@c<k>" on
+    cuBLASLt leaving k SMs to other streams (torch's experimental SM carveout, read when a product is launched)."""
+    _, _, tail = spec.partition("@")
+    if not tail:
+        yield
+        return
+    before_lib = torch.backends.cuda.preferred_blas_library()
+    before_carve = torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    if tail.startswith("c"):
+        torch._C._set_sm_carveout_experimental(int(tail[1:]))
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before_carve)
+        torch.backends.cuda.preferred_blas_library(before_lib)
+
+
+def run_spec(step: Step, spec: str, side) -> None:
+    with blas_for(spec):
+        run_variant(step, spec.partition("@")[0], side)
 
 
 def probe(shape: str, batch: int, ctx: int, layers: int, page: int, device: str, variants, rounds: int) -> dict:
@@ -166,19 +223,22 @@ def probe(shape: str, batch: int, ctx: int, layers: int, page: int, device: str,
     rec: dict = {"batch": batch, "ctx": ctx, "layers": layers, "ms": {v: [] for v in variants}, "same_bits": {}}
     outs = {}
     for v in variants:  # one eager step each: compiles, and the output every split variant must share
-        run_variant(step, v, side)
+        run_spec(step, v, side)
         if device == "cuda":
             torch.cuda.synchronize()
         outs[v] = step.x.clone()
-    split = [v for v in variants if v != "one"]
+    split = [v for v in variants if v.partition("@")[0] != "one" and "@" not in v]  # cuBLAS's bits
     for v in split[1:]:
         rec["same_bits"][f"{v}=={split[0]}"] = bool(torch.equal(outs[v], outs[split[0]]))
+    lt = [v for v in variants if v.partition("@")[0] != "one" and "@" in v]  # cuBLASLt's bits (a carveout too)
+    for v in lt[1:]:
+        rec["same_bits"][f"{v}=={lt[0]}"] = bool(torch.equal(outs[v], outs[lt[0]]))
     if "one" in outs and split:  # not bitwise (cuBLAS picks by M), but the same numbers to rounding
         ref = outs["one"].float()
         rec["max_rel_diff_vs_one"] = float((outs[split[0]].float() - ref).abs().max() / ref.abs().max())
     for _ in range(rounds):  # alternating, so the clock's drift falls on every variant
         for v in variants:
-            rec["ms"][v].append(graph_ms(lambda i, v=v: run_variant(step, v, side), calls=2, replays=10))
+            rec["ms"][v].append(graph_ms(lambda i, v=v: run_spec(step, v, side), calls=2, replays=10))
     best = {v: min(ms) for v, ms in rec["ms"].items()}
     rec["best_ms"] = best
     if "one" in best:
@@ -200,8 +260,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("overlap_probe times CUDA graphs on two streams: it needs a GPU (--device cpu smoke-tests it)")
     variants = args.variants.split(",")
-    if unknown := set(variants) - set(VARIANTS):
+    if unknown := {v.partition("@")[0] for v in variants} - set(VARIANTS):
         raise SystemExit(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
+    for v in variants:
+        tail = v.partition("@")[2]
+        if tail and not (tail == "lt" or (tail[:1] == "c" and tail[1:].isdigit())):
+            raise SystemExit(f"variant {v!r}: after '@' comes 'lt' or 'c<SMs>'")
+        if tail and args.device != "cuda":
+            raise SystemExit(f"variant {v!r}: cuBLASLt and its SM carveout exist on the GPU only")
+        if tail.startswith("c") and not hasattr(torch._C, "_set_sm_carveout_experimental"):
+            raise SystemExit(f"variant {v!r}: this torch ({torch.__version__}) has no SM carveout")
     record = {**provenance(), "shape": args.shape, "device": args.device, "cases": {}}
     out = Path(args.out) / "overlap_probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
