@@ -50,6 +50,7 @@ from pageserve.kernels.norm import add_rms_norm
 from pageserve.kernels.paged_decode import paged_decode_attention
 from pageserve.lab.kernel_bench.timing import graph_ms
 from pageserve.lab.results import provenance
+from pageserve.model.triton_ops import DECODE_SHORT_CONTEXT
 
 VARIANTS = ("one", "halves", "two_streams", "ping_pong", "kind_streams")
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim
@@ -65,6 +66,8 @@ class Step:
         H, I, HQ, HKV, D = SHAPES[shape]
         self.H, self.I, self.HQ, self.HKV, self.D = H, I, HQ, HKV, D
         self.batch, self.layers, self.scale = batch, layers, D ** -0.5
+        # the engine's launch for a step of this context (TritonOps.decode_schedule_for: "pipelined" where it can run)
+        self.schedule = "pipelined" if ctx <= DECODE_SHORT_CONTEXT else "split"
         gen = torch.Generator(device=device).manual_seed(seed)
 
         def rnd(*s, std=0.02):
@@ -101,7 +104,8 @@ class Step:
     def attention(self, layer: int, rows: slice) -> None:
         k, v = self.caches[layer]
         q = self.qkv[rows, : self.HQ * self.D].view(-1, self.HQ, self.D)
-        paged_decode_attention(q, k, v, self.seq_lens[rows], self.tables[rows], self.scale, out=self.attn[rows])
+        paged_decode_attention(q, k, v, self.seq_lens[rows], self.tables[rows], self.scale, out=self.attn[rows],
+                               schedule=self.schedule)
 
     def mlp_part(self, layer: int, rows: slice) -> None:
         w = self.w[layer]
@@ -216,6 +220,12 @@ def run_spec(step: Step, spec: str, side) -> None:
         run_variant(step, spec.partition("@")[0], side)
 
 
+def same_bits(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Bitwise equality (a NaN equals the same NaN, unlike ``torch.equal``)."""
+    ints = {2: torch.int16, 4: torch.int32}[x.element_size()]
+    return torch.equal(x.view(ints), y.view(ints))
+
+
 def probe(shape: str, batch: int, ctx: int, layers: int, page: int, device: str, variants, rounds: int) -> dict:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     step = Step(shape, batch, ctx, layers, page, device, dtype)
@@ -229,10 +239,10 @@ def probe(shape: str, batch: int, ctx: int, layers: int, page: int, device: str,
         outs[v] = step.x.clone()
     split = [v for v in variants if v.partition("@")[0] != "one" and "@" not in v]  # cuBLAS's bits
     for v in split[1:]:
-        rec["same_bits"][f"{v}=={split[0]}"] = bool(torch.equal(outs[v], outs[split[0]]))
+        rec["same_bits"][f"{v}=={split[0]}"] = same_bits(outs[v], outs[split[0]])
     lt = [v for v in variants if v.partition("@")[0] != "one" and "@" in v]  # cuBLASLt's bits (a carveout too)
     for v in lt[1:]:
-        rec["same_bits"][f"{v}=={lt[0]}"] = bool(torch.equal(outs[v], outs[lt[0]]))
+        rec["same_bits"][f"{v}=={lt[0]}"] = same_bits(outs[v], outs[lt[0]])
     if "one" in outs and split:  # not bitwise (cuBLAS picks by M), but the same numbers to rounding
         ref = outs["one"].float()
         rec["max_rel_diff_vs_one"] = float((outs[split[0]].float() - ref).abs().max() / ref.abs().max())
