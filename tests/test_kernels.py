@@ -446,6 +446,28 @@ def test_argmax_rows_any_block_gives_torch_first_maximum(block, gen):
         argmax_rows(x, block=100)
 
 
+def test_argmax_rows_takes_the_wide_blocks_from_their_row_count_with_torch_first_maximum(gen, monkeypatch):
+    # the default width switches at WIDE_ROWS; both sides of the switch give torch's first maximum
+    from pageserve.kernels import argmax
+
+    widths = []
+    launch = argmax._argmax_partial_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*a, BLOCK, **k):
+                widths.append(BLOCK)
+                return launch[grid](*a, BLOCK=BLOCK, **k)
+            return run
+
+    monkeypatch.setattr(argmax, "_argmax_partial_kernel", Spy())
+    for rows in (argmax.WIDE_ROWS - 1, argmax.WIDE_ROWS):
+        x = torch.randn(rows, 5000, generator=gen).to(DEVICE)
+        x[:, 4000] = x[:, 4200] = 80.0  # a tie across the wide block's edge (column 4,096)
+        torch.testing.assert_close(argmax.argmax_rows(x), x.argmax(dim=-1), rtol=0, atol=0)
+    assert widths == [argmax.BLOCK, argmax.WIDE_BLOCK]
+
+
 def test_argmax_rows_rejects_what_it_cannot_reduce():
     from pageserve.kernels.argmax import argmax_rows
 
