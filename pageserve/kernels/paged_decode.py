@@ -95,8 +95,8 @@ def _newest_kv(kn_row, vn_row, kc_ptr, vc_ptr, slot, store, h, d, dmask, cos, si
                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                PAGE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The step's own token for KV head h: k rotated and rounded to the cache's dtype, and v, both
-    [BLOCK_D]; stored at ``slot`` where ``store`` (and slot is not -1). Loaded before the key loop, so
-    that its latency hides behind the loop; the slot is one no program of this launch reads."""
+    [BLOCK_D]; stored at ``slot`` where ``store`` (and slot is not -1), a slot no program of this launch
+    reads (every key loop stops short of the newest position)."""
     k = _rotate(kn_row, d, partner, dmask, cos, sin, HEAD_DIM // 2).to(kc_ptr.dtype.element_ty)
     v = tl.load(vn_row + d, mask=dmask, other=0.0).to(vc_ptr.dtype.element_ty)
     if store & (slot >= 0):

@@ -65,8 +65,10 @@ GATE_UP_SILU_ROWS = (2, 64)
 # nanovllm_profile_rope_attention_{45b6a3e,7a9da09}.*): 33-64 rows (context ~1,370) -0.04 ms a step in all four,
 # 9-32 -0.05 in three and +0.045 in one, 65-128 -0.03 to -0.04 in three and +0.05 in one; 129-256 rows at ~890
 # tokens +0.05 in both pairs that ran it (5.44 -> 5.49), with a kernel that then held 154 registers a thread there
-# (the newest token's k and v live through the key loop: 3 programs an SM instead of 4; fixed since, not yet timed,
-# scripts/decode_regs.py). So from 9 rows (above the PDL steps, ``PDL_MAX_TOKENS``) to 128, on every GPU.
+# (the newest token's k and v live through the key loop: 3 programs an SM instead of 4; fixed since,
+# scripts/decode_regs.py), and with the fix level at 200 rows x 880 (-0.005 / -0.010 ms, two pairs,
+# diagnostics/det_b1_switches_rope_9_up_ff78b7f.*). So from 9 rows (above the PDL steps, ``PDL_MAX_TOKENS``) to
+# 128, on every GPU.
 ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 128)
 # steps whose gate_up product runs ``kernels.gate_up_silu`` (gate and up rows interleaved in one tile, SiLU·mul
 # in the epilogue; its persistent TMA default) instead of cuBLAS + the SiLU·mul kernel. H200, 3B gate_up, bf16
