@@ -90,12 +90,6 @@ VARIANTS = {
     "int8_no_rope_attention": (False, {"fuse_rope_attention": False}, "int8"),
     "default_rope_attention_9_up": (False, {"fuse_rope_attention": (9, 1 << 30)}),  # not in steps under PDL
     "default_rope_attention_all": (False, {"fuse_rope_attention": True}),  # batch 1 too (+0.12 ms there at a048ef2)
-    # session 35: decode buckets of N+ rows as two half-batches on two CUDA streams (EngineConfig.decode_split_rows;
-    # "_engine" holds LLM keywords, not ops options), the attentions taking turns, or free-running ("_free")
-    "default_split_128": (False, {"_engine": {"decode_split_rows": 128}}),
-    "default_split_128_free": (False, {"_engine": {"decode_split_rows": 128, "decode_split_paced": False}}),
-    "default_split_384": (False, {"_engine": {"decode_split_rows": 384}}),
-    "default_split_384_free": (False, {"_engine": {"decode_split_rows": 384, "decode_split_paced": False}}),
     "det": (True, {}),
     "det_pdl_1_row": (True, {"pdl_max_rows": 1}),
     "det_pdl_4_rows": (True, {"pdl_max_rows": 4}),
@@ -230,8 +224,7 @@ def main() -> None:
                 base, old = base.removesuffix(suffix), paths
         det, options, *quant = VARIANTS[base]
         blas, mix, patch = options.get("_blas"), options.get("_mix"), options.get("_patch")
-        engine_kw = options.get("_engine", {})
-        options = {k: v for k, v in options.items() if k not in ("_blas", "_mix", "_patch", "_engine")}
+        options = {k: v for k, v in options.items() if k not in ("_blas", "_mix", "_patch")}
         patch = PATCHES[patch]() if patch else contextlib.nullcontext()
         patch.__enter__()
         select_before = model_runner.select_ops
@@ -246,12 +239,11 @@ def main() -> None:
             options = {**options, "int8_tuned_configs": int8_m16_configs_for_8()}
         sizes = dict(max_num_seqs=512) if args.w1 else dict(max_num_seqs=max(64, *batches), cuda_graph_max_bs=max(batches))
         llm = LLM("dummy:qwen2.5-3b", device="cuda", dtype="bfloat16", seed=0, max_model_len=2048, deterministic=det,
-                  triton_options=options, quantization=quant[0] if quant else None, **sizes, **engine_kw)
+                  triton_options=options, quantization=quant[0] if quant else None, **sizes)
         use_old_paths(llm.engine.runner, old)
         bench.warmup(llm, bench.prompt_vocab_size(llm))
         model_runner.select_ops = select_before
         row = {"options": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in options.items()},
-               "engine": engine_kw,
                "blas": str(torch.backends.cuda.preferred_blas_library()), "mix": mix}
         for b in batches:
             row[f"b{b}_step_ms"] = decode_step_ms(llm, b, args.context, args.steps)

@@ -49,13 +49,6 @@ class EngineConfig:
     # off with enforce_eager
     mixed_cuda_graphs: bool = True
     mixed_graph_max_tokens: int = 2048
-    # decode graph buckets of at least this many rows run as two half-batches, each on its own CUDA
-    # stream, so one half's attention (bound by reading the cache) can run beside the other half's
-    # GEMMs (bound by the tensor cores). None: off. Not yet timed on a GPU (scripts/overlap_probe.py,
-    # NOTES.md session 35). decode_split_paced: the two halves' attentions take turns
-    # (model.decoder.PacedAttention) instead of running as they come
-    decode_split_rows: int | None = None
-    decode_split_paced: bool = True
     # launch step N+1 before reading step N's tokens (the host's work overlaps the device's);
     # False: every step is postprocessed before step() returns
     async_scheduling: bool = True
@@ -88,13 +81,6 @@ class EngineConfig:
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {sizes!r}")
             self.cuda_graph_sizes = sorted(set(sizes))
-        if self.decode_split_rows is not None:
-            if isinstance(self.decode_split_rows, bool) or not isinstance(self.decode_split_rows, int) \
-                    or self.decode_split_rows < 2:
-                raise ValueError(f"decode_split_rows must be None or an int >= 2, got {self.decode_split_rows!r}")
-            if self.tensor_parallel_size > 1:
-                raise ValueError("decode_split_rows with tensor_parallel_size > 1 is not supported: "
-                                 "each half's all-reduces would run on their own stream")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device == "auto":

@@ -99,16 +99,10 @@ class CUDAGraphRunner:
         capture: bool | None = None,
         stage_kernel: bool | None = None,
         sizes: list[int] | None = None,
-        split_rows: int | None = None,
-        split_paced: bool = True,
     ) -> None:
         """``stage_kernel``: copy inputs in with the Triton kernel (default: on CUDA). ``sizes``: the
-        buckets (``bucket_sizes``; default: its own list). ``split_rows`` / ``split_paced``: buckets of
-        that many rows and more run as two half-batches on two streams
-        (``EngineConfig.decode_split_rows``, ``Decoder.forward_halves``)."""
+        buckets (``bucket_sizes``; default: its own list)."""
         self.model = model
-        self.split_rows, self.split_paced = split_rows, split_paced
-        self._side: torch.cuda.Stream | None = None  # the second half's stream, made at the first split step
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.capture_enabled = (self.device.type == "cuda") if capture is None else capture
@@ -143,35 +137,21 @@ class CUDAGraphRunner:
         self.pool = None
         self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
 
-    def _context(self, bs: int, cls: int, start: int = 0) -> PagedAttention:
-        """The attention context of rows [start, bs) (one token each: their query_start_loc is 0..n)."""
+    def _context(self, bs: int, cls: int) -> PagedAttention:
         limit = self.context_limits[cls]
-        rows = slice(start, bs)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[rows],
-            query_start_loc=self.query_start_loc[: bs - start + 1],
-            seq_lens=self.seq_lens[rows],
-            block_tables=self.block_tables[rows],
+            slot_mapping=self.slot_mapping[:bs],
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs],
             max_query_len=1,
             max_seq_len=self.max_seq_len if limit is None else limit,
         )
         return PagedAttention(self.kv_cache, meta, self.model.ops)
 
-    def splits(self, bs: int) -> bool:
-        """Whether a bucket of ``bs`` rows runs as two half-batches on two streams (``split_rows``)."""
-        return self.split_rows is not None and bs >= max(self.split_rows, 2)
-
     def _forward(self, key: tuple[int, int], out: torch.Tensor | None = None) -> torch.Tensor:
         bs, cls = key
-        if self.splits(bs):
-            h = bs // 2
-            if self._side is None and self.device.type == "cuda":
-                self._side = torch.cuda.Stream(self.device)
-            self.model.forward_halves(self.input_ids[:bs], self.positions[:bs], self._context(h, cls),
-                                      self._context(bs, cls, start=h), h, side=self._side, paced=self.split_paced,
-                                      out=self.hidden[:bs])
-        else:
-            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs, cls))
+        self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], self._context(bs, cls))
         return self.model.head_logits(self.hidden[:bs], out=out)  # [bs, V], the model's dtype
 
     def _forward_shared(self, key: tuple[int, int]) -> torch.Tensor:

@@ -257,8 +257,7 @@ class ModelRunner:
 
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_num_seqs)
         self.graphs = CUDAGraphRunner(self.model, self.kv_cache, max_bs, self.max_blocks_per_seq(), capture=capture,
-                                      sizes=self.config.cuda_graph_sizes, split_rows=self.config.decode_split_rows,
-                                      split_paced=self.config.decode_split_paced)
+                                      sizes=self.config.cuda_graph_sizes)
         self.graphs.capture()
 
     @torch.inference_mode()

@@ -96,12 +96,6 @@ ENGINE_MODES = {
     "default_no_rope_attention": {"triton_options": {"fuse_rope_attention": False}},
     "default_rope_attention_9_up": {"triton_options": {"fuse_rope_attention": (9, 1 << 30)}},  # 45b6a3e's default
     "default_rope_attention_all": {"triton_options": {"fuse_rope_attention": True}},  # steps under PDL too
-    # session 35: decode buckets of N+ rows as two half-batches on two CUDA streams, the attentions taking
-    # turns (EngineConfig.decode_split_rows / decode_split_paced), or free-running ("_free")
-    "decode_split_128": {"decode_split_rows": 128},
-    "decode_split_128_free": {"decode_split_rows": 128, "decode_split_paced": False},
-    "decode_split_384": {"decode_split_rows": 384},
-    "decode_split_384_free": {"decode_split_rows": 384, "decode_split_paced": False},
 }
 
 

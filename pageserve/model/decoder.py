@@ -29,37 +29,6 @@ class AttentionContext(Protocol):
         ...
 
 
-class _Turn:
-    """Whose turn it is to attend, between two streams: the event of the last attention launched."""
-
-    def __init__(self) -> None:
-        self.last: torch.cuda.Event | None = None
-
-
-class PacedAttention:
-    """An attention context whose launches take turns with another stream's (``Decoder.forward_halves``):
-    each waits for the other half's last attention, so the two memory-bound attentions do not run
-    together and each finds the other half's GEMMs beside it instead."""
-
-    def __init__(self, inner: AttentionContext, turn: _Turn) -> None:
-        self.inner, self.turn = inner, turn
-
-    def _paced(self, fn, *args):
-        stream = torch.cuda.current_stream()
-        if self.turn.last is not None:
-            stream.wait_event(self.turn.last)
-        out = fn(*args)
-        self.turn.last = torch.cuda.Event()
-        self.turn.last.record(stream)
-        return out
-
-    def attend(self, *args):
-        return self._paced(self.inner.attend, *args)
-
-    def attend_rope(self, *args):
-        return self._paced(self.inner.attend_rope, *args)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, ops) -> None:
         super().__init__()
@@ -184,41 +153,6 @@ class Decoder(nn.Module):
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
         x, _ = self.norm(x, residual)
         return x
-
-    def forward_halves(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_a: AttentionContext,
-                       attn_b: AttentionContext, split: int, side: "torch.cuda.Stream | None" = None,
-                       paced: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``forward`` of rows [:split] (context ``attn_a``) and [split:] (``attn_b``) as two half-batches,
-        layer by layer, the second on stream ``side``, so one half's attention can run beside the other
-        half's GEMMs (``EngineConfig.decode_split_rows``). ``paced``: the attentions take turns
-        (``PacedAttention``). Without ``side`` (the CPU) the halves run one after the other. Returns the
-        final hidden states [T, H] (into ``out`` if given), row for row what ``forward`` computes on each
-        half alone."""
-        T = input_ids.shape[0]
-        if not 0 < split < T:
-            raise ValueError(f"forward_halves: split {split} must leave rows on both sides of {T}")
-        out = torch.empty(T, self.cfg.hidden_size, dtype=self.embed_tokens.weight.dtype,
-                          device=input_ids.device) if out is None else out
-        main = torch.cuda.current_stream() if side is not None else None
-        if side is not None:
-            side.wait_stream(main)  # the inputs, written on the main stream
-            if paced:
-                turn = _Turn()
-                attn_a, attn_b = PacedAttention(attn_a, turn), PacedAttention(attn_b, turn)
-        a, b = slice(0, split), slice(split, T)
-        xa, ra = self.embed_tokens(input_ids[a]), None
-        with torch.cuda.stream(side):
-            xb, rb = self.embed_tokens(input_ids[b]), None
-        for layer in self.layers:
-            xa, ra = layer(xa, ra, positions[a], self.cos_sin, attn_a)
-            with torch.cuda.stream(side):
-                xb, rb = layer(xb, rb, positions[b], self.cos_sin, attn_b)
-        out[a] = self.norm(xa, ra)[0]
-        with torch.cuda.stream(side):
-            out[b] = self.norm(xb, rb)[0]
-        if side is not None:
-            main.wait_stream(side)
-        return out
 
     @property
     def logits_dtype(self) -> torch.dtype:
