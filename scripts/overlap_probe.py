@@ -35,6 +35,10 @@ streams would show), those on cuBLAS among themselves and those on cuBLASLt amon
 
 Writes DIR/overlap_probe.json (with the commit): per case the ms of each variant and its ratio to ``one``.
 ``--device cpu`` smoke-runs it on small shapes (Triton's interpreter; wall clock, no streams).
+
+Outcome on the H200 at 868c7c8 (results/h200/diagnostics/overlap_probe_868c7c8.*, NOTES.md session 36): the
+split alone costs +55% at 200 x 880 and +16% at 512 x 640, and the best two-stream variant is still +23% / +9%
+over ``one``. The engine's two-stream decode built for the follow-up (717f394) was removed (5260153).
 """
 from __future__ import annotations
 
