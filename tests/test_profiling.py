@@ -1,4 +1,5 @@
 """lab.profiling: kernel names land in the right phase, and the floors' arithmetic."""
+import os
 import pytest
 
 from pageserve.lab.peers import kv_bytes, weight_bytes
@@ -280,3 +281,12 @@ def test_overlap_probe_splits_the_step_into_halves_that_compute_the_whole_batch(
     assert 0 <= rec["max_rel_diff_vs_one"] < 1e-5
     with pytest.raises(SystemExit, match="two equal halves"):
         probe.main(["--out", str(tmp_path), "--shape", "tiny", "--cases", "3x40", "--device", "cpu"])
+
+
+def test_host_info_names_the_cpu_and_times_the_python_loop():
+    from pageserve.lab.profiling import host_info
+
+    info = host_info()
+    assert info["cpu_count"] == os.cpu_count()
+    assert info["cpu_mhz"] is None or info["cpu_mhz"] > 0
+    assert 0 < info["py_loop_ms"] < 10_000

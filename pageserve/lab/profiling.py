@@ -26,6 +26,7 @@ import contextlib
 import os
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -358,15 +359,35 @@ class ClockLog:
                 "p10_mhz": p10, "max_mhz": max(m, default=None)}
 
 
+def python_loop_ms(n: int = 200_000, repeats: int = 5) -> float:
+    """Best of ``repeats`` timings, in ms, of a fixed pure-Python loop of ``n`` steps: how fast this host
+    runs an engine's Python (a scheduler, a front end). The records' CPU model name ("Intel(R) Xeon(R)
+    Processor") cannot tell the pool's hosts apart, and vLLM's W1 moves with how busy it keeps the GPU
+    (NOTES.md session 36)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(n):
+            acc += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
 def host_info() -> dict:
-    """The machine a benchmark ran on: CPU model and logical cores (peers' runs differ from host to host)."""
-    model = None
+    """The machine a benchmark ran on: CPU model, logical cores, the first core's clock as the kernel reports
+    it, and ``python_loop_ms`` (peers' runs differ from host to host)."""
+    model = mhz = None
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
-    except OSError:
+            for line in f:
+                if model is None and line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif mhz is None and line.startswith("cpu MHz"):
+                    mhz = float(line.split(":", 1)[1])
+    except (OSError, ValueError):
         pass
-    return {"cpu_model": model, "cpu_count": os.cpu_count()}
+    return {"cpu_model": model, "cpu_count": os.cpu_count(), "cpu_mhz": mhz, "py_loop_ms": python_loop_ms()}
 
 
 class RunConditions:
