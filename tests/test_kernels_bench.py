@@ -250,3 +250,32 @@ def test_skinny_m_without_its_own_entry_takes_the_nearest_larger_tuned_m():
     assert gemv_config(4, 2048, 2048, 132, configs=configs) == heuristic
     assert gemv_config(32, 2560, 2048, 132, configs=configs) == gemv_config(32, 2560, 2048, 132)  # other shape
     assert gemv_config(32, 2048, 2048, 132, configs=configs, silu_mul=True) is c64  # falls back to the plain entry
+
+
+def test_mid_band_candidates_above_64_rows_time_both_orientations_with_and_without_split_k():
+    cands = sweeps.gemv_candidates(200, 22016, 2048, 132)
+    assert cands == sweeps.mid_band_candidates(200, 22016, 2048, 132) and len(cands) <= 16  # 5 shapes a call
+    assert any(c.swap_ab for c in cands) and any(not c.swap_ab for c in cands)
+    for bn in {c.block_n for c in cands}:
+        assert any(c.block_n == bn and c.split_k == 1 for c in cands)
+    assert all(c.block_k == 64 and c.num_stages == 3 for c in cands)
+    assert all(c.block_n in (64, 128) for c in cands if c.swap_ab)  # [64 or 128, 256] accumulators
+
+
+@pytest.mark.parametrize("M", [65, 130])
+@pytest.mark.parametrize("config", [GemvConfig(64, 64, 1, 4, 3, swap_ab=True), GemvConfig(128, 64, 2, 8, 3),
+                                    GemvConfig(128, 64, 3, 8, 3, swap_ab=True)], ids=["n64-swap", "n128-split2",
+                                                                                      "n128-split3-swap"])
+def test_the_mid_band_launch_past_gemvs_range_matches_linear(M, config):
+    # what bench_gemv times above 64 rows: the GEMV kernel through launch_gemv (gemv() refuses M > 64);
+    # odd N, K not a multiple of the tile, a bias
+    from pageserve.kernels.gemv import launch_gemv
+
+    g = torch.Generator().manual_seed(M)
+    dev = "cuda" if CUDA else "cpu"  # fp32 (tf32 off) on either
+    x, w, b = (t.to(dev) for t in (torch.randn(M, 200, generator=g), torch.randn(300, 200, generator=g),
+                                   torch.randn(300, generator=g)))
+    out = torch.empty(M, 300, device=dev)
+    launch_gemv(x, w, None, b, out, config, None)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)

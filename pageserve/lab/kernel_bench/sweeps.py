@@ -14,7 +14,8 @@ import triton
 
 from .. import kernel_checks as checks
 from ...kernels._util import cdiv, sm_count_for
-from ...kernels.gemv import GemvConfig, config_key, gemv, gemv_config, silu_mul_gemv, silu_mul_linear_reference
+from ...kernels.gemv import (GemvConfig, config_key, gemv, gemv_config, launch_gemv, silu_mul_gemv,
+                             silu_mul_linear_reference)
 from ...kernels.paged_decode import MAX_SPLITS, paged_decode_attention, schedule_for
 from .shapes import GEMV_SHAPES, HEAD_DIM, HKV, HQ, LAYERS
 from .timing import eager_ms, gbps, graph_ms, timed_ms, weight_copies
@@ -113,6 +114,8 @@ def gemv_candidates(M: int, N: int, K: int, sms: int, quant: bool = False) -> li
     GEMM: every program re-reads the [M, BLOCK_K] activations for its BLOCK_N weight rows, so at
     M = 64 wide weight tiles matter) it goes up to 256-row weight tiles and 4 stages; for int8
     weights (``quant``) also 1 stage, at 4 warps only (every int8 best at 64 rows had 4)."""
+    if M > 64:
+        return mid_band_candidates(M, N, K, sms)
     base = gemv_config(M, N, K, sms)
     cands = {base}
     skinny = M > 8
@@ -132,6 +135,23 @@ def gemv_candidates(M: int, N: int, K: int, sms: int, quant: bool = False) -> li
                     if skinny and bn == 128 and nw == 4:  # the weights as the MMA's A side (swap_ab)
                         cands.add(GemvConfig(bn, bk, split, nw, 3, swap_ab=True))
     return sorted(cands, key=lambda c: (c.block_n, c.block_k, c.num_warps, c.split_k, c.num_stages, c.swap_ab))
+
+
+def mid_band_candidates(M: int, N: int, K: int, sms: int) -> list[GemvConfig]:
+    """The tl.dot configs timed against cuBLAS at 65-256 rows, past ``gemv``'s own range (a probe of
+    the decode band where cuBLAS runs at ~0.7 of the tensor-core ceiling, NOTES.md session 36): 64-wide
+    K steps, 3 stages; 64 to 256 weight rows a program in the plain orientation and, transposed
+    (``swap_ab``: the weight rows as wgmma's M side, all M batch rows as its N side), 64 rows at 4 warps
+    or 128 at 8 (a [64 or 128, 256] fp32 accumulator at 128 registers a thread); each without split-K
+    and with the split that gives about 4 programs an SM."""
+    cands = set()
+    for bn, nw, swap in ((64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False), (256, 8, False),
+                         (64, 4, True), (128, 8, True)):
+        rows = triton.cdiv(N, bn)
+        split = max(1, min(triton.cdiv(4 * sms, rows), K // 128))
+        for s in sorted({1, split}):
+            cands.add(GemvConfig(bn, 64, s, nw, 3, swap_ab=swap))
+    return sorted(cands, key=lambda c: (c.block_n, c.num_warps, c.split_k, c.swap_ab))
 
 
 def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: float = 256e6,
@@ -170,6 +190,8 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
             if quant:  # "default": the PTX conversion where compiled, Triton ops on the interpreter
                 m = True if magic == "default" else magic
                 return lambda i: gemv_int8(x, *qs[i % len(qs)], b, config=cfg, out=out, magic=m)
+            if M > 64:  # past gemv()'s range (it refuses M > 64): the same kernel through its launcher
+                return lambda i: launch_gemv(x, ws[i % len(ws)], None, b, out, cfg, None)
             return lambda i: gemv(x, ws[i % len(ws)], b, config=cfg, out=out)
 
         t_cublas = timed_ms(r, f"cublas_{name}_m{M}",
@@ -192,6 +214,10 @@ def bench_gemv(M: int = 1, dtype=torch.bfloat16, tune: bool = True, min_bytes: f
             r[f"{key}_magic"] = best_magic
             for magic in magics:
                 r[f"{key}_{magic}_ms"] = min(t for (c, m), t in timed.items() if m == magic)
+        if not quant:  # the best config's product against cuBLAS's on the same weights (--skip-checks or not)
+            run(best_cfg)(0)
+            ref = torch.nn.functional.linear(x, ws[0], b).float()
+            r[f"{key}_max_rel_err"] = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         t_gemv = timed_ms(r, key, run(best_cfg, best_magic), calls)
         r[f"{key}_ms"], r[f"{key}_gbps"] = t_gemv, gbps(qbytes if quant else nbytes, t_gemv)
         if (heuristic, "default") in timed:
