@@ -218,7 +218,7 @@ def test_gemv_candidates_above_8_rows_reach_wide_weight_tiles_and_stay_in_budget
         assert c.split_k >= 1 and c.block_k in (64, 128)
 
 
-def test_bench_cli_takes_the_gemv_batches():
+def test_bench_cli_takes_the_gemv_batches_and_names_its_commit(tmp_path):
     from pageserve.lab.kernel_bench import __main__ as cli
 
     seen = {}
@@ -232,10 +232,13 @@ def test_bench_cli_takes_the_gemv_batches():
         mp.setattr(cli.torch.cuda, "is_available", lambda: True)
         mp.setattr(cli.torch.cuda, "get_device_name", lambda i=0: "fake")
         try:
-            cli.main(["--out", "/tmp/pageserve_cli_test", "--skip-checks", "--parts", "gemv", "--gemv-batches", "16,64"])
+            cli.main(["--out", str(tmp_path), "--skip-checks", "--parts", "gemv", "--gemv-batches", "16,64",
+                      "--json", "bench.json"])
         except Exception:  # the summary after the run may want figures the fake did not give
             pass
     assert seen.get("gemv_batches") == (16, 64) and seen.get("parts") == ("gemv",)
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["git_commit"] not in (None, "") and "git_commit_source" in record  # a record names its commit
 
 
 def test_skinny_m_without_its_own_entry_takes_the_nearest_larger_tuned_m():

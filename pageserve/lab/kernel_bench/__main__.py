@@ -28,6 +28,7 @@ import triton  # noqa: E402
 
 from .checks import run_checks  # noqa: E402
 from .run import BENCH_PARTS, DEFAULT_PARTS, gbps_table, run_benchmarks  # noqa: E402
+from ..results import provenance  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,8 +50,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown --parts {sorted(unknown)}; choose from {BENCH_PARTS}")
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
-    record: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)",
-                    "torch": torch.__version__, "triton": triton.__version__}
+    record: dict = {**provenance(), "device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)",
+                    "torch": torch.__version__, "triton": triton.__version__}  # provenance: the commit it ran at
     t0 = time.time()
     path = os.path.join(args.out, args.json)
 
