@@ -6,6 +6,7 @@
 # cannot cost the others their record.
 # Usage on the device machine, from the repo root, with .wheels/ carried:
 #   PAGESERVE_GIT_COMMIT=<sha> PAGESERVE_GIT_DIRTY=<0|1> bash scripts/h200_run.sh [stage:seconds ...]
+# or, better, run scripts/stamp_commit.sh here first and carry .run_stamp (no sha typed by hand),
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
 # Stages: tests cublasbits cublasband splitk tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
@@ -24,6 +25,12 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; RES=/tmp/pageserve_res/h200; mkdir -p "$RES/diagnostics" "$OUT"
 export PAGESERVE_RESULTS_DIR=$RES
 stages=$*
+# the commit from .run_stamp (scripts/stamp_commit.sh, run where the repository is, carried) unless given
+if [ -z "${PAGESERVE_GIT_COMMIT:-}" ] && [ -f .run_stamp ]; then
+  read -r PAGESERVE_GIT_COMMIT n_changed < .run_stamp
+  export PAGESERVE_GIT_COMMIT PAGESERVE_GIT_DIRTY=$(( n_changed > 0 ))
+fi
+echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
