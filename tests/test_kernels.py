@@ -21,7 +21,6 @@ from pageserve.model.triton_ops import TritonOps
 
 from pageserve.lab import kernel_checks as checks  # noqa: E402
 from pageserve.lab.kernel_checks import TOLERANCE  # noqa: E402
-from pageserve.kernels.gemm_splitk import SplitKConfig  # noqa: E402
 from pageserve.kernels.gemv import GemvConfig  # noqa: E402
 from pageserve.kernels.paged_decode import (MAX_SPLITS, MIN_SPLIT_TOKENS, DecodeSchedule,  # noqa: E402
                                              decode_num_splits, decode_schedule, paged_decode_attention)
@@ -411,21 +410,6 @@ def test_gemv_skinny_tiles_the_bench_sweeps_above_8_rows_match_linear(M, config,
     _ok(checks.check_gemv(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config), dtype)
     for magic in (True, "cvt"):
         _ok(checks.check_gemv_int8(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config, magic=magic), dtype)
-
-
-SPLITK_CONFIGS = [SplitKConfig(64, 64, 64, splits=3), SplitKConfig(32, 64, 64, splits=1, num_stages=3),
-                  SplitKConfig(128, 64, 64, splits=4, swap_ab=True), SplitKConfig(64, 32, 32, splits=2, tma=False),
-                  SplitKConfig(128, 64, 64, splits=2, swap_ab=True, tma=False)]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M,N,K", [(130, 300, 200), (65, 96, 333), (1, 64, 128)])
-@pytest.mark.parametrize("config", SPLITK_CONFIGS, ids=["m64-n64-s3", "m32-s1", "swap-s4", "ptr-s2", "ptr-swap-s2"])
-def test_splitk_matmul_matches_linear_odd_shapes_tma_and_pointer_loads(M, N, K, dtype, config, gen):
-    # the mid-band GEMM (issue 14): K slices that end inside a tile and past K, a last row tile and a last
-    # column tile that are partly outside, bias on odd N; TMA where the tensors allow it (K * 2 bytes a
-    # multiple of 16), pointer loads otherwise
-    _ok(checks.check_splitk_matmul(M, N, K, dtype, DEVICE, gen, config, bias=N % 2 == 0), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,7 +15,6 @@ from ..model.attention import AttentionMetadata
 from ..kernels.reference import paged_attention as paged_attention_reference, write_kv as write_kv_reference
 from ..model.ops import TorchOps, rope_cos_sin
 from ..kernels.activation import silu_and_mul
-from ..kernels.gemm_splitk import splitk_matmul
 from ..kernels.gemv import GemvConfig, gemv, silu_mul_gemv
 from ..kernels.kv_write import write_kv
 from ..kernels.norm import add_rms_norm, rms_norm
@@ -259,17 +258,6 @@ def check_gemv(M, N, K, dtype, device, gen, bias=True, config=None, split_k="aut
     b = _rand((N,), dtype, device, gen) if bias else None
     out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
     gemv(x, w, b, config=config, out=out, split_k=split_k)
-    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-    return rel_err(out, ref)
-
-
-def check_splitk_matmul(M, N, K, dtype, device, gen, config, bias=True) -> float:
-    """``gemm_splitk.splitk_matmul`` vs a float64 linear, output poisoned with NaN first."""
-    x = _rand((M, K), dtype, device, gen)
-    w = _rand((N, K), dtype, device, gen, K ** -0.5)
-    b = _rand((N,), dtype, device, gen) if bias else None
-    out = torch.full((M, N), float("nan"), dtype=dtype, device=device)
-    splitk_matmul(x, w, b, config, out=out)
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     return rel_err(out, ref)
 
