@@ -56,7 +56,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .bench import BenchResult, Workload, synchronize
-from .profiling import RunConditions, host_info, linear_flops
+from .profiling import RunConditions, host_info, linear_flops, python_loop_ms
 from .workloads import WorkloadSpec, make_workload
 
 ENGINES = ("pageserve", "vllm", "hf_generate_batch", "hf_generate")
@@ -539,6 +539,9 @@ def run_engine(engine: str, model: str, workloads: dict[str, dict], decode: dict
                 rec.setdefault("warmup", {})[name] = runner.offline(warm).to_dict()
             w = spec.build(vocab)
             w.name = name
+            # the host's Python speed just before the timed passes (the start-up probe in ``host`` read 13.5 vs
+            # 7.0 ms in two processes of one machine minutes apart: NOTES.md session 37)
+            rec.setdefault("host_loop_ms", {})[name] = python_loop_ms()
             runs = []
             for _ in range(passes):
                 with RunConditions() as cond:  # the host's load and the SM clock while it ran
