@@ -9,7 +9,7 @@
 # or, better, run scripts/stamp_commit.sh here first and carry .run_stamp (no sha typed by hand),
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests cublasbits cublasband tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
+# Stages: tests cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -63,6 +63,12 @@ for st in $stages; do
                 --gemv-batches "${CUBLAS_BAND_MS:-64,128,136,160,192,200,224,256,384,512}" --json kernels_cublas_band.json \
                 > "$RES/cublas_band.log" 2>&1
               echo "cublasband rc=$?"; grep -E "stack" "$RES/cublas_band.log" | tail -n 12 ;;
+    cublaslt) # cuBLASLt's heuristic algorithms vs torch's pick per 3B linear (scripts/cublaslt_probe.py); needs
+              # nvmath-python and its CUDA bindings carried in .nvm/ (pip download --no-deps nvmath-python cuda-bindings
+              # cuda-core cuda-pathfinder, cp312 manylinux wheels)
+              [ -d .nvm ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .nvm/*.whl 2>&1 | grep -v 'already exists'
+              timeout "$t" python3 scripts/cublaslt_probe.py --out "$RES/diagnostics" --ms "${CUBLASLT_MS:-160,200,128,256,64}" \
+                > "$RES/cublaslt_probe.log" 2>&1; echo "cublaslt rc=$?"; tail -n 30 "$RES/cublaslt_probe.log" ;;
     switches) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts switches --skip-checks \
                 > "$RES/switches.log" 2>&1; echo "switches rc=$?"; tail -n 25 "$RES/switches.log" ;;
     sweep_m1) timeout "$t" python3 -m pageserve.lab.kernel_bench --out "$RES" --parts sweep_m1 --skip-checks \
