@@ -61,8 +61,10 @@ def probe_shape(name: str, N: int, K: int, M: int, limit: int, gen: torch.Genera
             mms[0].execute(algorithm=a, stream=stream)
             torch.cuda.synchronize()
             row["rel_err"] = float((y.float() - ref).norm() / ref.norm())
-            row["us"] = 1e3 * timed_ms(row, "algo", lambda i, a=a: mms[i % len(mms)].execute(algorithm=a, stream=stream),
-                                       calls=len(mms))
+            # the stream at call time: inside the capture that is the capture's stream (session 37's first run passed
+            # the creation-time stream, so nothing was captured and every time read ~0.8 us)
+            row["us"] = 1e3 * timed_ms(row, "algo", lambda i, a=a: mms[i % len(mms)].execute(
+                algorithm=a, stream=torch.cuda.current_stream()), calls=len(mms))
         except Exception as e:  # noqa: BLE001 - an algorithm the problem refuses: recorded, skipped
             row["error"] = f"{type(e).__name__}: {e}"[:240]
         rec["rows"].append(row)
