@@ -3,11 +3,12 @@ picks? (Issue 14: at 129-256 rows the four 3B linears lose ~1 ms a step against 
 results/h200/diagnostics/kernels_cublas_band_c7894dc.*; a split-K Triton GEMM lost to cuBLAS there,
 splitk_probe_c56c29b.*. TunableOp on torch 2.11 offers only cuBLAS's default: tunableop_probe_794c194.*.)
 
-For each 3B linear and row count M: the GPU time per call of ``torch.nn.functional.linear`` (what the
-engine runs) and of each algorithm cuBLASLt's heuristic returns (up to ``--limit``, through
+For each 3B linear and row count M: the GPU time per call of ``torch.matmul`` (the cuBLAS call the
+engine's linears make) and of each algorithm cuBLASLt's heuristic returns (up to ``--limit``, through
 nvmath-python's ``linalg.advanced.Matmul``, a lab-only dependency carried as wheels), each call on the
 next of several weight copies, captured back to back in a CUDA graph (``timing.timed_ms``; where a
-capture fails the time is eager and says so). Every algorithm's output is checked against torch's.
+capture fails the row says ``algo_timing: "eager"``, and that time is not comparable: the eager
+fallback's events sit on torch's stream, and nvmath's work need not). Every algorithm's output is checked against torch's.
 
     python scripts/cublaslt_probe.py --out DIR [--ms 64,128,160,200,256] [--limit 24]
 
