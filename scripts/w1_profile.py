@@ -38,8 +38,8 @@ import torch
 
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
-from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_vocab
-from pageserve.lab.profiling import ClockLog, CompileLog, engine_mode
+from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_floor, workload_vocab
+from pageserve.lab.profiling import ClockLog, CompileLog, KernelRow, by_category, engine_mode, workload_bound
 from pageserve.lab.results import provenance
 
 
@@ -168,6 +168,52 @@ def cprofile_pass(llm, workload, top: int) -> dict:
     return {"wall_s_under_profiler": wall, "top": rows}
 
 
+def kernel_seconds(prof) -> dict[str, tuple[float, int]]:
+    """{kernel name: (device seconds, launches)} of a finished ``torch.profiler.profile``. Reads
+    Kineto's raw events (a whole workload holds ~10^5-10^6 kernels, too many to build the
+    profiler's Python event tree for); falls back to ``prof.events()``."""
+    total: dict[str, list] = {}
+    try:
+        raw = [(e.name(), e.duration_ns() / 1e9) for e in prof.profiler.kineto_results.events()
+               if e.device_type() == torch.autograd.DeviceType.CUDA]
+    except AttributeError:
+        raw = [(e.name, e.device_time / 1e6) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    for name, sec in raw:
+        row = total.setdefault(name, [0.0, 0])
+        row[0] += sec
+        row[1] += 1
+    return {k: (v[0], v[1]) for k, v in total.items()}
+
+
+def kernel_pass(llm, workload, model: str, ceilings: dict) -> dict:
+    """The workload once under ``torch.profiler`` (CUDA activity): every kernel's device time,
+    summed by category (``lab.profiling.kernel_category``), set against the workload's floor on
+    this run's measured ceilings (``lab.profiling.workload_bound``). The profiler slows the host,
+    so this pass's wall time is not the workload's; its kernel times are the engine's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    bench.synchronize()
+    t0 = time.perf_counter()
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: nothing counted
+    with profile(activities=[activity]) as prof:
+        r = bench.run_pageserve(llm, workload)
+        bench.synchronize()
+    wall = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    kernels = kernel_seconds(prof)
+    del prof
+    rows = [KernelRow(name, sec, n) for name, (sec, n) in kernels.items()]  # seconds in KernelRow.us here
+    cats = by_category(rows)
+    lengths = [(len(q.prompt_token_ids), q.max_tokens) for q in workload.requests]
+    floor = workload_floor(model, lengths, ceilings["read_gbps"], ceilings["matmul_bf16_tflops"])
+    return {"wall_s_under_profiler": wall, "parse_s": time.perf_counter() - t1,
+            "output_tokens": r.output_tokens, "requested_output_tokens": workload.requested_output_tokens,
+            "prompt_tokens": workload.prompt_tokens, "kernel_s": cats, "kernel_total_s": sum(cats.values()),
+            "floor": floor, "bound": workload_bound(cats, floor, ceilings["read_gbps"], ceilings["matmul_bf16_tflops"]),
+            "top_kernels": [[k.name, k.us, k.launches, k.category] for k in sorted(rows, key=lambda k: -k.us)[:40]]}
+
+
 def gemm_sweep(max_rows: int) -> float:
     """Calls ``F.linear`` at every row count 1..max_rows for the qkv (with bias), o, gate_up and down
     shapes of Qwen2.5-3B in bf16, and the LM head at 1..max_rows // 8: every cuBLAS heuristic query
@@ -205,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--modes", default=None, help="of lab.profiling.ENGINE_MODES, e.g. default,deterministic: the "
                     "events pass of each, one engine at a time in this order (a mode may repeat: A/B/A/B; no cProfile)")
     ap.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--kernels", action="store_true", help="after the events pass, one more pass under "
+                    "torch.profiler: the workload's kernel time by category against its floor (kernel_pass)")
     ap.add_argument("--passes", type=int, default=1, help="with --modes: W1 passes per engine (other prompts each; "
                     "a later pass shows what the first paid for compiling kernels)")
     ap.add_argument("--max-model-len", type=int, default=None)
@@ -255,6 +303,14 @@ def main(argv: list[str] | None = None) -> None:
            "max_num_seqs": llm.engine.config.max_num_seqs, "events": events_pass(llm, w)}
     _print("default", rec["events"])
     path.write_text(json.dumps(rec, indent=1))
+    if args.kernels:
+        from pageserve.lab.kernel_bench.ceilings import measure_ceilings
+
+        rec["ceilings"] = measure_ceilings()
+        rec["kernels"] = kernel_pass(llm, build_workload(args.workload, vocab, args.requests, seed=2), args.model,
+                                     rec["ceilings"])
+        _print_kernels(rec["kernels"], rec["events"]["wall_s"])
+        path.write_text(json.dumps(rec, indent=1))
     if args.cprofile:
         rec["cprofile"] = cprofile_pass(llm, build_workload(args.workload, vocab, args.requests, seed=1), args.top)
         print("\n".join(rec["cprofile"]["top"]["tottime"][:45]), flush=True)
@@ -273,6 +329,16 @@ def graphs_summary(llm) -> dict:
             "capture_mib": g.capture_bytes / 2**20}
 
     return {"decode": summary(runner.graphs, "max_bs"), "mixed": summary(runner.mixed_graphs, "max_tokens")}
+
+
+def _print_kernels(k: dict, wall_s: float) -> None:
+    b = k["bound"]
+    print(f"kernels over the workload ({k['parse_s']:.0f} s to read the trace): "
+          + ", ".join(f"{c} {s:.3f} s" for c, s in k["kernel_s"].items() if s), flush=True)
+    print(f"  GEMMs {b['gemm_s']:.3f} s at {b['gemm_tflops']:.0f} TFLOP/s ({b['gemm_ceiling_fraction']:.2f} of the "
+          f"ceiling; floor {b['gemm_floor_s']:.3f} s); attention {b['attention_s']:.3f} s (floor "
+          f"{b['attention_floor_s']:.3f} s); the rest {b['other_s']:.3f} s; bound {b['bound_s']:.3f} s against "
+          f"the events pass's wall {wall_s:.3f} s", flush=True)
 
 
 def _print(mode: str, e: dict) -> None:

@@ -33,6 +33,7 @@ def _script(name: str):
     ("_rope_kv_kernel", "rope_kv"), ("_kv_write_kernel", "rope_kv"), ("_write_kv_kernel", "rope_kv"),
     ("_dequant_kernel", "gemm"),
     ("_silu_and_mul_kernel", "activation"),
+    ("_gate_up_silu_tma_kernel", "gemm"), ("_gate_up_silu_persistent_kernel", "gemm"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "sampling"),
     ("void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>", "sampling"),
     ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy"),
@@ -178,6 +179,39 @@ def test_w1_profile_groups_decode_steps_by_rows():
     assert [b["rows"] for b in bands] == ["1", "33-64"]
     assert bands[1]["steps"] == 2 and bands[1]["gpu_ms"] == 8 and bands[1]["ms_per_step"] == 4
     assert bands[1]["mean_rows"] == 62 and bands[1]["mean_context"] == 800
+
+
+def test_workload_bound_adds_the_gemms_as_measured_to_the_attentions_floor():
+    from pageserve.lab.profiling import workload_bound
+
+    floor = {"linear_flops": 700e12, "kv_read_bytes": 4.0e12, "prompt_attention_flops": 70e12}
+    kernel_s = {"gemm": 2.0, "attention": 1.5, "norm": 0.25, "other": 0.25}
+    b = workload_bound(kernel_s, floor, read_gbps=4000.0, matmul_tflops=700.0)
+    assert b["gemm_tflops"] == pytest.approx(350.0) and b["gemm_ceiling_fraction"] == pytest.approx(0.5)
+    assert b["gemm_floor_s"] == pytest.approx(1.0)
+    assert b["attention_floor_s"] == pytest.approx(1.0 + 0.1)  # 4 TB at 4 TB/s, 70 TFLOP at 700 TFLOP/s
+    assert b["other_s"] == pytest.approx(0.5) and b["bound_s"] == pytest.approx(2.0 + 1.1)
+    none = workload_bound({"gemm": 0.0}, floor, 4000.0, 700.0)  # a CPU run: no kernels counted
+    assert none["gemm_tflops"] is None and none["gemm_ceiling_fraction"] is None and none["bound_s"] == none["attention_floor_s"]
+
+
+def test_w1_profile_kernel_pass_runs_a_workload_under_the_profiler(tmp_path, tiny_qwen2_config):
+    import json
+
+    from pageserve.engine.llm import LLM
+    from pageserve.lab.hf_reference import hf_config_dict
+    from pageserve.lab.peers import WorkloadSpec
+
+    w1_profile = _script("w1_profile")
+    tiny_model_json = str(tmp_path / "tiny.json")
+    (tmp_path / "tiny.json").write_text(json.dumps(hf_config_dict(tiny_qwen2_config)))
+    llm = LLM(f"dummy:{tiny_model_json}", dtype="float32", device="cpu", seed=0, num_blocks=64)
+    w = WorkloadSpec("w1", {"num_requests": 3, "prompt_len": 8, "output_len": 3}).build(llm.engine.model_config.vocab_size)
+    k = w1_profile.kernel_pass(llm, w, tiny_model_json, {"read_gbps": 100.0, "matmul_bf16_tflops": 1.0})
+    llm.shutdown()
+    assert k["output_tokens"] == k["requested_output_tokens"] == 9 and k["prompt_tokens"] == 24
+    assert set(k["kernel_s"]) == set(CATEGORIES) and k["kernel_total_s"] == 0.0  # the CPU launches no CUDA kernel
+    assert k["floor"]["kv_read_bytes"] > 0 and k["bound"]["bound_s"] == k["bound"]["attention_floor_s"] > 0
 
 
 def test_compile_log_records_triton_compiles_while_active_and_restores_the_hook():

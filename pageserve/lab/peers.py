@@ -271,21 +271,28 @@ def workload_floor(model, requests: Sequence[tuple[int, int]], read_gbps: float,
     the last), the LM head on every sampled token, and attention (QK^T and PV) over each such
     token's visible keys. Bytes: the weights once per decode step, of which there are at least the
     longest output's length less one after the prefill, plus every decode token's read of its
-    sequence's K and V. (The prefill's own weight read and every write are left out: a floor.)"""
+    sequence's K and V. (The prefill's own weight read and every write are left out: a floor.)
+    The parts come back too: ``linear_flops``, ``attention_flops`` (of which ``prompt_attention_flops``
+    is the prompts' own) and ``kv_read_bytes`` (the decode tokens' K and V reads alone)."""
     c = _model_config(model)
-    flops, kv_tokens, longest = 0.0, 0, 0
+    linear, attention, prompt_attention, kv_tokens, longest = 0.0, 0.0, 0.0, 0, 0
+    per_pair = 4.0 * c.head_dim * c.num_heads * c.num_layers  # QK^T and PV of one (query, key) pair
     for prompt, output in requests:
         fed = prompt + max(output - 1, 0)
-        flops += linear_flops(c, fed, sampled_rows=output)
-        flops += 4.0 * (fed * (fed + 1) / 2) * c.head_dim * c.num_heads * c.num_layers  # token i sees i + 1 keys
+        linear += linear_flops(c, fed, sampled_rows=output)
+        attention += per_pair * fed * (fed + 1) / 2  # token i sees i + 1 keys
+        prompt_attention += per_pair * prompt * (prompt + 1) / 2
         steps = max(output - 1, 0)
         kv_tokens += steps * prompt + steps * (steps + 1) // 2  # decode token j reads prompt + j tokens' K and V
         longest = max(longest, output)
-    nbytes = weight_bytes(c, dtype_bytes) * max(longest - 1, 0) + kv_tokens * kv_bytes(c, 1, dtype_bytes)
+    kv_read = kv_tokens * kv_bytes(c, 1, dtype_bytes)
+    nbytes = weight_bytes(c, dtype_bytes) * max(longest - 1, 0) + kv_read
+    flops = linear + attention
     compute_s = flops / (matmul_tflops * 1e12)
     memory_s = nbytes / (read_gbps * 1e9)
     return {"floor_s": max(compute_s, memory_s), "compute_s": compute_s, "memory_s": memory_s, "flops": flops,
-            "bytes": float(nbytes)}
+            "bytes": float(nbytes), "linear_flops": linear, "attention_flops": attention, "prompt_attention_flops": prompt_attention,
+            "kv_read_bytes": float(kv_read)}
 
 
 def measure_read_gbps(device: str = "auto") -> dict[str, float]:

@@ -42,6 +42,8 @@ CATEGORY_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
                    "_prefill_kernel", "_chunk_kernel", "_split_kernel", "_merge_kernel")),
     ("norm", ("rms_norm", "rmsnorm", "layer_norm")),
     ("rope_kv", ("rope", "rotary", "kv_write", "write_kv", "reshape_and_cache")),
+    # a product with SiLU·mul in its epilogue is a GEMM (counted as "activation" before session 38)
+    ("gemm", ("gate_up_silu",)),
     ("activation", ("silu", "gelu", "act_and_mul")),
     ("sampling", ("sample", "softmax", "argmax", "topk", "top_k", "top_p", "gumbel", "exponential", "multinomial",
                   "log_softmax", "penalt", "sort")),
@@ -129,7 +131,7 @@ def engine_mode(mode: str | dict) -> tuple[dict, contextlib.AbstractContextManag
     return kw, PATCHES[patch]() if patch else contextlib.nullcontext()
 
 
-CATEGORIES = tuple(c for c, _ in CATEGORY_RULES) + ("other",)
+CATEGORIES = tuple(dict.fromkeys(c for c, _ in CATEGORY_RULES)) + ("other",)
 
 
 def kernel_category(name: str) -> str:
@@ -207,6 +209,27 @@ def decode_bytes(model, batch: int, context_len: int, dtype_bytes: int = 2, weig
 
     return (weight_bytes(model, dtype_bytes) if weights is None else weights) + batch * kv_bytes(
         model, context_len, dtype_bytes)
+
+
+def workload_bound(kernel_s: dict[str, float], floor: dict[str, float], read_gbps: float,
+                   matmul_tflops: float) -> dict[str, float | None]:
+    """What one workload's kernels say about how far its wall time could fall (issue 14).
+
+    ``kernel_s``: device seconds per category over the whole workload (``by_category`` of its
+    kernels); ``floor``: its ``peers.workload_floor``. Returns the GEMMs' time, rate and fraction of
+    the matmul ceiling; the attention's time and floor (the decode tokens' K/V read at the read
+    bandwidth plus the prompts' attention FLOPs at the matmul ceiling); the other kernels' time; and
+    ``bound_s``: the GEMMs as measured plus the attention at its floor, every other kernel free and no
+    idle, i.e. the wall this engine cannot go under without faster GEMMs."""
+    gemm = kernel_s.get("gemm", 0.0)
+    attention = kernel_s.get("attention", 0.0)
+    attention_floor = (floor["kv_read_bytes"] / (read_gbps * 1e9)
+                       + floor["prompt_attention_flops"] / (matmul_tflops * 1e12))
+    tflops = floor["linear_flops"] / gemm / 1e12 if gemm > 0 else None
+    return {"gemm_s": gemm, "gemm_floor_s": floor["linear_flops"] / (matmul_tflops * 1e12), "gemm_tflops": tflops,
+            "gemm_ceiling_fraction": tflops / matmul_tflops if tflops is not None else None,
+            "attention_s": attention, "attention_floor_s": attention_floor,
+            "other_s": sum(kernel_s.values()) - gemm - attention, "bound_s": gemm + attention_floor}
 
 
 def phase_rows(categories_us: dict[str, float], floors_us: dict[str, float]) -> list[dict]:
