@@ -195,3 +195,27 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
             assert torch.equal(outs[0], other), w
     with pytest.raises(ValueError, match="split_programs must be 1"):
         paged_attention_invariant(q, kc, vc, meta, D**-0.5, split_programs=2, flat=True, **LAUNCH)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("walk", [{}, {"split_programs": 1, "flat": True}, {"split_programs": 1, "flat": False},
+                                  {"split_programs": 2}])
+def test_rope_inside_the_decode_launch_gives_the_bits_of_rope_kv_then_the_kernel(walk, dtype):
+    # the newest position at a split's first slot (KS + 1), its last (KS), a block's first (bs + 1), one key,
+    # several splits, padding rows (context 0: slot -1, no write); every walk of the splits over programs
+    gen = torch.Generator().manual_seed(5)
+    Hq, Hkv, D, bs = _shape(8, 2)
+    ctx = [0, 1, KS, KS + 1, bs + 1, 3 * KS + 7, 2 * KS - 1, 0]
+    same_out, same_cache = checks.check_invariant_rope_decode(ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen,
+                                                              **walk, **LAUNCH)
+    assert same_out and same_cache
+
+
+def test_rope_inside_the_launch_refuses_a_step_with_prompt_chunks():
+    gen = torch.Generator().manual_seed(6)
+    Hq, Hkv, D, bs = _shape(8, 2)
+    q, k, v, kc, vc, meta = checks.random_paged_batch([3, 1], [10, 5], Hq, Hkv, D, bs, torch.float32, DEVICE, gen)
+    rope = (k, v, torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(64, D, device=DEVICE),
+            torch.zeros(4, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="decode batches only"):
+        paged_attention_invariant(q, kc, vc, meta, D**-0.5, rope=rope, **LAUNCH)

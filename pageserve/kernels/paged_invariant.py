@@ -68,6 +68,7 @@ import triton.language as tl
 from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
                     online_softmax_step, pdl_args, pdl_enter_after_inputs, pdl_enter_before_inputs, query_tile_map,
                     sm_count_for)
+from .paged_decode import _newest_kv, _rope_row, _rotate
 
 __all__ = ["paged_attention_invariant", "invariant_block_m", "KV_SPLIT", "BLOCK_N"]
 
@@ -136,11 +137,19 @@ def _split_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_bt, qk_scale, num_splits, n_tiles, split_programs, split_rows,
+    kn_ptr, vn_ptr, pos_ptr, cs_ptr, slot_ptr, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    FLAT: tl.constexpr,
+    FLAT: tl.constexpr, ROPE: tl.constexpr = False,
 ):
+    # ROPE (decode launches only, ``paged_attention_invariant(rope=...)``): q is the step's query before
+    # RoPE, rotated here with rope_kv's own expression and rounded once, as rope_kv stores it; the cache
+    # lacks each row's newest position, whose k (before RoPE) and v are at kn / vn. The program that walks
+    # the row's last split first writes that token (rotated k, v) at the row's slot, exactly as rope_kv
+    # would, then waits on a barrier and walks its key tiles as without ROPE: the same loads, the same
+    # arithmetic, so the same bits as rope_kv's launch followed by this kernel. kn_ptr..stride_cs are
+    # unused without ROPE.
     pdl_enter_before_inputs(USE_PDL)
     # step inputs (the tile map, query_start_loc, seq_lens): before the wait (_util)
     t = tl.program_id(0)  # the step's t-th query tile: (sequence, tile of its chunk) from the tile map
@@ -153,14 +162,30 @@ def _split_kernel(
     last_pos = tl.max(tl.where(rmask, q_pos, -1), axis=0)  # the tile's last row's position
     # the splits the tile's rows have; split 0 always runs: it writes the zeros of seq_len-0 rows
     n_tile = tl.minimum(tl.maximum(last_pos, 0) // KV_SPLIT + 1, num_splits)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    if ROPE:  # step inputs too: the token's cos|sin and slot
+        tok0 = tl.load(qsl_ptr + b).to(tl.int64)  # a decode tile: the sequence's one token
+        cos, sin, partner = _rope_row(cs_ptr, pos_ptr, tok0, stride_cs, d, dmask, HEAD_DIM)
+        slot = tl.load(slot_ptr + tok0).to(tl.int64)
     pdl_enter_after_inputs(USE_PDL)
     if mb * Q_TOK >= q_len:
         return
 
-    d = tl.arange(0, BLOCK_D)
-    dmask = d < HEAD_DIM
     qmask = rmask[:, None] & dmask[None, :]
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
+    if ROPE:
+        q = _rotate(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh, d[None, :], partner[None, :],
+                    qmask, cos[None, :], sin[None, :], HEAD_DIM // 2).to(q_ptr.dtype.element_ty)
+        # the newest position is in the last split: written by the program that walks that split
+        newest_split = n_tile - 1
+        mine = (last_pos >= 0) & (newest_split >= first) & ((newest_split - first) % split_programs == 0)
+        _newest_kv(kn_ptr + tok0 * stride_knt + h * stride_knh, vn_ptr + tok0 * stride_vnt + h * stride_vnh,
+                   kc_ptr, vc_ptr, slot, mine, h, d, dmask, cos, sin, partner,
+                   stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE, HEAD_DIM)
+        tl.debug_barrier()  # every thread's stores done before any thread loads that key tile
+    else:
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=qmask,
+                    other=0.0)
     bt_row = bt_ptr + b * stride_bt
     n_row = _num_splits(q_pos, rmask, KV_SPLIT)
     prow0 = rows * (NUM_KV_HEADS * GROUP) + head  # [BLOCK_M], split 0's partial row
@@ -280,7 +305,7 @@ def paged_attention_invariant(
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
-    split_warps: int | None = None,
+    split_warps: int | None = None, rope: tuple | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -312,9 +337,27 @@ def paged_attention_invariant(
     ``WIDE_WARPS_MAX_TILES`` small tiles with MMA row sums, else 4 for small tiles, 8 for tall ones).
     Tried and removed at 943114a (no gain at one row, or a loss at large batches): each split's key tiles
     unrolled with the next tile's loads ahead, and the merge folding several splits a trip.
-    ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``)."""
+    ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``).
+    ``rope``: (k, v, positions, cos_sin, slot_mapping) of a decode batch (``max_query_len == 1``): q, k
+    and v are then the step's before RoPE (views of the qkv rows), the caches lack each row's newest
+    position, and RoPE with the K/V write happen inside this launch (``_split_kernel``'s ROPE), bit for
+    bit as ``rope_kv.rotary_write_kv`` followed by this function would compute them."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
+    if rope is not None:
+        if meta.max_query_len > 1:
+            raise ValueError("rope: decode batches only (max_query_len 1); a chunk's rows need rope_kv's launch")
+        if D & (D - 1) or D < 2:
+            raise ValueError(f"rope: the head size must be a power of two, got {D}")
+        kn, vn, positions, cos_sin, slot_mapping = rope
+        check("k", kn, shape=(T, Hkv, D), dtype=q.dtype)
+        check("v", vn, shape=(T, Hkv, D), dtype=q.dtype)
+        check("slot_mapping", slot_mapping, shape=(T,))
+        check("positions", positions, shape=(T,))
+        rope_args = (kn, vn, positions, cos_sin, slot_mapping, kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+                     cos_sin.stride(0))
+    else:
+        rope_args = (q, q, q, q, q, 0, 0, 0, 0, 0)  # unused: ROPE off
     group = Hq // Hkv
     small_m = block_m or invariant_block_m(group)
     tall_m = prefill_block_m if prefill_block_m is not None and meta.max_query_len > 1 else None
@@ -371,10 +414,10 @@ def paged_attention_invariant(
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq,
+            meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq, *rope_args,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, num_warps=warps, num_stages=stages, **common,
+            FLAT=walk_flat, ROPE=rope is not None, num_warps=warps, num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small

@@ -245,6 +245,38 @@ def check_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, d
     return rel_err(out, ref), same_cache
 
 
+def check_invariant_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                                max_pos=4096, **launch) -> tuple[bool, bool]:
+    """The batch-invariant attention with RoPE and the K/V write inside its decode launch
+    (``paged_attention_invariant(rope=...)``) against ``rope_kv.rotary_write_kv`` followed by the
+    same attention, on one decode row per sequence (context 0: a padding row, slot -1) whose q, k and
+    v are strided views of one qkv row. Returns (the outputs bit for bit equal, the caches bit for bit
+    equal). ``launch``: the attention's keywords (kv_split, block_n, split_programs, flat, ...)."""
+    from ..kernels.paged_invariant import paged_attention_invariant
+
+    B = len(ctx_lens)
+    _, _, _, kc, vc, meta = random_paged_batch([0] * B, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
+                                               dtype, device, gen)
+    table = meta.block_tables.cpu()
+    slots = [int(table[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size if c else -1
+             for i, c in enumerate(ctx_lens)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+    qs, ks = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = _rand((B, qs + 2 * ks), dtype, device, gen)
+    q = qkv[:, :qs].view(B, num_heads, head_dim)
+    k = qkv[:, qs:qs + ks].view(B, num_kv_heads, head_dim)
+    v = qkv[:, qs + ks:].view(B, num_kv_heads, head_dim)
+    pos = torch.tensor([max(c - 1, 0) for c in ctx_lens], device=device)
+    cs = rope_cos_sin(head_dim, max_pos, 1_000_000.0, None).to(device)
+    meta.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
+    meta.query_start_loc_cpu, meta.max_query_len = list(range(B + 1)), 1
+    kc_two, vc_two = kc.clone(), vc.clone()  # the two-launch path's cache
+    q_rot, _ = rotary_write_kv(q, k, v, pos, cs, kc_two, vc_two, slot_mapping)
+    two = paged_attention_invariant(q_rot, kc_two, vc_two, meta, head_dim ** -0.5, **launch)
+    one = paged_attention_invariant(q, kc, vc, meta, head_dim ** -0.5, rope=(k, v, pos, cs, slot_mapping), **launch)
+    return torch.equal(one, two), torch.equal(kc, kc_two) and torch.equal(vc, vc_two)
+
+
 def rope_decode_err(*args, **kw) -> float:
     """``check_rope_decode``'s error, or inf where the cache it leaves is not bit for bit rope_kv's (the
     sweeps' one-number form)."""

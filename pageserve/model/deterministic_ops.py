@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels import reference
 from ..kernels._util import use_pdl
+from ..kernels.paged_decode import rope_supported
 from ..kernels.paged_invariant import LAUNCH_OPTIONS
 from .ops import TorchOps
 from .quant import QuantizedWeight
@@ -55,7 +56,10 @@ class DeterministicOps(TritonOps):
     M-specialized one inside graph captures; ``kernels.matmul_invariant``). ``attention_launch``:
     keywords of ``paged_attention_invariant`` that choose a launch (``LAUNCH_OPTIONS``: programs, walk,
     stages, warps; None: its policy). None of these changes a bit: they are there to time the batch-1
-    step with and without each (scripts/det_b1_switches.py).
+    step with and without each (scripts/det_b1_switches.py). ``rope_in_attention``: in decode-only steps,
+    RoPE and the K/V write inside the attention's split launch (``paged_attention_invariant(rope=...)``,
+    the same bits as rope_kv's launch before it: tests/test_attention_invariant.py) instead of a launch of
+    their own.
 
     ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
     "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
@@ -94,10 +98,12 @@ class DeterministicOps(TritonOps):
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
-                 cublas_rows: tuple[int, int] | str | None = "auto", **triton_options) -> None:
+                 cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: bool = True,
+                 **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
-        # its attention is kernels/paged_invariant.py: RoPE and the K/V write stay rope_kv's launch
+        # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
+        # (``rope_in_attention``): the default decode kernel's fusion is not its
         if triton_options.setdefault("fuse_rope_attention", False):
             raise ValueError("deterministic mode: fuse_rope_attention is the default decode kernel's; its attention "
                              "is the batch-invariant one")
@@ -114,6 +120,7 @@ class DeterministicOps(TritonOps):
         super().__init__(**triton_options)
         self.kv_split = kv_split
         self.matmul_block_m = matmul_block_m
+        self.rope_in_attention = rope_in_attention
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
             raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
         self.attention_prefill_block_m = attention_prefill_block_m
@@ -243,7 +250,8 @@ class DeterministicOps(TritonOps):
     def chunk_attention_for(self, meta) -> bool:
         return False  # every row through the invariant attention below, whatever its chunk
 
-    def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def paged_attention(self, q: torch.Tensor, k_cache, v_cache, meta, scale: float, rope: tuple | None = None
+                        ) -> torch.Tensor:
         from ..kernels import paged_attention_invariant
 
         kw = dict(self.attention_launch)
@@ -252,7 +260,15 @@ class DeterministicOps(TritonOps):
         tall = self.prefill_block_m_for(q.device)
         if tall is not None:
             kw["prefill_block_m"] = tall
-        return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl_for(q.shape[0]), **kw)
+        return paged_attention_invariant(q, k_cache, v_cache, meta, scale, pdl=self.pdl_for(q.shape[0]), rope=rope,
+                                         **kw)
+
+    def rope_in_decode_attention(self, q: torch.Tensor, meta) -> bool:
+        return self.rope_in_attention and self._decode_only(q, meta) and rope_supported(q.shape[-1])
+
+    def rope_decode_attention(self, q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        return self.paged_attention(q, k_cache, v_cache, meta, scale,
+                                    rope=(k, v, positions, cos_sin, meta.slot_mapping))
 
     def prefill_block_m_for(self, device: torch.device) -> int | None:
         """``attention_prefill_block_m`` resolved for a device ("auto": see the class)."""
