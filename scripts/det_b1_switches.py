@@ -113,9 +113,11 @@ VARIANTS = {
     # DeterministicOps.cublas_rows, 128-2,048 rows by default on a GPU); this variant keeps every linear on
     # kernels/matmul_invariant.py, as before
     "det_no_cublas": (True, {"cublas_rows": None}),
-    # session 38: decode steps' RoPE and K/V write inside the invariant attention's split launch (the default
-    # since then); this variant keeps rope_kv's launch before the attention, as before
-    "det_rope_kv_launch": (True, {"rope_in_attention": False}),
+    # session 38: decode steps' RoPE and K/V write inside the invariant attention's split launch (the default up
+    # to 4 rows since then: diagnostics/det_b1_switches_rope_in_attention_02b5869.*); rope_kv's launch before the
+    # attention at every row count, as before, or the fused launch at every row count (as "det" ran at 02b5869)
+    "det_rope_kv_launch": (True, {"rope_in_attention": 0}),
+    "det_rope_in_attention_all_rows": (True, {"rope_in_attention": 1 << 30}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

@@ -360,3 +360,21 @@ def test_deterministic_engine_with_cublas_at_every_row_count_stays_invariant(tin
     r = D.invariance_suite(make, prompts, max_tokens=4, logprobs=3, chunk_budgets=(7, 16), graphs=True)
     want = {k: 3 for k in ("alone", "chunk_7", "chunk_16", "prefix", "sync", "eager")}
     assert {k: r[k] for k in want} == want
+
+
+def test_decode_rope_runs_inside_the_attention_launch_only_up_to_its_row_limit():
+    from types import SimpleNamespace as NS
+
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    def step(rows, max_query_len=1):
+        return torch.zeros(rows, 8, 64), NS(max_query_len=max_query_len, seq_lens=torch.ones(rows))
+
+    ops = DeterministicOps()  # the default: up to 4 rows (H200, 02b5869)
+    assert [ops.rope_in_decode_attention(*step(n)) for n in (1, 4, 5, 64)] == [True, True, False, False]
+    assert not ops.rope_in_decode_attention(*step(3, max_query_len=2))  # a step with a prompt chunk
+    assert not DeterministicOps(rope_in_attention=0).rope_in_decode_attention(*step(1))
+    assert DeterministicOps(rope_in_attention=1 << 30).rope_in_decode_attention(*step(512))
+    for bad in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="rope_in_attention"):
+            DeterministicOps(rope_in_attention=bad)

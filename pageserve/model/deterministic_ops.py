@@ -56,10 +56,13 @@ class DeterministicOps(TritonOps):
     M-specialized one inside graph captures; ``kernels.matmul_invariant``). ``attention_launch``:
     keywords of ``paged_attention_invariant`` that choose a launch (``LAUNCH_OPTIONS``: programs, walk,
     stages, warps; None: its policy). None of these changes a bit: they are there to time the batch-1
-    step with and without each (scripts/det_b1_switches.py). ``rope_in_attention``: in decode-only steps,
-    RoPE and the K/V write inside the attention's split launch (``paged_attention_invariant(rope=...)``,
-    the same bits as rope_kv's launch before it: tests/test_attention_invariant.py) instead of a launch of
-    their own.
+    step with and without each (scripts/det_b1_switches.py). ``rope_in_attention``: the most rows of a
+    decode-only step whose RoPE and K/V write run inside the attention's split launch
+    (``paged_attention_invariant(rope=...)``, the same bits as rope_kv's launch before it:
+    tests/test_attention_invariant.py) instead of a launch of their own (0: never). On the H200 at 02b5869
+    (diagnostics/det_b1_switches_rope_in_attention_02b5869.*, two pairs) inside the launch the graphed 3B step
+    took 2.525 / 2.526 ms at one row against 2.557 / 2.551, 2.660 / 2.661 at four against 2.690 / 2.691, but
+    3.383 / 3.387 at 64 against 3.279 / 3.281, and W1 70.4k against 71.5k: so up to 4 rows.
 
     ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
     "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
@@ -98,7 +101,7 @@ class DeterministicOps(TritonOps):
     def __init__(self, kv_split: int | None = None, matmul_block_m: int | None = None,
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
-                 cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: bool = True,
+                 cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
                  **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
@@ -120,6 +123,8 @@ class DeterministicOps(TritonOps):
         super().__init__(**triton_options)
         self.kv_split = kv_split
         self.matmul_block_m = matmul_block_m
+        if not isinstance(rope_in_attention, int) or isinstance(rope_in_attention, bool) or rope_in_attention < 0:
+            raise ValueError(f"rope_in_attention: a row count >= 0, got {rope_in_attention!r}")
         self.rope_in_attention = rope_in_attention
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
             raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
@@ -264,7 +269,7 @@ class DeterministicOps(TritonOps):
                                          **kw)
 
     def rope_in_decode_attention(self, q: torch.Tensor, meta) -> bool:
-        return self.rope_in_attention and self._decode_only(q, meta) and rope_supported(q.shape[-1])
+        return q.shape[0] <= self.rope_in_attention and self._decode_only(q, meta) and rope_supported(q.shape[-1])
 
     def rope_decode_attention(self, q, k, v, positions, cos_sin, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         return self.paged_attention(q, k_cache, v_cache, meta, scale,
