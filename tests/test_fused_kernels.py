@@ -349,9 +349,10 @@ def test_paired_silu_rows_routes_those_steps_gate_up_through_gate_up_silu(monkey
     assert ops.warm_gate_up_silu(qmodel.layers[0].mlp.gate_up_proj.weight) == 0
 
 
-def test_deterministic_mode_keeps_rope_out_of_its_attention(gen):
-    # its attention is the batch-invariant kernel: the decode RoPE stays rope_kv's launch, and asking for the
-    # default kernel's fusion there is an error, not a silent switch
+def test_rope_in_decode_attention_follows_each_modes_switch(gen):
+    # the default decode kernel's fusion follows fuse_rope_attention's row range; the deterministic mode's
+    # attention is the batch-invariant kernel, which takes RoPE itself up to rope_in_attention rows (4), and
+    # asking it for the default kernel's fusion is an error, not a silent switch
     from pageserve.model.deterministic_ops import DeterministicOps
 
     with pytest.raises(ValueError, match="fuse_rope_attention"):
@@ -366,5 +367,6 @@ def test_deterministic_mode_keeps_rope_out_of_its_attention(gen):
     assert not TritonOps(fuse_rope_attention=False).rope_in_decode_attention(q, meta)
     with pytest.raises(ValueError, match="fuse_rope_attention"):
         TritonOps(fuse_rope_attention=(0, 4))
-    assert not DeterministicOps().rope_in_decode_attention(q, meta)
+    assert DeterministicOps().rope_in_decode_attention(q, meta)  # 2 rows: inside the invariant launch
+    assert not DeterministicOps(rope_in_attention=1).rope_in_decode_attention(q, meta)
     assert not TorchOps().rope_in_decode_attention(q, meta)
