@@ -19,6 +19,7 @@ from ..kernels.gemv import GemvConfig, gemv, silu_mul_gemv
 from ..kernels.kv_write import write_kv
 from ..kernels.norm import add_rms_norm, rms_norm
 from ..kernels.paged_decode import paged_decode_attention, rope_decode_attention
+from ..kernels.paged_invariant import paged_attention_invariant
 from ..kernels.paged_prefill import paged_prefill_attention
 from ..kernels.rope_kv import rotary_write_kv
 from ..kernels.rotary import rotary
@@ -209,13 +210,11 @@ def check_rotary_write_kv(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, b
     return max(rel_err(qo, ref_q), rel_err(ko, ref_k), rel_err(rows(kc), rows(kc_ref)), rel_err(rows(vc), rows(vc_ref)))
 
 
-def check_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
-                      max_pos=4096, **launch) -> tuple[float, bool]:
-    """``rope_decode_attention`` on one decode row per sequence (context 0: a padding row, slot -1), q, k
-    and v strided views of one qkv row before RoPE, the cache holding every position but each row's
-    newest. Returns (relative error of the output against ``reference.rotary_write_kv`` followed by the
-    attention reference in float64, whether the cache it leaves has every bit of the one
-    ``rope_kv.rotary_write_kv`` leaves: written slots and untouched ones). ``launch``: the wrapper's keywords."""
+def rope_decode_batch(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen, max_pos=4096):
+    """One decode row per sequence for the RoPE-in-attention checks: (q, k, v, positions, cos_sin, k_cache,
+    v_cache, meta, slot_mapping). q, k and v are strided views of one qkv row before RoPE; the caches hold
+    every position but each row's newest (random values there); context 0 is a padding row (slot -1);
+    ``meta`` is a decode batch (query_start_loc 0..B, max_query_len 1)."""
     B = len(ctx_lens)
     _, _, _, kc, vc, meta = random_paged_batch([0] * B, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
                                                dtype, device, gen)
@@ -230,6 +229,21 @@ def check_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, d
     v = qkv[:, qs + ks:].view(B, num_kv_heads, head_dim)
     pos = torch.tensor([max(c - 1, 0) for c in ctx_lens], device=device)
     cs = rope_cos_sin(head_dim, max_pos, 1_000_000.0, None).to(device)
+    meta.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
+    meta.query_start_loc_cpu, meta.max_query_len = list(range(B + 1)), 1
+    return q, k, v, pos, cs, kc, vc, meta, slot_mapping
+
+
+def check_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, gen,
+                      max_pos=4096, **launch) -> tuple[float, bool]:
+    """``rope_decode_attention`` on one decode row per sequence (context 0: a padding row, slot -1), q, k
+    and v strided views of one qkv row before RoPE, the cache holding every position but each row's
+    newest. Returns (relative error of the output against ``reference.rotary_write_kv`` followed by the
+    attention reference in float64, whether the cache it leaves has every bit of the one
+    ``rope_kv.rotary_write_kv`` leaves: written slots and untouched ones). ``launch``: the wrapper's keywords."""
+    q, k, v, pos, cs, kc, vc, meta, slot_mapping = rope_decode_batch(ctx_lens, num_heads, num_kv_heads, head_dim,
+                                                                     block_size, dtype, device, gen, max_pos)
+    B = len(ctx_lens)
     kc_two, vc_two = kc.clone(), vc.clone()  # the two-launch path's cache
     q_rot, _ = rotary_write_kv(q, k, v, pos, cs, kc_two, vc_two, slot_mapping)
     out = torch.full((B, num_heads, head_dim), float("nan"), dtype=dtype, device=device)
@@ -239,8 +253,6 @@ def check_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, block_size, d
     kc_ref, vc_ref = kc.double(), vc.double()  # the reference's own RoPE and write, in float64
     ref_q, _ = TorchOps().rotary_write_kv(q.double(), k.double(), v.double(), pos, cs.double(), kc_ref, vc_ref,
                                           slot_mapping)
-    meta.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
-    meta.query_start_loc_cpu, meta.max_query_len = list(range(B + 1)), 1
     ref = paged_attention_reference(ref_q, kc_ref, vc_ref, meta, head_dim ** -0.5)
     return rel_err(out, ref), same_cache
 
@@ -252,24 +264,8 @@ def check_invariant_rope_decode(ctx_lens, num_heads, num_kv_heads, head_dim, blo
     same attention, on one decode row per sequence (context 0: a padding row, slot -1) whose q, k and
     v are strided views of one qkv row. Returns (the outputs bit for bit equal, the caches bit for bit
     equal). ``launch``: the attention's keywords (kv_split, block_n, split_programs, flat, ...)."""
-    from ..kernels.paged_invariant import paged_attention_invariant
-
-    B = len(ctx_lens)
-    _, _, _, kc, vc, meta = random_paged_batch([0] * B, ctx_lens, num_heads, num_kv_heads, head_dim, block_size,
-                                               dtype, device, gen)
-    table = meta.block_tables.cpu()
-    slots = [int(table[i, (c - 1) // block_size]) * block_size + (c - 1) % block_size if c else -1
-             for i, c in enumerate(ctx_lens)]
-    slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
-    qs, ks = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = _rand((B, qs + 2 * ks), dtype, device, gen)
-    q = qkv[:, :qs].view(B, num_heads, head_dim)
-    k = qkv[:, qs:qs + ks].view(B, num_kv_heads, head_dim)
-    v = qkv[:, qs + ks:].view(B, num_kv_heads, head_dim)
-    pos = torch.tensor([max(c - 1, 0) for c in ctx_lens], device=device)
-    cs = rope_cos_sin(head_dim, max_pos, 1_000_000.0, None).to(device)
-    meta.query_start_loc = torch.arange(B + 1, dtype=torch.int32, device=device)
-    meta.query_start_loc_cpu, meta.max_query_len = list(range(B + 1)), 1
+    q, k, v, pos, cs, kc, vc, meta, slot_mapping = rope_decode_batch(ctx_lens, num_heads, num_kv_heads, head_dim,
+                                                                     block_size, dtype, device, gen, max_pos)
     kc_two, vc_two = kc.clone(), vc.clone()  # the two-launch path's cache
     q_rot, _ = rotary_write_kv(q, k, v, pos, cs, kc_two, vc_two, slot_mapping)
     two = paged_attention_invariant(q_rot, kc_two, vc_two, meta, head_dim ** -0.5, **launch)
