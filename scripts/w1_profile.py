@@ -39,7 +39,8 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_floor, workload_vocab
-from pageserve.lab.profiling import ClockLog, CompileLog, KernelRow, by_category, engine_mode, workload_bound
+from pageserve.lab.profiling import (ClockLog, CompileLog, KernelRow, by_category, engine_mode, gpu_gaps,
+                                     workload_bound)
 from pageserve.lab.results import provenance
 
 
@@ -168,20 +169,25 @@ def cprofile_pass(llm, workload, top: int) -> dict:
     return {"wall_s_under_profiler": wall, "top": rows}
 
 
-def kernel_seconds(prof) -> dict[str, tuple[float, int]]:
-    """{kernel name: (device seconds, launches)} of a finished ``torch.profiler.profile``. Reads
-    Kineto's raw events (a whole workload holds ~10^5-10^6 kernels, too many to build the
-    profiler's Python event tree for); falls back to ``prof.events()``."""
-    total: dict[str, list] = {}
+def device_events(prof) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, name) of every device event (kernels, copies, memsets) of a finished
+    ``torch.profiler.profile``. Reads Kineto's raw events (a whole workload holds ~10^5-10^6
+    kernels, too many to build the profiler's Python event tree for); falls back to ``prof.events()``."""
+    cuda = torch.autograd.DeviceType.CUDA
     try:
-        raw = [(e.name(), e.duration_ns() / 1e9) for e in prof.profiler.kineto_results.events()
-               if e.device_type() == torch.autograd.DeviceType.CUDA]
+        return [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                if e.device_type() == cuda]
     except AttributeError:
-        raw = [(e.name, e.device_time / 1e6) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    for name, sec in raw:
+        return [(int(e.time_range.start * 1e3), int(e.time_range.end * 1e3), e.name) for e in prof.events()
+                if e.device_type == cuda]
+
+
+def kernel_seconds(events: list[tuple[int, int, str]]) -> dict[str, tuple[float, int]]:
+    """{kernel name: (device seconds, launches)} of ``device_events``."""
+    total: dict[str, list] = {}
+    for start, end, name in events:
         row = total.setdefault(name, [0.0, 0])
-        row[0] += sec
+        row[0] += (end - start) / 1e9
         row[1] += 1
     return {k: (v[0], v[1]) for k, v in total.items()}
 
@@ -190,7 +196,8 @@ def kernel_pass(llm, workload, model: str, ceilings: dict) -> dict:
     """The workload once under ``torch.profiler`` (CUDA activity): every kernel's device time,
     summed by category (``lab.profiling.kernel_category``), set against the workload's floor on
     this run's measured ceilings (``lab.profiling.workload_bound``). The profiler slows the host,
-    so this pass's wall time is not the workload's; its kernel times are the engine's."""
+    so this pass's wall time is not the workload's; its kernel times are the engine's. ``gaps``: the
+    GPU's idle time between device events (``lab.profiling.gpu_gaps``), an upper bound for the same reason."""
     from torch.profiler import ProfilerActivity, profile
 
     bench.synchronize()
@@ -201,8 +208,11 @@ def kernel_pass(llm, workload, model: str, ceilings: dict) -> dict:
         bench.synchronize()
     wall = time.perf_counter() - t0
     t1 = time.perf_counter()
-    kernels = kernel_seconds(prof)
+    events = device_events(prof)
     del prof
+    kernels = kernel_seconds(events)
+    gaps = gpu_gaps(events)
+    del events
     rows = [KernelRow(name, sec, n) for name, (sec, n) in kernels.items()]  # seconds in KernelRow.us here
     cats = by_category(rows)
     lengths = [(len(q.prompt_token_ids), q.max_tokens) for q in workload.requests]
@@ -211,6 +221,7 @@ def kernel_pass(llm, workload, model: str, ceilings: dict) -> dict:
             "output_tokens": r.output_tokens, "requested_output_tokens": workload.requested_output_tokens,
             "prompt_tokens": workload.prompt_tokens, "kernel_s": cats, "kernel_total_s": sum(cats.values()),
             "floor": floor, "bound": workload_bound(cats, floor, ceilings["read_gbps"], ceilings["matmul_bf16_tflops"]),
+            "gaps": gaps,
             "top_kernels": [[k.name, k.us, k.launches, k.category] for k in sorted(rows, key=lambda k: -k.us)[:40]]}
 
 
@@ -339,6 +350,10 @@ def _print_kernels(k: dict, wall_s: float) -> None:
           f"ceiling; floor {b['gemm_floor_s']:.3f} s); attention {b['attention_s']:.3f} s (floor "
           f"{b['attention_floor_s']:.3f} s); the rest {b['other_s']:.3f} s; bound {b['bound_s']:.3f} s against "
           f"the events pass's wall {wall_s:.3f} s", flush=True)
+    g = k["gaps"]
+    print(f"  GPU idle between device events (under the profiler, which slows the host): {g['idle_s']:.3f} s of a "
+          f"{g['span_s']:.3f} s span; by gap length {({a: round(v, 3) for a, v in g['by_length_s'].items()})}; "
+          f"after {[(n[:40], round(v, 3)) for n, v in g['after'][:6]]}", flush=True)
 
 
 def _print(mode: str, e: dict) -> None:

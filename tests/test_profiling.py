@@ -195,6 +195,23 @@ def test_workload_bound_adds_the_gemms_as_measured_to_the_attentions_floor():
     assert none["gemm_tflops"] is None and none["gemm_ceiling_fraction"] is None and none["bound_s"] == none["attention_floor_s"]
 
 
+def test_gpu_gaps_sum_the_idle_time_between_kernels_and_name_their_neighbours():
+    from pageserve.lab.profiling import gpu_gaps
+
+    us = 1000  # ns
+    # a [0, 10) b [5, 12) overlapping; idle 3 us; c [15, 20); idle 500 us; d [520, 530); idle 1 us; e [531, 532)
+    ev = [(15 * us, 20 * us, "c"), (0, 10 * us, "a"), (5 * us, 12 * us, "b"), (520 * us, 530 * us, "d"),
+          (531 * us, 532 * us, "e")]
+    g = gpu_gaps(ev)
+    assert g["span_s"] == pytest.approx(532e-6) and g["busy_s"] == pytest.approx((12 + 5 + 10 + 1) * 1e-6)
+    assert g["idle_s"] == pytest.approx(504e-6)
+    assert g["by_length_s"]["<2us"] == pytest.approx(1e-6) and g["by_length_s"]["2-10us"] == pytest.approx(3e-6)
+    assert g["by_length_s"]["100-1000us"] == pytest.approx(500e-6) and g["by_length_s"][">1000us"] == 0.0
+    assert g["after"][0] == ["c", pytest.approx(500e-6)] and ["b", pytest.approx(3e-6)] in g["after"]
+    assert g["before"][0] == ["d", pytest.approx(500e-6)]
+    assert gpu_gaps([])["idle_s"] == 0.0
+
+
 def test_w1_profile_kernel_pass_runs_a_workload_under_the_profiler(tmp_path, tiny_qwen2_config):
     import json
 
@@ -212,6 +229,7 @@ def test_w1_profile_kernel_pass_runs_a_workload_under_the_profiler(tmp_path, tin
     assert k["output_tokens"] == k["requested_output_tokens"] == 9 and k["prompt_tokens"] == 24
     assert set(k["kernel_s"]) == set(CATEGORIES) and k["kernel_total_s"] == 0.0  # the CPU launches no CUDA kernel
     assert k["floor"]["kv_read_bytes"] > 0 and k["bound"]["bound_s"] == k["bound"]["attention_floor_s"] > 0
+    assert k["gaps"]["idle_s"] == 0.0  # no device events on the CPU
 
 
 def test_compile_log_records_triton_compiles_while_active_and_restores_the_hook():

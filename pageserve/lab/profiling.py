@@ -211,6 +211,47 @@ def decode_bytes(model, batch: int, context_len: int, dtype_bytes: int = 2, weig
         model, context_len, dtype_bytes)
 
 
+GAP_BUCKETS_US = (2.0, 10.0, 100.0, 1000.0)
+
+
+def gpu_gaps(kernels: Iterable[tuple[int, int, str]], top: int = 12) -> dict:
+    """Where the GPU sat idle between kernels: ``kernels`` (start ns, end ns, name) of one device,
+    in any order. Returns the span (first start to last end), the busy time (the union of the
+    kernels' intervals), the idle time between them, that idle time by gap length (``GAP_BUCKETS_US``:
+    under 2 µs, 2-10, 10-100, 100 µs-1 ms, longer) and by the kernel each gap follows and precedes
+    (``top`` each, seconds, largest first): an idle GPU waits on the host, so a gap's neighbours say
+    which launch the host was late with. Seconds throughout."""
+    rows = sorted(kernels)
+    if not rows:
+        return {"span_s": 0.0, "busy_s": 0.0, "idle_s": 0.0, "by_length_s": {}, "after": [], "before": []}
+    edges = GAP_BUCKETS_US + (float("inf"),)
+    labels = [f"<{edges[0]:g}us"] + [f"{lo:g}-{hi:g}us" for lo, hi in zip(edges, edges[1:-1])] + [f">{edges[-2]:g}us"]
+    by_length = dict.fromkeys(labels, 0.0)
+    after: dict[str, float] = collections.defaultdict(float)
+    before: dict[str, float] = collections.defaultdict(float)
+    busy = 0.0
+    cur_start, cur_end, last_name = rows[0][0], rows[0][1], rows[0][2]
+    for start, end, name in rows[1:]:
+        if start > cur_end:  # an idle gap: close the busy interval
+            busy += cur_end - cur_start
+            gap = (start - cur_end) / 1e9
+            us = gap * 1e6
+            by_length[labels[next(i for i, e in enumerate(edges) if us < e)]] += gap
+            after[last_name] += gap
+            before[name] += gap
+            cur_start = start
+        if end >= cur_end:
+            cur_end, last_name = end, name
+    busy += cur_end - cur_start
+    span = (cur_end - rows[0][0]) / 1e9
+
+    def ranked(d):
+        return [[k, v] for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:top]]
+
+    return {"span_s": span, "busy_s": busy / 1e9, "idle_s": span - busy / 1e9, "by_length_s": by_length,
+            "after": ranked(after), "before": ranked(before)}
+
+
 def workload_bound(kernel_s: dict[str, float], floor: dict[str, float], read_gbps: float,
                    matmul_tflops: float) -> dict[str, float | None]:
     """What one workload's kernels say about how far its wall time could fall (issue 14).
