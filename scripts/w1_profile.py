@@ -15,7 +15,10 @@ during it and the SM clock over it (``lab.profiling.ClockLog``), and lists the T
 compiled during it (a compile stalls the host mid-step; the GPU's wait shows inside that step's events).
 
     python scripts/w1_profile.py --out DIR [--workload w1|nanovllm|chat] [--requests N] [--top 40]
-                                 [--modes default,deterministic] [--no-cprofile]
+                                 [--modes default,deterministic] [--no-cprofile] [--kernels]
+
+3. ``--kernels`` (session 38): one more pass under ``torch.profiler``, every device event's time summed by
+   kind and set against the workload's floor (``kernel_pass``), and the GPU's idle time between events.
 
 ``--workload``: another of the benchmark workloads through the same two passes (issue 14's nano-vllm
 convention, the chat-like one), with its own default size unless ``--requests`` is given; the record is
@@ -213,8 +216,8 @@ def kernel_pass(llm, workload, model: str, ceilings: dict) -> dict:
     kernels = kernel_seconds(events)
     gaps = gpu_gaps(events)
     del events
-    rows = [KernelRow(name, sec, n) for name, (sec, n) in kernels.items()]  # seconds in KernelRow.us here
-    cats = by_category(rows)
+    rows = [KernelRow(name, sec * 1e6, n) for name, (sec, n) in kernels.items()]
+    cats = {c: us / 1e6 for c, us in by_category(rows).items()}  # seconds
     lengths = [(len(q.prompt_token_ids), q.max_tokens) for q in workload.requests]
     floor = workload_floor(model, lengths, ceilings["read_gbps"], ceilings["matmul_bf16_tflops"])
     return {"wall_s_under_profiler": wall, "parse_s": time.perf_counter() - t1,
@@ -222,7 +225,8 @@ def kernel_pass(llm, workload, model: str, ceilings: dict) -> dict:
             "prompt_tokens": workload.prompt_tokens, "kernel_s": cats, "kernel_total_s": sum(cats.values()),
             "floor": floor, "bound": workload_bound(cats, floor, ceilings["read_gbps"], ceilings["matmul_bf16_tflops"]),
             "gaps": gaps,
-            "top_kernels": [[k.name, k.us, k.launches, k.category] for k in sorted(rows, key=lambda k: -k.us)[:40]]}
+            "top_kernels": [[k.name, k.us / 1e6, k.launches, k.category]  # seconds
+                            for k in sorted(rows, key=lambda k: -k.us)[:40]]}
 
 
 def gemm_sweep(max_rows: int) -> float:
