@@ -192,7 +192,8 @@ def test_workload_bound_adds_the_gemms_as_measured_to_the_attentions_floor():
     assert b["attention_floor_s"] == pytest.approx(1.0 + 0.1)  # 4 TB at 4 TB/s, 70 TFLOP at 700 TFLOP/s
     assert b["other_s"] == pytest.approx(0.5) and b["bound_s"] == pytest.approx(2.0 + 1.1)
     none = workload_bound({"gemm": 0.0}, floor, 4000.0, 700.0)  # a CPU run: no kernels counted
-    assert none["gemm_tflops"] is None and none["gemm_ceiling_fraction"] is None and none["bound_s"] == none["attention_floor_s"]
+    assert none["gemm_tflops"] is None and none["gemm_ceiling_fraction"] is None
+    assert none["bound_s"] == none["attention_floor_s"]
 
 
 def test_gpu_gaps_sum_the_idle_time_between_kernels_and_name_their_neighbours():
@@ -223,7 +224,8 @@ def test_w1_profile_kernel_pass_runs_a_workload_under_the_profiler(tmp_path, tin
     tiny_model_json = str(tmp_path / "tiny.json")
     (tmp_path / "tiny.json").write_text(json.dumps(hf_config_dict(tiny_qwen2_config)))
     llm = LLM(f"dummy:{tiny_model_json}", dtype="float32", device="cpu", seed=0, num_blocks=64)
-    w = WorkloadSpec("w1", {"num_requests": 3, "prompt_len": 8, "output_len": 3}).build(llm.engine.model_config.vocab_size)
+    spec = WorkloadSpec("w1", {"num_requests": 3, "prompt_len": 8, "output_len": 3})
+    w = spec.build(llm.engine.model_config.vocab_size)
     k = w1_profile.kernel_pass(llm, w, tiny_model_json, {"read_gbps": 100.0, "matmul_bf16_tflops": 1.0})
     llm.shutdown()
     assert k["output_tokens"] == k["requested_output_tokens"] == 9 and k["prompt_tokens"] == 24

@@ -291,8 +291,8 @@ def workload_floor(model, requests: Sequence[tuple[int, int]], read_gbps: float,
     compute_s = flops / (matmul_tflops * 1e12)
     memory_s = nbytes / (read_gbps * 1e9)
     return {"floor_s": max(compute_s, memory_s), "compute_s": compute_s, "memory_s": memory_s, "flops": flops,
-            "bytes": float(nbytes), "linear_flops": linear, "attention_flops": attention, "prompt_attention_flops": prompt_attention,
-            "kv_read_bytes": float(kv_read)}
+            "bytes": float(nbytes), "linear_flops": linear, "attention_flops": attention,
+            "prompt_attention_flops": prompt_attention, "kv_read_bytes": float(kv_read)}
 
 
 def measure_read_gbps(device: str = "auto") -> dict[str, float]:
