@@ -118,6 +118,11 @@ VARIANTS = {
     # attention at every row count, as before, or the fused launch at every row count (as "det" ran at 02b5869)
     "det_rope_kv_launch": (True, {"rope_in_attention": 0}),
     "det_rope_in_attention_all_rows": (True, {"rope_in_attention": 1 << 30}),
+    # session 39: the matmuls release the next kernel after their K loop instead of right after their wait
+    # (matmul_invariant's pdl_release), and the SiLU·mul epilogue on launches with PDL (session 12's +0.34 ms)
+    "det_mm_late_release": (True, {"matmul_pdl_release": "after_loop"}),
+    "det_silu_epilogue_pdl": (True, {"silu_in_gate_up_pdl": True}),
+    "det_silu_epilogue_pdl_late_release": (True, {"silu_in_gate_up_pdl": True, "matmul_pdl_release": "after_loop"}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

@@ -259,13 +259,13 @@ def test_pdl_max_rows_turns_pdl_off_above_it_and_rejects_what_pdl_never_covers()
         TritonOps(pdl_max_rows=PDL_MAX_TOKENS + 1)
 
 
-def _graphed_logits(cfg, pdl: bool | str, deterministic: bool = False) -> tuple[list, list]:
+def _graphed_logits(cfg, pdl: bool | str, deterministic: bool = False, **options) -> tuple[list, list]:
     from pageserve.lab.bench import run_pageserve_online
 
     model = Decoder(cfg).to(DEVICE)
     model.init_dummy_weights(seed=3, std=0.3)
     llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
-                         max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl},
+                         max_num_seqs=24, max_model_len=256, triton_options={"pdl": pdl, **options},
                          deterministic=deterministic)
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.graphs  # captured with these launches
@@ -287,6 +287,23 @@ def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config
         pytest.skip("PDL needs sm_90+")
     plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False, deterministic=deterministic)
     tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=pdl, deterministic=deterministic)
+    assert tokens == plain_tokens
+    assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")
+def test_the_deterministic_matmuls_releasing_the_next_kernel_late_change_no_logit(tiny_qwen2_config):
+    # DeterministicOps(matmul_pdl_release="after_loop", silu_in_gate_up_pdl=True): the matmuls let the next
+    # kernel launch after their K loop, and the SiLU·mul epilogue runs under PDL too. Only when kernels start
+    # moves, so every logit equals plain launches'; a kernel reading its input before the one that writes it
+    # had finished would show here.
+    from pageserve.kernels._util import pdl_supported
+
+    if not pdl_supported(0):
+        pytest.skip("PDL needs sm_90+")
+    plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False, deterministic=True)
+    tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True, deterministic=True,
+                                     matmul_pdl_release="after_loop", silu_in_gate_up_pdl=True)
     assert tokens == plain_tokens
     assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))
 

@@ -134,10 +134,11 @@ def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch
     import pageserve.kernels as K
     from pageserve.model import deterministic_ops as DO
 
-    real, calls = K.matmul_invariant, []
+    real, calls, launches = K.matmul_invariant, [], []
 
     def spy(*args, **kw):
         calls.append(kw.get("silu_mul", False))
+        launches.append((kw.get("pdl"), kw.get("pdl_release")))
         return real(*args, **kw)
 
     monkeypatch.setattr(K, "matmul_invariant", spy)
@@ -153,6 +154,13 @@ def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch
         calls.clear()
         ops.gate_up_silu_mul(x[:rows], w)
         assert calls[0] is fused, (ops.pdl, ops.pdl_max_rows, rows)
+    # session 39's switch: the epilogue under PDL too, launched with it, releasing where the matmuls do
+    late = DO.DeterministicOps(silu_in_gate_up_pdl=True, matmul_pdl_release="after_loop")
+    calls.clear(), launches.clear()
+    late.gate_up_silu_mul(x[:2], w)
+    assert calls == [True] and launches == [(late.pdl_for(2), "after_loop")] and late.pdl_for(2) is not False
+    with pytest.raises(ValueError, match="matmul_pdl_release"):
+        DO.DeterministicOps(matmul_pdl_release="late")
 
 
 def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):

@@ -209,6 +209,20 @@ def test_silu_mul_in_the_epilogue_gives_the_separate_kernels_bits(dtype, M, gen)
             assert torch.equal(matmul_invariant(x, w, silu_mul=True, config=tile), separate), tile
 
 
+def test_the_pdl_release_point_changes_no_bit_and_is_checked(gen):
+    # pdl_release only moves where a program lets the next kernel launch (under PDL, on sm_90+): the same
+    # values either way, on every path (pointer, TMA, SiLU·mul epilogue); an unknown point is refused
+    x, w = _rand(gen, 5, 96, dtype=torch.bfloat16), _rand(gen, 2 * 48, 96, dtype=torch.bfloat16)
+    for silu in (False, True):
+        for tma in (False, True):
+            cfg = InvariantMatmulConfig(16, 16, BLOCK_K[torch.bfloat16], tma=tma)
+            top = matmul_invariant(x, w, silu_mul=silu, config=cfg, pdl=True)
+            late = matmul_invariant(x, w, silu_mul=silu, config=cfg, pdl=True, pdl_release="after_loop")
+            assert torch.equal(top, late), (silu, tma)
+    with pytest.raises(ValueError, match="pdl_release"):
+        matmul_invariant(x, w, pdl_release="late")
+
+
 def test_silu_mul_refuses_a_bias_and_an_odd_gate_up_width(gen):
     x, w = _rand(gen, 3, 64), _rand(gen, 20, 64)
     with pytest.raises(ValueError, match="no bias"):

@@ -267,6 +267,20 @@ def pdl_enter(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """``pdl_enter``'s wait alone, for a kernel that releases the next one later (``pdl_release``)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(USE_PDL: tl.constexpr):
+    """``pdl_enter``'s second half, after ``pdl_wait``: let the next kernel launch."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def pdl_enter_before_inputs(USE_PDL: tl.constexpr):
     """A kernel's first line where it loads step inputs before its wait: ``pdl_enter`` here only
     under ``pdl="wait_first"`` (see the rules above)."""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels import reference
 from ..kernels._util import use_pdl
+from ..kernels.matmul_invariant import PDL_RELEASES
 from ..kernels.paged_decode import rope_supported
 from ..kernels.paged_invariant import LAUNCH_OPTIONS
 from .ops import TorchOps
@@ -63,6 +64,9 @@ class DeterministicOps(TritonOps):
     (diagnostics/det_b1_switches_rope_in_attention_02b5869.*, two pairs) inside the launch the graphed 3B step
     took 2.525 / 2.526 ms at one row against 2.557 / 2.551, 2.660 / 2.661 at four against 2.690 / 2.691, but
     3.383 / 3.387 at 64 against 3.279 / 3.281, and W1 70.4k against 71.5k: so up to 4 rows.
+    ``matmul_pdl_release``: where the matmuls let the next kernel launch under PDL ("top" or "after_loop":
+    ``matmul_invariant``'s ``pdl_release``); ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on launches with
+    PDL too (below). Neither changes a bit: they are there for scripts/det_b1_switches.py (session 39).
 
     ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
     "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
@@ -102,6 +106,7 @@ class DeterministicOps(TritonOps):
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
                  cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
+                 matmul_pdl_release: str = "top", silu_in_gate_up_pdl: bool = False,
                  **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
@@ -126,6 +131,10 @@ class DeterministicOps(TritonOps):
         if not isinstance(rope_in_attention, int) or isinstance(rope_in_attention, bool) or rope_in_attention < 0:
             raise ValueError(f"rope_in_attention: a row count >= 0, got {rope_in_attention!r}")
         self.rope_in_attention = rope_in_attention
+        if matmul_pdl_release not in PDL_RELEASES:
+            raise ValueError(f"matmul_pdl_release must be one of {PDL_RELEASES}, got {matmul_pdl_release!r}")
+        self.matmul_pdl_release = matmul_pdl_release
+        self.silu_in_gate_up_pdl = bool(silu_in_gate_up_pdl)
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
             raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
         self.attention_prefill_block_m = attention_prefill_block_m
@@ -155,7 +164,7 @@ class DeterministicOps(TritonOps):
         if self.cublas_bits_equal(x, weight, bias):
             return self.fast_linear(x, weight, bias)
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
-                                specialize=self.matmul_specialize)
+                                specialize=self.matmul_specialize, pdl_release=self.matmul_pdl_release)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return TorchOps.head(self, x, weight, out)  # this class's ``linear``, then the copy
@@ -243,11 +252,12 @@ class DeterministicOps(TritonOps):
         _refuse_int8(weight)
         rows = x.shape[0]
         x = x if x.stride(-1) == 1 else x.contiguous()
-        if (rows > self.silu_in_gate_up_max_rows or use_pdl(x, rows, self.pdl_for(rows))
+        pdl = use_pdl(x, rows, self.pdl_for(rows))
+        if (rows > self.silu_in_gate_up_max_rows or (pdl and not self.silu_in_gate_up_pdl)
                 or self.cublas_bits_equal(x, weight, None)):
             return super().gate_up_silu_mul(x, weight)  # the product (cuBLAS where equal), then the SiLU·mul kernel
-        return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=False, silu_mul=True,
-                                specialize=self.matmul_specialize)
+        return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=self.pdl_for(rows) if pdl else False,
+                                silu_mul=True, specialize=self.matmul_specialize, pdl_release=self.matmul_pdl_release)
 
     def decode_context_limits(self) -> tuple[int | None, ...]:
         return (None,)  # one attention kernel for every context
