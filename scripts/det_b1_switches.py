@@ -121,8 +121,10 @@ VARIANTS = {
     # session 39: the matmuls release the next kernel after their K loop instead of right after their wait
     # (matmul_invariant's pdl_release), and the SiLU·mul epilogue on launches with PDL (session 12's +0.34 ms)
     "det_mm_late_release": (True, {"matmul_pdl_release": "after_loop"}),
-    "det_silu_epilogue_pdl": (True, {"silu_in_gate_up_pdl": True}),
+    "det_silu_epilogue_pdl": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": "top"}),
     "det_silu_epilogue_pdl_late_release": (True, {"silu_in_gate_up_pdl": True, "matmul_pdl_release": "after_loop"}),
+    # the same, with only the fused gate_up releasing late (the other linears at the top)
+    "det_silu_epilogue_pdl_late_gate_up": (True, {"silu_in_gate_up_pdl": True}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

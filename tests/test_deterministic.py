@@ -155,12 +155,17 @@ def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch
         ops.gate_up_silu_mul(x[:rows], w)
         assert calls[0] is fused, (ops.pdl, ops.pdl_max_rows, rows)
     # session 39's switch: the epilogue under PDL too, launched with it, releasing where the matmuls do
-    late = DO.DeterministicOps(silu_in_gate_up_pdl=True, matmul_pdl_release="after_loop")
-    calls.clear(), launches.clear()
-    late.gate_up_silu_mul(x[:2], w)
-    assert calls == [True] and launches == [(late.pdl_for(2), "after_loop")] and late.pdl_for(2) is not False
-    with pytest.raises(ValueError, match="matmul_pdl_release"):
-        DO.DeterministicOps(matmul_pdl_release="late")
+    for gate_up_release in ("after_loop", "top"):
+        late = DO.DeterministicOps(silu_in_gate_up_pdl=True, gate_up_pdl_release=gate_up_release)
+        calls.clear(), launches.clear()
+        late.gate_up_silu_mul(x[:2], w)
+        assert calls == [True] and launches == [(late.pdl_for(2), gate_up_release)] and late.pdl_for(2) is not False
+        launches.clear()
+        late.linear(x[:2], w, None)  # the other linears: matmul_pdl_release ("top" by default)
+        assert launches == [(late.pdl_for(2), "top")]
+    for name in ("matmul_pdl_release", "gate_up_pdl_release"):
+        with pytest.raises(ValueError, match=name):
+            DO.DeterministicOps(**{name: "late"})
 
 
 def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):

@@ -64,9 +64,10 @@ class DeterministicOps(TritonOps):
     (diagnostics/det_b1_switches_rope_in_attention_02b5869.*, two pairs) inside the launch the graphed 3B step
     took 2.525 / 2.526 ms at one row against 2.557 / 2.551, 2.660 / 2.661 at four against 2.690 / 2.691, but
     3.383 / 3.387 at 64 against 3.279 / 3.281, and W1 70.4k against 71.5k: so up to 4 rows.
-    ``matmul_pdl_release``: where the matmuls let the next kernel launch under PDL ("top" or "after_loop":
-    ``matmul_invariant``'s ``pdl_release``); ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on launches with
-    PDL too (below). Neither changes a bit: they are there for scripts/det_b1_switches.py (session 39).
+    ``matmul_pdl_release``: where the linears' matmuls let the next kernel launch under PDL ("top" or
+    "after_loop": ``matmul_invariant``'s ``pdl_release``); ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on
+    launches with PDL too (below), releasing the next kernel at ``gate_up_pdl_release``. None changes a bit:
+    they are there for scripts/det_b1_switches.py (session 39).
 
     ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
     "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
@@ -107,7 +108,7 @@ class DeterministicOps(TritonOps):
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
                  cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
                  matmul_pdl_release: str = "top", silu_in_gate_up_pdl: bool = False,
-                 **triton_options) -> None:
+                 gate_up_pdl_release: str = "after_loop", **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
@@ -131,9 +132,11 @@ class DeterministicOps(TritonOps):
         if not isinstance(rope_in_attention, int) or isinstance(rope_in_attention, bool) or rope_in_attention < 0:
             raise ValueError(f"rope_in_attention: a row count >= 0, got {rope_in_attention!r}")
         self.rope_in_attention = rope_in_attention
-        if matmul_pdl_release not in PDL_RELEASES:
-            raise ValueError(f"matmul_pdl_release must be one of {PDL_RELEASES}, got {matmul_pdl_release!r}")
+        for name, value in (("matmul_pdl_release", matmul_pdl_release), ("gate_up_pdl_release", gate_up_pdl_release)):
+            if value not in PDL_RELEASES:
+                raise ValueError(f"{name} must be one of {PDL_RELEASES}, got {value!r}")
         self.matmul_pdl_release = matmul_pdl_release
+        self.gate_up_pdl_release = gate_up_pdl_release
         self.silu_in_gate_up_pdl = bool(silu_in_gate_up_pdl)
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
             raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
@@ -257,7 +260,7 @@ class DeterministicOps(TritonOps):
                 or self.cublas_bits_equal(x, weight, None)):
             return super().gate_up_silu_mul(x, weight)  # the product (cuBLAS where equal), then the SiLU·mul kernel
         return matmul_invariant(x, weight, None, block_m=self.matmul_block_m, pdl=self.pdl_for(rows) if pdl else False,
-                                silu_mul=True, specialize=self.matmul_specialize, pdl_release=self.matmul_pdl_release)
+                                silu_mul=True, specialize=self.matmul_specialize, pdl_release=self.gate_up_pdl_release)
 
     def decode_context_limits(self) -> tuple[int | None, ...]:
         return (None,)  # one attention kernel for every context
