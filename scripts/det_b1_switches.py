@@ -123,8 +123,13 @@ VARIANTS = {
     "det_mm_late_release": (True, {"matmul_pdl_release": "after_loop"}),
     "det_silu_epilogue_pdl": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": "top"}),
     "det_silu_epilogue_pdl_late_release": (True, {"silu_in_gate_up_pdl": True, "matmul_pdl_release": "after_loop"}),
-    # the same, with only the fused gate_up releasing late (the other linears at the top)
+    # the same, with only the fused gate_up releasing late (the other linears at the top); or two / four of its
+    # 16 K steps before the end; and with qkv (2,560 x 2,048, ahead of the attention's 256 programs) late too
     "det_silu_epilogue_pdl_late_gate_up": (True, {"silu_in_gate_up_pdl": True}),
+    "det_silu_epilogue_pdl_gate_up_tail2": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": 2}),
+    "det_silu_epilogue_pdl_gate_up_tail4": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": 4}),
+    "det_silu_epilogue_pdl_late_gate_up_qkv": (True, {"silu_in_gate_up_pdl": True,
+                                                      "linear_pdl_release": {"2560x2048": "after_loop"}}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

@@ -163,9 +163,14 @@ def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch
         launches.clear()
         late.linear(x[:2], w, None)  # the other linears: matmul_pdl_release ("top" by default)
         assert launches == [(late.pdl_for(2), "top")]
-    for name in ("matmul_pdl_release", "gate_up_pdl_release"):
+    by_shape = DO.DeterministicOps(linear_pdl_release={"96x64": 2})  # a weight shape "NxK" of its own
+    launches.clear()
+    by_shape.linear(x[:2], torch.cat([w, w[:32]]), None)
+    by_shape.linear(x[:2], w, None)
+    assert launches == [(by_shape.pdl_for(2), 2), (by_shape.pdl_for(2), "top")]
+    for name, bad in (("matmul_pdl_release", "late"), ("gate_up_pdl_release", 0), ("linear_pdl_release", {"1x1": "x"})):
         with pytest.raises(ValueError, match=name):
-            DO.DeterministicOps(**{name: "late"})
+            DO.DeterministicOps(**{name: bad})
 
 
 def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels import reference
 from ..kernels._util import use_pdl
-from ..kernels.matmul_invariant import PDL_RELEASES
+from ..kernels.matmul_invariant import release_tail
 from ..kernels.paged_decode import rope_supported
 from ..kernels.paged_invariant import LAUNCH_OPTIONS
 from .ops import TorchOps
@@ -64,10 +64,11 @@ class DeterministicOps(TritonOps):
     (diagnostics/det_b1_switches_rope_in_attention_02b5869.*, two pairs) inside the launch the graphed 3B step
     took 2.525 / 2.526 ms at one row against 2.557 / 2.551, 2.660 / 2.661 at four against 2.690 / 2.691, but
     3.383 / 3.387 at 64 against 3.279 / 3.281, and W1 70.4k against 71.5k: so up to 4 rows.
-    ``matmul_pdl_release``: where the linears' matmuls let the next kernel launch under PDL ("top" or
-    "after_loop": ``matmul_invariant``'s ``pdl_release``); ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on
-    launches with PDL too (below), releasing the next kernel at ``gate_up_pdl_release``. None changes a bit:
-    they are there for scripts/det_b1_switches.py (session 39).
+    ``matmul_pdl_release``: where the linears' matmuls let the next kernel launch under PDL ("top",
+    "after_loop" or K steps before the loop's end: ``matmul_invariant``'s ``pdl_release``), per weight shape
+    "NxK" in ``linear_pdl_release``; ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on launches with PDL too
+    (below), releasing the next kernel at ``gate_up_pdl_release``. None changes a bit: they are there for
+    scripts/det_b1_switches.py (session 39).
 
     ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
     "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
@@ -107,8 +108,9 @@ class DeterministicOps(TritonOps):
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
                  cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
-                 matmul_pdl_release: str = "top", silu_in_gate_up_pdl: bool = False,
-                 gate_up_pdl_release: str = "after_loop", **triton_options) -> None:
+                 matmul_pdl_release: str | int = "top", silu_in_gate_up_pdl: bool = False,
+                 gate_up_pdl_release: str | int = "after_loop", linear_pdl_release: dict | None = None,
+                 **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
@@ -132,9 +134,13 @@ class DeterministicOps(TritonOps):
         if not isinstance(rope_in_attention, int) or isinstance(rope_in_attention, bool) or rope_in_attention < 0:
             raise ValueError(f"rope_in_attention: a row count >= 0, got {rope_in_attention!r}")
         self.rope_in_attention = rope_in_attention
-        for name, value in (("matmul_pdl_release", matmul_pdl_release), ("gate_up_pdl_release", gate_up_pdl_release)):
-            if value not in PDL_RELEASES:
-                raise ValueError(f"{name} must be one of {PDL_RELEASES}, got {value!r}")
+        self.linear_pdl_release = dict(linear_pdl_release or {})
+        for name, value in (("matmul_pdl_release", matmul_pdl_release), ("gate_up_pdl_release", gate_up_pdl_release),
+                            *(("linear_pdl_release", v) for v in self.linear_pdl_release.values())):
+            try:
+                release_tail(value)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
         self.matmul_pdl_release = matmul_pdl_release
         self.gate_up_pdl_release = gate_up_pdl_release
         self.silu_in_gate_up_pdl = bool(silu_in_gate_up_pdl)
@@ -166,8 +172,9 @@ class DeterministicOps(TritonOps):
         x = x if x.stride(-1) == 1 else x.contiguous()
         if self.cublas_bits_equal(x, weight, bias):
             return self.fast_linear(x, weight, bias)
+        release = self.linear_pdl_release.get("x".join(map(str, weight.shape)), self.matmul_pdl_release)
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
-                                specialize=self.matmul_specialize, pdl_release=self.matmul_pdl_release)
+                                specialize=self.matmul_specialize, pdl_release=release)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return TorchOps.head(self, x, weight, out)  # this class's ``linear``, then the copy
