@@ -118,18 +118,14 @@ VARIANTS = {
     # attention at every row count, as before, or the fused launch at every row count (as "det" ran at 02b5869)
     "det_rope_kv_launch": (True, {"rope_in_attention": 0}),
     "det_rope_in_attention_all_rows": (True, {"rope_in_attention": 1 << 30}),
-    # session 39: the matmuls release the next kernel after their K loop instead of right after their wait
-    # (matmul_invariant's pdl_release), and the SiLU·mul epilogue on launches with PDL (session 12's +0.34 ms)
-    "det_mm_late_release": (True, {"matmul_pdl_release": "after_loop"}),
-    "det_silu_epilogue_pdl": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": "top"}),
-    "det_silu_epilogue_pdl_late_release": (True, {"silu_in_gate_up_pdl": True, "matmul_pdl_release": "after_loop"}),
-    # the same, with only the fused gate_up releasing late (the other linears at the top); or two / four of its
-    # 16 K steps before the end; and with qkv (2,560 x 2,048, ahead of the attention's 256 programs) late too
-    "det_silu_epilogue_pdl_late_gate_up": (True, {"silu_in_gate_up_pdl": True}),
-    "det_silu_epilogue_pdl_gate_up_tail2": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": 2}),
-    "det_silu_epilogue_pdl_gate_up_tail4": (True, {"silu_in_gate_up_pdl": True, "gate_up_pdl_release": 4}),
-    "det_silu_epilogue_pdl_late_gate_up_qkv": (True, {"silu_in_gate_up_pdl": True,
-                                                      "linear_pdl_release": {"2560x2048": "after_loop"}}),
+    # session 39: the SiLU·mul epilogue on launches with PDL, letting down launch after its K loop (the det default
+    # since e11de29's runs); before, SiLU·mul in its own kernel there; or the epilogue released at its top, as every
+    # other PDL kernel (session 12's +0.34 ms). At 60d2e48-e11de29 "det_mm_late_release" / "_late_release" (every
+    # matmul after its K loop), "..._gate_up_tail{2,4}" (two / four K steps before the end) and "..._late_gate_up_qkv"
+    # ran DeterministicOps options only those commits have: slower or level (diagnostics/det_b1_switches_
+    # {late_release_60d2e48,release_points_e11de29}.*)
+    "det_silu_kernel_under_pdl": (True, {"silu_in_gate_up_pdl": False}),
+    "det_silu_epilogue_pdl_top": (True, {"gate_up_pdl_release": "top"}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

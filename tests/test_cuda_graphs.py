@@ -292,21 +292,17 @@ def test_pdl_launches_change_no_logit_of_a_graphed_decode_loop(tiny_qwen2_config
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs and PDL need a GPU")
-@pytest.mark.parametrize("matmul_release,gate_up_release", [("after_loop", "after_loop"), ("top", "after_loop"),
-                                                             ("top", 2)])
-def test_the_deterministic_matmuls_releasing_the_next_kernel_late_change_no_logit(tiny_qwen2_config, matmul_release,
-                                                                                gate_up_release):
-    # DeterministicOps(silu_in_gate_up_pdl=True): the SiLU·mul epilogue under PDL, releasing the next kernel after
-    # its K loop or two K steps before its end, the other matmuls after theirs or at the top. Only when kernels start
-    # moves, so every logit equals plain launches'; a kernel reading its input before the one that writes it
-    # had finished would show here.
+@pytest.mark.parametrize("gate_up_release", ["after_loop", "top"])
+def test_the_deterministic_silu_epilogue_under_pdl_changes_no_logit(tiny_qwen2_config, gate_up_release):
+    # DeterministicOps' SiLU·mul epilogue under PDL, letting down launch after its K loop (the default) or at its
+    # top. Only when kernels start moves, so every logit equals plain launches'; a kernel reading its input
+    # before the one that writes it had finished would show here.
     from pageserve.kernels._util import pdl_supported
 
     if not pdl_supported(0):
         pytest.skip("PDL needs sm_90+")
-    plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False, deterministic=True)
+    plain_tokens, plain = _graphed_logits(tiny_qwen2_config, pdl=False, deterministic=True, silu_in_gate_up_pdl=False)
     tokens, logits = _graphed_logits(tiny_qwen2_config, pdl=True, deterministic=True,
-                                     matmul_pdl_release=matmul_release, silu_in_gate_up_pdl=True,
                                      gate_up_pdl_release=gate_up_release)
     assert tokens == plain_tokens
     assert len(logits) == len(plain) and all(torch.equal(a, b) for a, b in zip(logits, plain))

@@ -128,17 +128,18 @@ def test_silu_mul_moves_out_of_the_gate_up_product_above_its_row_limit_with_the_
     assert torch.equal(ops.gate_up_silu_mul(x[2:5], w), fused[2:5])  # 3 rows: fused unless launched with PDL
 
 
-def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch(monkeypatch):
-    # under PDL the fused product cost a graphed batch-1 step 0.34 ms on the H200 (det_b1_switches_2df709a):
-    # small batches launched with PDL take the separate kernel; without PDL, or above pdl_max_rows, the epilogue
+def test_silu_mul_epilogue_under_programmatic_dependent_launch_lets_down_in_after_its_k_loop(monkeypatch):
+    # the fused product released at its top under PDL cost a graphed batch-1 step ~0.35 ms on the H200; released
+    # after its K loop it beats the separate kernel (det_b1_switches_release_points_e11de29). So: the epilogue at
+    # every decode batch, launched with PDL where the batch uses it and releasing down after its loop; the
+    # separate kernel where silu_in_gate_up_pdl is off and PDL is on; other linears keep the top release
     import pageserve.kernels as K
     from pageserve.model import deterministic_ops as DO
 
-    real, calls, launches = K.matmul_invariant, [], []
+    real, launches = K.matmul_invariant, []
 
     def spy(*args, **kw):
-        calls.append(kw.get("silu_mul", False))
-        launches.append((kw.get("pdl"), kw.get("pdl_release")))
+        launches.append((kw.get("silu_mul", False), kw.get("pdl"), kw.get("pdl_release", "top")))
         return real(*args, **kw)
 
     monkeypatch.setattr(K, "matmul_invariant", spy)
@@ -148,29 +149,22 @@ def test_silu_mul_epilogue_stays_off_launches_with_programmatic_dependent_launch
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(12, 64, generator=gen).to(dev, torch.bfloat16)
     w = (torch.randn(2 * 32, 64, generator=gen) * 0.1).to(dev, torch.bfloat16)
-    one_row = DO.DeterministicOps(pdl_max_rows=1)
-    for ops, rows, fused in [(DO.DeterministicOps(), 2, False), (DO.DeterministicOps(), 12, True),
-                             (DO.DeterministicOps(pdl=False), 2, True), (one_row, 2, True), (one_row, 1, False)]:
-        calls.clear()
-        ops.gate_up_silu_mul(x[:rows], w)
-        assert calls[0] is fused, (ops.pdl, ops.pdl_max_rows, rows)
-    # session 39's switch: the epilogue under PDL too, launched with it, releasing where the matmuls do
-    for gate_up_release in ("after_loop", "top"):
-        late = DO.DeterministicOps(silu_in_gate_up_pdl=True, gate_up_pdl_release=gate_up_release)
-        calls.clear(), launches.clear()
-        late.gate_up_silu_mul(x[:2], w)
-        assert calls == [True] and launches == [(late.pdl_for(2), gate_up_release)] and late.pdl_for(2) is not False
+    ops, one_row = DO.DeterministicOps(), DO.DeterministicOps(pdl_max_rows=1)
+    unfused, top = DO.DeterministicOps(silu_in_gate_up_pdl=False), DO.DeterministicOps(gate_up_pdl_release="top")
+    for o, rows, fused, pdl, release in [(ops, 2, True, ops.pdl_for(2), "after_loop"), (ops, 12, True, False, "after_loop"),
+                                        (DO.DeterministicOps(pdl=False), 2, True, False, "after_loop"),
+                                        (one_row, 2, True, False, "after_loop"),
+                                        (one_row, 1, True, one_row.pdl_for(1), "after_loop"),
+                                        (unfused, 2, False, unfused.pdl_for(2), "top"), (unfused, 12, True, False, "after_loop"),
+                                        (top, 2, True, top.pdl_for(2), "top")]:
         launches.clear()
-        late.linear(x[:2], w, None)  # the other linears: matmul_pdl_release ("top" by default)
-        assert launches == [(late.pdl_for(2), "top")]
-    by_shape = DO.DeterministicOps(linear_pdl_release={"96x64": 2})  # a weight shape "NxK" of its own
+        o.gate_up_silu_mul(x[:rows], w)
+        assert launches[0] == (fused, pdl, release), (o.pdl, o.pdl_max_rows, o.silu_in_gate_up_pdl, rows, launches)
     launches.clear()
-    by_shape.linear(x[:2], torch.cat([w, w[:32]]), None)
-    by_shape.linear(x[:2], w, None)
-    assert launches == [(by_shape.pdl_for(2), 2), (by_shape.pdl_for(2), "top")]
-    for name, bad in (("matmul_pdl_release", "late"), ("gate_up_pdl_release", 0), ("linear_pdl_release", {"1x1": "x"})):
-        with pytest.raises(ValueError, match=name):
-            DO.DeterministicOps(**{name: bad})
+    ops.linear(x[:2], w, None)  # the other linears release at their top
+    assert launches == [(False, ops.pdl_for(2), "top")]
+    with pytest.raises(ValueError, match="gate_up_pdl_release"):
+        DO.DeterministicOps(gate_up_pdl_release="late")
 
 
 def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):

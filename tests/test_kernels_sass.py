@@ -72,31 +72,27 @@ from gemv_sass import compile_sm90
 mi = importlib.import_module("pageserve.kernels.matmul_invariant")
 kernel = mi._POINTER_KERNELS[1]
 args = ["x_ptr", "w_ptr", "bias_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om"]
-for tail in (0, -1, 2):
+for late in (False, True):
     const = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, PREC="ieee", UPCAST=0,
-                 USE_PDL=True, SILU_MUL=True, RELEASE_TAIL=tail)
+                 USE_PDL=True, SILU_MUL=True, LATE_RELEASE=late)
     sig = {n: "i32" for n in args}
     sig.update(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", **{n: "constexpr" for n in const})
     ptx = compile_sm90(kernel, sig, const, {}, 4, 4).asm["ptx"]
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
-    print(tail, wait, release, ptx.find("mma.sync"), ptx.rfind("mma.sync"), ptx.find("st.global"),
-          ptx.find("Inner Loop Header"), ptx.find("loopexit"))
+    print(late, wait, release, ptx.find("mma.sync"), ptx.rfind("mma.sync"), ptx.find("st.global"))
 '''
 
 
 @pytest.mark.skipif(not _tools_present(), reason="this Triton wheel ships no NVIDIA backend tools")
 def test_the_invariant_matmul_releases_the_next_kernel_where_asked():
-    # pdl_release "top" (0): wait, then release, before the first MMA; "after_loop" (-1): wait before the first
-    # MMA, release after the last one and before the first store; 2 (two K steps before the end): release
-    # inside the K loop (the SiLU·mul epilogue's tile, sm_90 PTX)
+    # pdl_release "top": wait, then release, before the first MMA; "after_loop": wait before the first MMA,
+    # release after the last one and before the first store (the SiLU·mul epilogue's tile, sm_90 PTX)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     p = subprocess.run([sys.executable, "-c", _RELEASE_PTX, str(ROOT)], capture_output=True, text=True, env=env,
                        timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr
     rows = {ln.split()[0]: [int(v) for v in ln.split()[1:]] for ln in p.stdout.splitlines()}
-    wait, release, first_mma, last_mma, store, _, _ = rows["0"]
+    wait, release, first_mma, last_mma, store = rows["False"]
     assert 0 <= wait < release < first_mma < last_mma < store, rows
-    wait, release, first_mma, last_mma, store, _, _ = rows["-1"]
+    wait, release, first_mma, last_mma, store = rows["True"]
     assert 0 <= wait < first_mma < last_mma < release < store, rows
-    wait, release, _, _, store, loop, loop_exit = rows["2"]  # inside the (software-pipelined) K loop's body
-    assert 0 <= wait < loop < release < loop_exit < store, rows

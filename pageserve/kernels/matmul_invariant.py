@@ -76,7 +76,7 @@ def default_block_m(M: int, dtype: torch.dtype) -> int:
         return BLOCK_M[dtype]
     return 16 if M <= 16 else 32 if M <= 32 else 64 if M < 256 else 128
 BLOCK_N_CHOICES = (16, 32, 64, 128, 256)
-PDL_RELEASES = ("top", "after_loop")  # matmul_invariant's pdl_release (or an int: K steps before the loop's end)
+PDL_RELEASES = ("top", "after_loop")  # matmul_invariant's pdl_release
 
 
 @dataclass(frozen=True)
@@ -201,21 +201,13 @@ def _smem_limit(device_index: int) -> int:
 
 
 @triton.jit
-def _pdl_top(USE_PDL: tl.constexpr, RELEASE_TAIL: tl.constexpr):
-    """The wait for the previous kernel, and the next kernel's release unless RELEASE_TAIL moves it
-    (``matmul_invariant``'s ``pdl_release``: -1 after the K loop, t > 0 when t K steps are left)."""
-    if RELEASE_TAIL != 0:
+def _pdl_top(USE_PDL: tl.constexpr, LATE_RELEASE: tl.constexpr):
+    """The wait for the previous kernel, and the next kernel's release unless LATE_RELEASE moves it
+    after the K loop (``matmul_invariant``'s ``pdl_release``)."""
+    if LATE_RELEASE:
         pdl_wait(USE_PDL)
     else:
         pdl_enter(USE_PDL)
-
-
-@triton.jit
-def _pdl_release_in_loop(k0, K, USE_PDL: tl.constexpr, BLOCK_K: tl.constexpr, RELEASE_TAIL: tl.constexpr):
-    """Inside the K loop: release the next kernel at the step RELEASE_TAIL (> 0) steps before the end."""
-    if RELEASE_TAIL > 0:
-        if k0 == tl.maximum(tl.cdiv(K, BLOCK_K) - RELEASE_TAIL, 0) * BLOCK_K:
-            pdl_release(USE_PDL)
 
 
 @triton.jit
@@ -246,7 +238,7 @@ def _matmul_invariant_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, RELEASE_TAIL: tl.constexpr,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -254,12 +246,11 @@ def _matmul_invariant_kernel(
     mmask, nmask = m < M, n < N
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    _pdl_top(USE_PDL, RELEASE_TAIL)
+    _pdl_top(USE_PDL, LATE_RELEASE)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up columns, rows N.. of w
     # the same K slices in the same order for every tile, the whole of K in one program
     for k0 in range(0, K, BLOCK_K):
-        _pdl_release_in_loop(k0, K, USE_PDL, BLOCK_K, RELEASE_TAIL)
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -268,7 +259,7 @@ def _matmul_invariant_kernel(
         if SILU_MUL:
             b_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc_up = _acc_dot(a, b_up, acc_up, PREC, UPCAST)
-    if RELEASE_TAIL < 0:
+    if LATE_RELEASE:
         pdl_release(USE_PDL)
     y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
     tl.store(out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :], y, mask=mmask[:, None] & nmask[None, :])
@@ -278,7 +269,7 @@ def _matmul_invariant_kernel(
 def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
-              RELEASE_TAIL: tl.constexpr):
+              LATE_RELEASE: tl.constexpr):
     # the pointer kernel's tile with x and w fetched by TMA descriptors: rows past M and columns
     # past K come back as zeros (the descriptor's bounds), as the masked loads give. With
     # SILU_MUL the gate tile of a last column tile may read up rows past N: columns that are
@@ -286,12 +277,11 @@ def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_o
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        _pdl_release_in_loop(k0, K, USE_PDL, BLOCK_K, RELEASE_TAIL)
         a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
         acc = _acc_dot(a, w_desc.load([pid_n * BLOCK_N, k0]), acc, PREC, UPCAST)  # w tile: [BLOCK_N, BLOCK_K]
         if SILU_MUL:
             acc_up = _acc_dot(a, w_desc.load([N + pid_n * BLOCK_N, k0]), acc_up, PREC, UPCAST)
-    if RELEASE_TAIL < 0:
+    if LATE_RELEASE:
         pdl_release(USE_PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -304,30 +294,30 @@ def _matmul_invariant_tma_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, RELEASE_TAIL: tl.constexpr,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    _pdl_top(USE_PDL, RELEASE_TAIL)
+    _pdl_top(USE_PDL, LATE_RELEASE)
     _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
-              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, RELEASE_TAIL)
+              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, LATE_RELEASE)
 
 
 def _matmul_invariant_persistent_kernel(
     x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, RELEASE_TAIL: tl.constexpr,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr,
 ):
     # the TMA kernel's tile, for tiles pid, pid + num_programs, ...: one launch wave, and a
     # program's next tile's loads can start under its last one's epilogue. Each tile is the
-    # same K loop from zero, so its bits are the non-persistent kernel's. (RELEASE_TAIL: not
+    # same K loop from zero, so its bits are the non-persistent kernel's. (LATE_RELEASE: not
     # here, where a program walks several tiles; the next kernel is released at the top.)
     pdl_enter(USE_PDL)
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, 0)
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, False)
 
 
 def _two_compiles(fn):
@@ -348,15 +338,6 @@ _TMA_KERNELS = _two_compiles(_matmul_invariant_tma_kernel)
 _PERSISTENT_KERNELS = _two_compiles(_matmul_invariant_persistent_kernel)
 
 
-def release_tail(pdl_release: str | int) -> int:
-    """``pdl_release`` as the kernels' RELEASE_TAIL: 0 "top", -1 "after_loop", t for an int t >= 1."""
-    if pdl_release in PDL_RELEASES:
-        return 0 if pdl_release == "top" else -1
-    if isinstance(pdl_release, int) and not isinstance(pdl_release, bool) and pdl_release >= 1:
-        return pdl_release
-    raise ValueError(f"pdl_release must be one of {PDL_RELEASES} or an int >= 1, got {pdl_release!r}")
-
-
 def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether TMA descriptors can address x and w: Triton's host descriptors, a Hopper-class
     GPU (or the interpreter), unit inner stride, 16-byte aligned bases and row strides."""
@@ -371,7 +352,7 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
                      config: InvariantMatmulConfig | None = None, silu_mul: bool = False,
-                     specialize: bool | None = None, pdl_release: str | int = "top") -> torch.Tensor:
+                     specialize: bool | None = None, pdl_release: str = "top") -> torch.Tensor:
     """x: [M, K], w: [N, K] row-major, bias: [N] or None -> x @ w^T + bias: [M, N] in x's dtype
     (fp32, fp16, bf16), fp32 accumulation, each row's bits independent of the batch (module
     docstring). ``out``: a [M, N] buffer to write (row stride free). ``block_m``: force another
@@ -387,13 +368,14 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     ``specialize``: which compile of the kernel (``_two_compiles``): None = the M-specialized one
     inside a CUDA-graph capture, the generic one otherwise; the bits are the same.
     ``pdl_release`` (with PDL on): where a program lets the next kernel launch, "top" (right after its
-    wait, as every PDL kernel here), "after_loop" (after its last MMA, before the epilogue's stores:
-    the next kernel's programs then do not wait on the SMs through the whole K loop) or an int t >= 1
-    (at the K step t steps before the loop's end). Persistent tiles release at the top either way.
-    No effect on any bit.
+    wait, as every PDL kernel here) or "after_loop" (after its last MMA, before the epilogue's stores:
+    the next kernel's programs then do not wait on the SMs through the whole K loop; ``DeterministicOps``
+    releases the down projection after the fused gate_up's loop that way). Persistent tiles release at
+    the top either way. No effect on any bit.
     No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
     M, N, K = check_linear(x, w, bias, "w")
-    tail = release_tail(pdl_release)
+    if pdl_release not in PDL_RELEASES:
+        raise ValueError(f"pdl_release must be one of {PDL_RELEASES}, got {pdl_release!r}")
     if silu_mul:
         if bias is not None:
             raise ValueError("silu_mul: the gate|up product takes no bias")
@@ -411,22 +393,23 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     if specialize is None:
         specialize = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize, tail)
+    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize, pdl_release == "after_loop")
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: InvariantMatmulConfig, pdl: bool | None, silu_mul: bool = False, specialize: bool = False,
-            release: int = 0):
+            late_release: bool = False):
     """One launch over checked arguments (``silu_mul``: w holds gate then up rows, out the up
     rows' count of columns); returns Triton's compiled kernel (the lab reads its PTX to see which
-    MMA instruction a config got). ``specialize``: ``_two_compiles``; ``release``: ``release_tail``."""
+    MMA instruction a config got). ``specialize``: ``_two_compiles``; ``late_release``: ``pdl_release``
+    "after_loop"."""
     M, N, K = x.shape[0], out.shape[1], w.shape[1]
     pick = 0 if specialize else 1
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-                  SILU_MUL=silu_mul, RELEASE_TAIL=release, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  SILU_MUL=silu_mul, LATE_RELEASE=late_release, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl_args(x, M, pdl))
     b = bias if bias is not None else w
     if cfg.tma and _tma_ok(x, w):

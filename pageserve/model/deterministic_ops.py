@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..kernels import reference
 from ..kernels._util import use_pdl
-from ..kernels.matmul_invariant import release_tail
+from ..kernels.matmul_invariant import PDL_RELEASES
 from ..kernels.paged_decode import rope_supported
 from ..kernels.paged_invariant import LAUNCH_OPTIONS
 from .ops import TorchOps
@@ -64,11 +64,9 @@ class DeterministicOps(TritonOps):
     (diagnostics/det_b1_switches_rope_in_attention_02b5869.*, two pairs) inside the launch the graphed 3B step
     took 2.525 / 2.526 ms at one row against 2.557 / 2.551, 2.660 / 2.661 at four against 2.690 / 2.691, but
     3.383 / 3.387 at 64 against 3.279 / 3.281, and W1 70.4k against 71.5k: so up to 4 rows.
-    ``matmul_pdl_release``: where the linears' matmuls let the next kernel launch under PDL ("top",
-    "after_loop" or K steps before the loop's end: ``matmul_invariant``'s ``pdl_release``), per weight shape
-    "NxK" in ``linear_pdl_release``; ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on launches with PDL too
-    (below), releasing the next kernel at ``gate_up_pdl_release``. None changes a bit: they are there for
-    scripts/det_b1_switches.py (session 39).
+    ``silu_in_gate_up_pdl``: the SiLU·mul epilogue on launches with PDL too (below), letting the next kernel
+    (down) launch at ``gate_up_pdl_release`` ("after_loop", or "top" as every other PDL launch;
+    ``matmul_invariant``'s ``pdl_release``). Neither changes a bit.
 
     ``cublas_rows``: (lo, hi), the row counts at which a linear may run on cuBLAS instead (None: never;
     "auto": ``CUBLAS_ROWS`` on CUDA, else never). Not an approximation: for each weight shape, dtype,
@@ -108,8 +106,7 @@ class DeterministicOps(TritonOps):
                  attention_prefill_block_m: int | str | None = "auto", silu_in_gate_up_max_rows: int = 1024,
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
                  cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
-                 matmul_pdl_release: str | int = "top", silu_in_gate_up_pdl: bool = False,
-                 gate_up_pdl_release: str | int = "after_loop", linear_pdl_release: dict | None = None,
+                 silu_in_gate_up_pdl: bool = True, gate_up_pdl_release: str = "after_loop",
                  **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
@@ -134,14 +131,8 @@ class DeterministicOps(TritonOps):
         if not isinstance(rope_in_attention, int) or isinstance(rope_in_attention, bool) or rope_in_attention < 0:
             raise ValueError(f"rope_in_attention: a row count >= 0, got {rope_in_attention!r}")
         self.rope_in_attention = rope_in_attention
-        self.linear_pdl_release = dict(linear_pdl_release or {})
-        for name, value in (("matmul_pdl_release", matmul_pdl_release), ("gate_up_pdl_release", gate_up_pdl_release),
-                            *(("linear_pdl_release", v) for v in self.linear_pdl_release.values())):
-            try:
-                release_tail(value)
-            except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
-        self.matmul_pdl_release = matmul_pdl_release
+        if gate_up_pdl_release not in PDL_RELEASES:
+            raise ValueError(f"gate_up_pdl_release must be one of {PDL_RELEASES}, got {gate_up_pdl_release!r}")
         self.gate_up_pdl_release = gate_up_pdl_release
         self.silu_in_gate_up_pdl = bool(silu_in_gate_up_pdl)
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
@@ -172,9 +163,8 @@ class DeterministicOps(TritonOps):
         x = x if x.stride(-1) == 1 else x.contiguous()
         if self.cublas_bits_equal(x, weight, bias):
             return self.fast_linear(x, weight, bias)
-        release = self.linear_pdl_release.get("x".join(map(str, weight.shape)), self.matmul_pdl_release)
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
-                                specialize=self.matmul_specialize, pdl_release=release)
+                                specialize=self.matmul_specialize)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return TorchOps.head(self, x, weight, out)  # this class's ``linear``, then the copy
@@ -250,10 +240,16 @@ class DeterministicOps(TritonOps):
     # 97c30a6 with neither): the two were not timed apart, and the fused product's chunk tiles are
     # 256 x (64 + 64), two N = 64 MMA chains a k-step for one N = 128, so chunks keep the separate
     # kernel until an isolated timing at ~8k rows says otherwise.
-    # Not on a launch with programmatic dependent launch (batches of <= pdl_max_rows): inside a
-    # graphed batch-1 step the fused product under PDL cost 0.34 ms a step (graph 3.07 ms vs 2.73
-    # with the separate kernel; without PDL the epilogue is the faster one, 2.90 vs 2.98;
-    # diagnostics/det_b1_switches_2df709a.*), though alone the two are level (25.0 vs 25.1 us).
+    # On launches with programmatic dependent launch (batches of <= pdl_max_rows) the fused product lets down
+    # launch only after its K loop (``gate_up_pdl_release``). Released at its top, as every other PDL kernel,
+    # it cost the graphed batch-1 step 0.34 ms (2df709a: 3.07 ms vs 2.73 with the separate kernel; without PDL
+    # the epilogue is the faster one, 2.90 vs 2.98) and still 0.35 at 60d2e48 (2.88 vs 2.53), though alone the
+    # two are level (25.0 vs 25.1 us): down's 128 programs let in beside it from its start. Released after its
+    # loop it beats the separate kernel: b1 2.490 / 2.482 vs 2.515 / 2.524 ms at 7be3a46, 2.493 / 2.481 vs
+    # 2.523 / 2.522 at e11de29 (two pairs each, diagnostics/det_b1_switches_{late_gate_up_7be3a46,
+    # release_points_e11de29}.*). Released two of its 16 K steps before the end: level; four: +0.35 again;
+    # every matmul after its loop: +0.28-0.34 (their next kernels' launches exposed); qkv after its loop too:
+    # +0.03 (session 39's switches, code at e11de29).
     silu_in_gate_up = True
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
