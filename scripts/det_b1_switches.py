@@ -125,9 +125,9 @@ VARIANTS = {
     # ran DeterministicOps options only those commits have: slower or level (diagnostics/det_b1_switches_
     # {late_release_60d2e48,release_points_e11de29}.*)
     "det_silu_kernel_under_pdl": (True, {"silu_in_gate_up_pdl": False}),
-    # the default mode's gate_up GEMV (3B shape) letting the fused SiLU·down GEMV launch only after its K loop
-    "default_late_gate_up": (False, {"gemv_pdl_release": {"22016x2048": "after_loop"}}),
-    "default_late_qkv": (False, {"gemv_pdl_release": {"2560x2048": "after_loop"}}),
+    # at 813b4e9 "default_late_gate_up" / "default_late_qkv" (TritonOps(gemv_pdl_release=...), that commit only: the
+    # default mode's gate_up / qkv GEMV letting the next kernel in after its K loop) ran level / +0.01-0.02 ms at b1
+    # (diagnostics/det_b1_switches_default_release_813b4e9.*)
     "det_silu_epilogue_pdl_top": (True, {"gate_up_pdl_release": "top"}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last

@@ -51,8 +51,7 @@ def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: b
     const = dict(HAS_BIAS=False, SPLIT=dot, SILU_MUL=False, QUANT=quant,
                  MAGIC=gemv_mod.MAGIC_MODES[magic] if quant else 0, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=dot, DEFER_REDUCE=not dot, PREC="ieee", UPCAST=False,
-                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab,
-                 LATE_RELEASE=False)
+                 USE_PDL=False, W_VEC=0 if dot else gemv_mod.weight_vector(2, quant, match_x), SWAP_AB=swap_ab)
     sig.update({n: "constexpr" for n in const})
     names = list(k.arg_names)
     aligned = [["tt.divisibility", 16]]

@@ -642,30 +642,3 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(gen):
     graph.replay()
     torch.cuda.synchronize()
     _ok(checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, D**-0.5)), torch.bfloat16)
-
-
-def test_gemv_pdl_release_point_changes_no_bit_and_tritonops_routes_it_by_weight_shape(monkeypatch):
-    # gemv(pdl_release="after_loop") only moves where a program lets the next kernel launch under PDL: the
-    # same values; TritonOps(gemv_pdl_release={"NxK": ...}) passes it for that weight shape only
-    import pageserve.model.triton_ops as TO
-    from pageserve.kernels import gemv
-
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(1, 96, generator=g).to(DEVICE, torch.bfloat16)
-    w = torch.randn(40, 96, generator=g).to(DEVICE, torch.bfloat16)
-    assert torch.equal(gemv(x, w, pdl=True), gemv(x, w, pdl=True, pdl_release="after_loop"))
-    with pytest.raises(ValueError, match="pdl_release"):
-        gemv(x, w, pdl_release="late")
-    seen, real = [], TO.gemv
-
-    def spy(*args, **kw):
-        seen.append(kw.get("pdl_release"))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(TO, "gemv", spy)
-    ops = TritonOps(tuned_configs=False, gemv_pdl_release={"40x96": "after_loop"})
-    ops.linear(x, w, None)
-    ops.linear(x, w[:32], None)
-    assert seen == ["after_loop", "top"]
-    with pytest.raises(ValueError, match="gemv_pdl_release"):
-        TritonOps(gemv_pdl_release={"40x96": "late"})

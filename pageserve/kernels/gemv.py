@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import reference
 from ._util import (KERNEL_DTYPES, cdiv, check, check_device, check_linear, dot_precision, dot_upcast, interpreting,
-                    mma, next_pow2, pdl_args, pdl_enter, pdl_release, pdl_wait, sm_count_for)
+                    mma, next_pow2, pdl_args, pdl_enter, sm_count_for)
 
 linear_reference = reference.linear
 silu_mul_linear_reference = reference.silu_mul_linear
@@ -201,7 +201,7 @@ def _gemv_kernel(
     MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DEFER_REDUCE: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr, W_VEC: tl.constexpr = 0,
-    SWAP_AB: tl.constexpr = False, LATE_RELEASE: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     """Program (n, s): BLOCK_N output columns over the s-th K slice. QUANT: w is int8 with one
     scale per column (``gemv_int8``), applied once after the K loop (or by the reduce kernel to
@@ -218,10 +218,7 @@ def _gemv_kernel(
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-    if LATE_RELEASE:  # the next kernel released after the K loop instead (``gemv``'s pdl_release)
-        pdl_wait(USE_PDL)
-    else:
-        pdl_enter(USE_PDL)
+    pdl_enter(USE_PDL)
     m = tl.arange(0, BLOCK_M)
     mmask = m < M
     if BLOCK_M == 1:
@@ -266,8 +263,6 @@ def _gemv_kernel(
             else:
                 wf = w.to(tl.float32)
             acc += tl.sum(x.to(tl.float32)[:, None, :] * wf[None, :, :], axis=2)
-    if LATE_RELEASE:
-        pdl_release(USE_PDL)
     if BLOCK_M == 1:
         if DEFER_REDUCE:
             acc2 = tl.sum(acc, axis=1)[None, :]
@@ -420,12 +415,11 @@ def magic_code(magic: bool | str) -> int:
 
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                 out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
-                magic: bool | str = True, match_x: bool = True, late_release: bool = False) -> torch.Tensor:
+                magic: bool | str = True, match_x: bool = True) -> torch.Tensor:
     """One GEMV over checked arguments with its config chosen: ``weight`` in x's dtype
     (``scale`` None) or int8 with a per-column ``scale`` (``gemv_int8``; ``magic``: its int8 to
     fp32 conversion, ``magic_code``; ``match_x``:
-    int8 read in x's vector width at M = 1, ``weight_vector``; ``late_release``: under PDL the next kernel
-    is let in after the K loop, not at the top, as ``matmul_invariant``'s ``pdl_release="after_loop"``)."""
+    int8 read in x's vector width at M = 1, ``weight_vector``)."""
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
@@ -444,7 +438,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
         USE_DOT=use_dot, DEFER_REDUCE=cfg.defer_reduce and M == 1,
         PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
         W_VEC=weight_vector(x.element_size(), scale is not None, match_x) if M == 1 else 0,
-        SWAP_AB=cfg.swap_ab and use_dot, LATE_RELEASE=late_release,
+        SWAP_AB=cfg.swap_ab and use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     if splits > 1:
@@ -454,12 +448,12 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             config: GemvConfig | None, split_k: str, configs: GemvConfigs | None, pdl: bool | None,
-            silu_mul: bool = False, late_release: bool = False) -> torch.Tensor:
+            silu_mul: bool = False) -> torch.Tensor:
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
     cfg = config or gemv_config(M, N, K, sm_count_for(x), split_k, configs, silu_mul=silu_mul)
-    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul, late_release=late_release)
+    return launch_gemv(x, weight, None, bias, out, cfg, pdl, silu_mul)
 
 
 def _check_out(out, M, N, x) -> torch.Tensor:
@@ -470,19 +464,15 @@ def _check_out(out, M, N, x) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: GemvConfig | None = None, out: torch.Tensor | None = None, split_k: str = "auto",
-         configs: GemvConfigs | None = None, pdl: bool | None = None, pdl_release: str = "top") -> torch.Tensor:
+         configs: GemvConfigs | None = None, pdl: bool | None = None) -> torch.Tensor:
     """x: [M, K] (M small), weight: [N, K] row-major, bias: [N] or None -> [M, N].
     ``config``: this launch's tiles; without it the entry of ``configs`` (tuned, keyed by
     ``config_key``) for this shape, else the ``split_k`` ("auto" | "never") heuristic.
-    ``pdl``: see ``_util.use_pdl``; ``pdl_release``: where a program lets the next kernel launch under it,
-    "top" or "after_loop" (``matmul_invariant``'s; no effect on any bit)."""
+    ``pdl``: see ``_util.use_pdl``."""
     M, N, K = check_linear(x, weight, bias)
     if M > 64:
         raise ValueError(f"gemv is for small M (got M={M}); use torch.nn.functional.linear")
-    if pdl_release not in ("top", "after_loop"):
-        raise ValueError(f"pdl_release must be 'top' or 'after_loop', got {pdl_release!r}")
-    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl,
-                   late_release=pdl_release == "after_loop")
+    return _launch(x, weight, bias, _check_out(out, M, N, x), config, split_k, configs, pdl)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,

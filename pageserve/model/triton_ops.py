@@ -141,8 +141,6 @@ class TritonOps(TorchOps):
     None = on where the GPU (sm_90+) and Triton support it; False = never. The attention, RoPE and
     norm kernels load their step inputs (the norms their weight) before the wait (``kernels._util``;
     batch 1 -0.05 ms on the H200); "wait_first" waits at every kernel's top, as before (for A/Bs).
-    ``gemv_pdl_release``: {"NxK": "after_loop"}: the GEMV of that weight shape lets the next kernel launch
-    after its K loop instead of at its top (``kernels.gemv``'s ``pdl_release``; an A/B switch).
 
     Int8 weights (a ``QuantizedWeight`` from ``model.quant``): up to ``INT8_GEMV_ROWS`` rows the int8
     GEMV (``silu_mul_linear`` fused up to ``int8_silu_down_rows``); above, ``int8_gemm`` picks the path:
@@ -178,8 +176,7 @@ class TritonOps(TorchOps):
                  chunk_attention: bool | str = "auto", decode_schedule: str = "auto",
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto",
                  paired_silu_rows: tuple[int, int] | str | None = "auto",
-                 paired_silu_config: InvariantMatmulConfig | None = None,
-                 gemv_pdl_release: Mapping | None = None) -> None:
+                 paired_silu_config: InvariantMatmulConfig | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -233,9 +230,6 @@ class TritonOps(TorchOps):
         self.rope_attention_rows = _row_range("fuse_rope_attention", fuse_rope_attention, ROPE_ATTENTION_ROWS)
         hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
         self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
-        self.gemv_pdl_release = dict(gemv_pdl_release or {})
-        if set(self.gemv_pdl_release.values()) - {"top", "after_loop"}:
-            raise ValueError(f"gemv_pdl_release: 'top' or 'after_loop' per weight shape, got {self.gemv_pdl_release}")
         self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
         if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
             raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
@@ -273,8 +267,7 @@ class TritonOps(TorchOps):
             return self._linear_int8(x, weight, bias)
         if self._gemv_fits(x):
             return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs,
-                        pdl=self.pdl_for(x.shape[0]),
-                        pdl_release=self.gemv_pdl_release.get("x".join(map(str, weight.shape)), "top"))
+                        pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
