@@ -34,13 +34,11 @@ import torch
 
 from pageserve.engine import model_runner
 from pageserve.engine.llm import LLM
-from pageserve.kernels.matmul_invariant import InvariantMatmulConfig
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms
 from pageserve.lab.profiling import PATCHES
 from pageserve.lab.results import provenance
 
-_DOWN_ONE_PER_SM = InvariantMatmulConfig(16, 16, 256, 4, 9)
 VARIANTS = {
     "default": (False, {}),
     "default_gemv_1_row": (False, {"gemv_max_m": 1}),
@@ -127,10 +125,9 @@ VARIANTS = {
     # ran DeterministicOps options only those commits have: slower or level (diagnostics/det_b1_switches_
     # {late_release_60d2e48,release_points_e11de29}.*)
     "det_silu_kernel_under_pdl": (True, {"silu_in_gate_up_pdl": False}),
-    # down at <= 16 rows with 9 stages (128 KB of shared memory: one program an SM, where 6 stages' 80 KB let two
-    # share an SM), released after the fused gate_up's loop or at its top
-    "det_down_one_per_sm": (True, {"small_m_configs": {"2048x11008": _DOWN_ONE_PER_SM}}),
-    "det_down_one_per_sm_top": (True, {"small_m_configs": {"2048x11008": _DOWN_ONE_PER_SM}, "gate_up_pdl_release": "top"}),
+    # at 8212719 "det_down_one_per_sm[_top]" (DeterministicOps(small_m_configs=...), that commit only: down at <= 16 rows
+    # with 9 stages, 128 KB of shared memory, one program an SM) ran +0.01 ms at b1 either way: released at gate_up's top
+    # it no longer cost 0.35 ms (diagnostics/det_b1_switches_down_one_per_sm_8212719.*)
     # at 813b4e9 "default_late_gate_up" / "default_late_qkv" (TritonOps(gemv_pdl_release=...), that commit only: the
     # default mode's gate_up / qkv GEMV letting the next kernel in after its K loop) ran level / +0.01-0.02 ms at b1
     # (diagnostics/det_b1_switches_default_release_813b4e9.*)

@@ -165,15 +165,6 @@ def test_silu_mul_epilogue_under_programmatic_dependent_launch_lets_down_in_afte
     assert launches == [(False, ops.pdl_for(2), "top")]
     with pytest.raises(ValueError, match="gate_up_pdl_release"):
         DO.DeterministicOps(gate_up_pdl_release="late")
-    # small_m_configs: a launch config by weight shape at <= 16 rows only
-    from pageserve.kernels.matmul_invariant import InvariantMatmulConfig
-    cfg = InvariantMatmulConfig(16, 16, 128, 4, 3)
-    seen = []
-    monkeypatch.setattr(K, "matmul_invariant", lambda *a, **kw: seen.append(kw.get("config")) or real(*a, **kw))
-    small = DO.DeterministicOps(small_m_configs={"64x64": cfg})
-    small.linear(x[:2], w, None)
-    small.linear(x[:2], w[:32], None)
-    assert seen == [cfg, None]
 
 
 def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):

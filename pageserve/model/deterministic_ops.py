@@ -107,7 +107,7 @@ class DeterministicOps(TritonOps):
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
                  cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
                  silu_in_gate_up_pdl: bool = True, gate_up_pdl_release: str = "after_loop",
-                 small_m_configs: dict | None = None, **triton_options) -> None:
+                 **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
@@ -134,9 +134,6 @@ class DeterministicOps(TritonOps):
         if gate_up_pdl_release not in PDL_RELEASES:
             raise ValueError(f"gate_up_pdl_release must be one of {PDL_RELEASES}, got {gate_up_pdl_release!r}")
         self.gate_up_pdl_release = gate_up_pdl_release
-        # weight shape "NxK" -> the matmul's launch config at <= 16 rows (an A/B switch: tiles never change a
-        # bit on the GPU, see kernels.matmul_invariant)
-        self.small_m_configs = dict(small_m_configs or {})
         self.silu_in_gate_up_pdl = bool(silu_in_gate_up_pdl)
         if attention_prefill_block_m not in ("auto", None) and not isinstance(attention_prefill_block_m, int):
             raise ValueError(f"attention_prefill_block_m {attention_prefill_block_m!r}: an int, None or 'auto'")
@@ -166,9 +163,8 @@ class DeterministicOps(TritonOps):
         x = x if x.stride(-1) == 1 else x.contiguous()
         if self.cublas_bits_equal(x, weight, bias):
             return self.fast_linear(x, weight, bias)
-        config = self.small_m_configs.get("x".join(map(str, weight.shape))) if x.shape[0] <= 16 else None
         return matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, pdl=self.pdl_for(x.shape[0]),
-                                specialize=self.matmul_specialize, config=config)
+                                specialize=self.matmul_specialize)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return TorchOps.head(self, x, weight, out)  # this class's ``linear``, then the copy
