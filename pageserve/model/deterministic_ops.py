@@ -244,7 +244,9 @@ class DeterministicOps(TritonOps):
     # launch only after its K loop (``gate_up_pdl_release``). Released at its top, as every other PDL kernel,
     # it cost the graphed batch-1 step 0.34 ms (2df709a: 3.07 ms vs 2.73 with the separate kernel; without PDL
     # the epilogue is the faster one, 2.90 vs 2.98) and still 0.35 at 60d2e48 (2.88 vs 2.53), though alone the
-    # two are level (25.0 vs 25.1 us): down's 128 programs let in beside it from its start. Released after its
+    # two are level (25.0 vs 25.1 us): down's 128 programs (80 KB each at one row, two fit an SM), let in while
+    # it held most SMs, doubled up on the few with room (a 128 KB down tile released there cost nothing:
+    # det_b1_switches_down_one_per_sm_8212719). Released after its
     # loop it beats the separate kernel: b1 2.490 / 2.482 vs 2.515 / 2.524 ms at 7be3a46, 2.493 / 2.481 vs
     # 2.523 / 2.522 at e11de29 (two pairs each, diagnostics/det_b1_switches_{late_gate_up_7be3a46,
     # release_points_e11de29}.*). Released two of its 16 K steps before the end: level; four: +0.35 again;
