@@ -71,8 +71,8 @@ from pageserve.lab import bench
 from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms, mixed_batch, record_step_timings
 from pageserve.lab.kernel_bench.ceilings import measure_ceilings
 from pageserve.lab.peers import measure_read_gbps
-from pageserve.lab.profiling import (by_category, decode_bytes, decode_gaps, engine_mode, gpu_idle_fraction, idle_us,
-                                     linear_flops, mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
+from pageserve.lab.profiling import (by_category, chain_profile, decode_bytes, decode_gaps, engine_mode,
+                                     gpu_idle_fraction, idle_us, linear_flops, mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
 from pageserve.lab.results import provenance
 
 def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None) -> str:
@@ -118,6 +118,7 @@ def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: flo
     replayed_ctx = float(graphs.seq_lens[:batch].float().mean())
     replay_ms = graph_replay_ms(runner, batch)
     rows = profile_kernels(graph.replay, repeats=20)
+    chain = chain_profile(graph.replay, repeats=20, layers=llm.engine.model_config.num_layers)
     cats = by_category(rows)
     floor_us = 1e6 * decode_bytes(llm.engine.model_config, batch, replayed_ctx, weights=weights) / (read_gbps * 1e9)
     rec.update(graph_replay_ms=replay_ms, replayed_context=replayed_ctx, kernel_us=sum(cats.values()),
@@ -128,8 +129,22 @@ def profile_decode(llm, batch: int, context: int, read_gbps: float, weights: flo
              f"graph replay {replay_ms:.3f} ms, "
              f"in-graph gap {rec['in_graph_gap_us']:.0f} us{overlap}, outside graph {rec['outside_graph_us']:.0f} us")
     lines = [_table(title, rec["phases"], rec["kernel_us"], floor_us), _host_line(rec["host"])]
+    if chain is not None:
+        rec["chain"] = chain
+        lines.append(_chain_table(chain, replay_ms))
     print("\n".join(lines), flush=True)
     return rec
+
+
+def _chain_table(chain: dict, replay_ms: float) -> str:
+    """Each kernel's share of one profiled replay (``chain_shares``), largest first."""
+    lines = [f"   chain of one replay under the profiler: span {chain['span_us']:.0f} us (unprofiled replay "
+             f"{1e3 * replay_ms:.0f}), kernels' shares {chain['busy_us']:.0f}, idle {chain['idle_us']:.0f}",
+             f"   {'share us':>9} {'a launch':>9} {'duration':>9} {'idle before':>11}  kernel"]
+    for name, r in list(chain["kernels"].items())[:24]:
+        per = r["share_us"] / max(r["launches"], 1)
+        lines.append(f"   {r['share_us']:9.1f} {per:9.2f} {r['duration_us']:9.1f} {r['idle_before_us']:11.1f}  {name[:70]}")
+    return "\n".join(lines)
 
 
 def host_profile(step, steps: int, top: int = 30) -> dict:

@@ -42,8 +42,8 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.peers import WorkloadSpec, warmup_workload, workload_floor, workload_vocab
-from pageserve.lab.profiling import (ClockLog, CompileLog, KernelRow, by_category, engine_mode, gpu_gaps,
-                                     workload_bound)
+from pageserve.lab.profiling import (ClockLog, CompileLog, KernelRow, by_category, device_events, engine_mode,
+                                     gpu_gaps, workload_bound)
 from pageserve.lab.results import provenance
 
 
@@ -170,19 +170,6 @@ def cprofile_pass(llm, workload, top: int) -> dict:
         pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
         rows[key] = buf.getvalue().splitlines()
     return {"wall_s_under_profiler": wall, "top": rows}
-
-
-def device_events(prof) -> list[tuple[int, int, str]]:
-    """(start ns, end ns, name) of every device event (kernels, copies, memsets) of a finished
-    ``torch.profiler.profile``. Reads Kineto's raw events (a whole workload holds ~10^5-10^6
-    kernels, too many to build the profiler's Python event tree for); falls back to ``prof.events()``."""
-    cuda = torch.autograd.DeviceType.CUDA
-    try:
-        return [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-                if e.device_type() == cuda]
-    except AttributeError:
-        return [(int(e.time_range.start * 1e3), int(e.time_range.end * 1e3), e.name) for e in prof.events()
-                if e.device_type == cuda]
 
 
 def kernel_seconds(events: list[tuple[int, int, str]]) -> dict[str, tuple[float, int]]:

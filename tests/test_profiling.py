@@ -344,3 +344,38 @@ def test_host_info_names_the_cpu_and_times_the_python_loop():
     assert info["cpu_count"] == os.cpu_count()
     assert info["cpu_mhz"] is None or info["cpu_mhz"] > 0
     assert 0 < info["py_loop_ms"] < 10_000
+
+
+def test_chain_shares_give_each_kernel_what_it_adds_to_the_span_even_when_kernels_overlap():
+    from pageserve.lab.profiling import chain_shares
+
+    us = 1000  # ns
+    # a [0, 10); b starts early under PDL [2, 14): adds 4; c ends inside b [3, 9): adds 0;
+    # idle 6 us; d [20, 25): adds 5; a again [24, 30): adds 5
+    ev = [(20 * us, 25 * us, "d"), (0, 10 * us, "a"), (2 * us, 14 * us, "b"), (3 * us, 9 * us, "c"),
+          (24 * us, 30 * us, "a")]
+    c = chain_shares(ev)
+    k = c["kernels"]
+    assert c["span_us"] == pytest.approx(30.0)
+    assert c["busy_us"] + c["idle_us"] == pytest.approx(c["span_us"])
+    assert k["a"]["share_us"] == pytest.approx(15.0) and k["a"]["launches"] == 2
+    assert k["b"]["share_us"] == pytest.approx(4.0) and k["b"]["duration_us"] == pytest.approx(12.0)
+    assert k["c"]["share_us"] == 0.0 and k["d"]["idle_before_us"] == pytest.approx(6.0)
+    assert list(k)[0] == "a"  # largest share first
+    assert chain_shares([])["span_us"] == 0.0
+
+
+def test_kernels_are_named_by_their_place_after_the_layers_attention_kernel():
+    from pageserve.lab.profiling import average_chain_shares, by_layer_position, chain_shares
+
+    # two layers: mm (qkv), attention, mm (o), mm (down); then the head's mm
+    names = ["embed", "mm", "_split_kernel", "mm", "mm", "mm", "_split_kernel", "mm", "mm", "mm"]
+    ev = [(10 * i, 10 * i + 10, n) for i, n in enumerate(names)]
+    labelled = [n for _, _, n in by_layer_position(ev, layers=2)]
+    assert labelled == ["embed @pre", "mm @pre", "_split_kernel @0", "mm @1", "mm @2", "mm @3", "_split_kernel @0",
+                        "mm @1", "mm @2", "mm @3"]
+    assert by_layer_position(ev, layers=3) == sorted(ev)  # no attention kernel launched once a layer
+    one = chain_shares(by_layer_position(ev, layers=2))
+    avg = average_chain_shares([one, one])
+    assert avg["span_us"] == pytest.approx(one["span_us"])
+    assert avg["kernels"]["mm @3"]["share_us"] == pytest.approx(0.02) and avg["kernels"]["mm @3"]["launches"] == 2

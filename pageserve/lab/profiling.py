@@ -13,6 +13,8 @@ Issue 14 asks for a table per phase of a workload: measured, floor, fraction. Th
 - ``idle_us`` / ``decode_gaps`` / ``gpu_idle_fraction``: how much of a step's wall time no
   kernel covers: inside a decode graph's replay, outside it (sampling, input copies, host
   work not hidden), or in an eager step.
+- ``chain_shares`` / ``chain_profile``: what each kernel adds to a span (a graph replay's) when
+  kernels overlap under programmatic dependent launch and their durations do not add up.
 - ``mean_step_timing``: the engine's own per-``step()`` host timings (``StepTiming``), averaged.
 
 ``scripts/profile_steps.py`` puts them together on the GPU (stage ``profile_steps`` of
@@ -209,6 +211,111 @@ def decode_bytes(model, batch: int, context_len: int, dtype_bytes: int = 2, weig
 
     return (weight_bytes(model, dtype_bytes) if weights is None else weights) + batch * kv_bytes(
         model, context_len, dtype_bytes)
+
+
+def device_events(prof) -> list[tuple[int, int, str]]:
+    """(start ns, end ns, name) of every device event (kernels, copies, memsets) of a finished
+    ``torch.profiler.profile``. Reads Kineto's raw events (a whole workload holds ~10^5-10^6
+    kernels, too many to build the profiler's Python event tree for); falls back to ``prof.events()``."""
+    cuda = torch.autograd.DeviceType.CUDA
+    try:
+        return [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
+                if e.device_type() == cuda]
+    except AttributeError:
+        return [(int(e.time_range.start * 1e3), int(e.time_range.end * 1e3), e.name) for e in prof.events()
+                if e.device_type == cuda]
+
+
+def chain_shares(kernels: Iterable[tuple[int, int, str]]) -> dict:
+    """How much of a span each kernel *adds*: ``kernels`` (start ns, end ns, name) of one stream,
+    in any order. Walked in start order, a kernel's share is how far its end moves the frontier
+    (the latest end so far) past max(frontier, its own start); the time between the frontier and
+    a later start is idle, put on the kernel that starts there. The shares and the idle times add
+    up to the span exactly, where summed durations do not: under programmatic dependent launch a
+    kernel starts while the one before still runs, so durations overlap. A kernel that ends inside
+    the frontier adds nothing. Returns µs: ``span_us``, ``busy_us`` (the shares' sum),
+    ``idle_us``, and per name ``share_us`` / ``idle_before_us`` / ``duration_us`` / ``launches``."""
+    rows = sorted(kernels)
+    if not rows:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "kernels": {}}
+    per: dict[str, dict] = {}
+    frontier = rows[0][0]
+    for start, end, name in rows:
+        r = per.setdefault(name, {"share_us": 0.0, "idle_before_us": 0.0, "duration_us": 0.0, "launches": 0})
+        if start > frontier:
+            r["idle_before_us"] += (start - frontier) / 1e3
+            frontier = start
+        if end > frontier:
+            r["share_us"] += (end - frontier) / 1e3
+            frontier = end
+        r["duration_us"] += (end - start) / 1e3
+        r["launches"] += 1
+    busy = sum(r["share_us"] for r in per.values())
+    idle = sum(r["idle_before_us"] for r in per.values())
+    ranked = dict(sorted(per.items(), key=lambda kv: -kv[1]["share_us"]))
+    return {"span_us": (frontier - rows[0][0]) / 1e3, "busy_us": busy, "idle_us": idle, "kernels": ranked}
+
+
+def by_layer_position(kernels: list[tuple[int, int, str]], layers: int) -> list[tuple[int, int, str]]:
+    """Kernels renamed by their place in the layer, so one kernel serving several products (the
+    invariant matmul for qkv, o, gate_up and down) is told apart: the anchor is the attention kernel
+    launched exactly ``layers`` times; every kernel gets ``name @k``, k its launch's offset from the
+    latest anchor in start order (``@pre`` before the first). Unchanged if no attention kernel
+    appears ``layers`` times."""
+    rows = sorted(kernels)
+    counts = collections.Counter(name for _, _, name in rows)
+    anchors = [n for n, c in counts.items() if c == layers and kernel_category(n) == "attention"]
+    if not anchors:
+        return rows
+    anchor = min(anchors, key=lambda n: next(i for i, r in enumerate(rows) if r[2] == n))  # the first launched
+    out, offset = [], None
+    for start, end, name in rows:
+        if name == anchor:
+            offset = 0
+        out.append((start, end, f"{name} @{'pre' if offset is None else offset}"))
+        if offset is not None:
+            offset += 1
+    return out
+
+
+def chain_profile(fn: Callable[[], object], repeats: int = 10, layers: int | None = None) -> dict | None:
+    """``chain_shares`` of each of ``repeats`` profiled calls of ``fn`` (one unprofiled first), averaged
+    per call: a CUDA-graph replay's kernels, where each kernel's share of the replay says what it costs
+    the chain. The calls are told apart by their kernel count (every call launches the same kernels, one
+    after another on one stream). With ``layers``, kernels are named by their place in the layer
+    (``by_layer_position``). None without CUDA, or if the events do not split into equal calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(device_events(prof))
+    if not events or len(events) % repeats:
+        return None
+    n = len(events) // repeats
+    calls = [events[i * n:(i + 1) * n] for i in range(repeats)]
+    if layers:
+        calls = [by_layer_position(c, layers) for c in calls]
+    return average_chain_shares([chain_shares(c) for c in calls])
+
+
+def average_chain_shares(calls: list[dict]) -> dict:
+    """The mean of several ``chain_shares`` results (the same kernels in each), per call."""
+    k = len(calls)
+    out = {key: sum(c[key] for c in calls) / k for key in ("span_us", "busy_us", "idle_us")}
+    names: dict[str, dict] = {}
+    for c in calls:
+        for name, r in c["kernels"].items():
+            acc = names.setdefault(name, dict.fromkeys(r, 0.0))
+            for f, v in r.items():
+                acc[f] += v / k
+    out["kernels"] = dict(sorted(names.items(), key=lambda kv: -kv[1]["share_us"]))
+    return out
 
 
 GAP_BUCKETS_US = (2.0, 10.0, 100.0, 1000.0)
