@@ -132,6 +132,10 @@ VARIANTS = {
     # default mode's gate_up / qkv GEMV letting the next kernel in after its K loop) ran level / +0.01-0.02 ms at b1
     # (diagnostics/det_b1_switches_default_release_813b4e9.*)
     "det_silu_epilogue_pdl_top": (True, {"gate_up_pdl_release": "top"}),
+    # session 40: the attention's split programs at 1-4 rows walk a split's four key tiles in phases (all loads,
+    # all score products, ..., the folds in key order: paged_attention_invariant(phased=...), the default there
+    # since); this variant walks them one tile after the other, as before
+    "det_attn_unphased": (True, {"attention_launch": {"phased": False}}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

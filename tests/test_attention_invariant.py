@@ -185,21 +185,33 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
         q, _, _, kc, vc, meta = checks.random_paged_batch(q_lens, ctx, Hq, Hkv, D, bs, dtype, DEVICE, gen)
         # P = 1 walks a tile's splits as one loop over key tiles (flat) unless told not to; a deeper
         # software pipeline changes no arithmetic either
-        walks = [{"split_programs": p} for p in (None, 1, 2, 64)] + [
+        walks = [{"split_programs": None, "phased": False}] + [{"split_programs": p} for p in (None, 1, 2, 64)] + [
             {"split_programs": 1, "flat": False}, {"split_programs": 1, "flat": True, "split_stages": 3},
-            {"split_programs": 2, "split_stages": 3}]
+            {"split_programs": 2, "split_stages": 3},
+            # a split's four key tiles in phases (loads, products, maxes, ..., folds) instead of one by one
+            {"split_programs": 2, "phased": True}, {"split_programs": 1, "flat": False, "phased": True},
+            {"split_programs": 64, "phased": False}]
         if tall is not None:  # with MMA row sums the warps move no bit (a tl.sum tree would follow them)
-            walks += [{"split_warps": 4}, {"split_warps": 8, "split_programs": 1, "flat": False}]
+            walks += [{"split_warps": 4}, {"split_warps": 8, "split_programs": 1, "flat": False},
+                      {"split_warps": 8, "split_programs": 64, "phased": True}]
         outs = [paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=tall, **w, **LAUNCH) for w in walks]
         for w, other in zip(walks[1:], outs[1:]):
             assert torch.equal(outs[0], other), w
+        if not CUDA:  # the interpreter's 32-key splits hold two tiles: four in phases too (the GPU's case)
+            four = [paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=tall, split_programs=2,
+                                              phased=p, kv_split=64, block_n=16) for p in (False, True)]
+            assert torch.equal(*four)
     with pytest.raises(ValueError, match="split_programs must be 1"):
         paged_attention_invariant(q, kc, vc, meta, D**-0.5, split_programs=2, flat=True, **LAUNCH)
+    with pytest.raises(ValueError, match="phased walks a split of two or four"):
+        paged_attention_invariant(q, kc, vc, meta, D**-0.5, split_programs=1, flat=True, phased=True, **LAUNCH)
+    with pytest.raises(ValueError, match="phased walks a split of two or four"):
+        paged_attention_invariant(q, kc, vc, meta, D**-0.5, phased=True, kv_split=8 * KS, block_n=KS)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("walk", [{}, {"split_programs": 1, "flat": True}, {"split_programs": 1, "flat": False},
-                                  {"split_programs": 2}])
+                                  {"split_programs": 2}, {"split_programs": 2, "phased": True}])
 def test_rope_inside_the_decode_launch_gives_the_bits_of_rope_kv_then_the_kernel(walk, dtype):
     # the newest position at a split's first slot (KS + 1), its last (KS), a block's first (bs + 1), one key,
     # several splits, padding rows (context 0: slot -1, no write); every walk of the splits over programs

@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, kv_pages, load_kv_tile, mma, next_pow2,
                     online_softmax_step, pdl_args, pdl_enter_after_inputs, pdl_enter_before_inputs, query_tile_map,
                     sm_count_for)
 from .paged_decode import _newest_kv, _rope_row, _rotate
@@ -83,7 +83,7 @@ BLOCK_N = 64  # keys per tile
 # equal in every walk of the sweeps); a tl.sum tree (ROWSUM_DOT off) follows the layout, so there 4 always
 WIDE_WARPS_MAX_TILES = 8
 # paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
-LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps")
+LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps", "phased")
 
 
 def invariant_block_m(group: int) -> int:
@@ -141,9 +141,11 @@ def _split_kernel(
     GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     Q_TOK: tl.constexpr, KV_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    FLAT: tl.constexpr, ROPE: tl.constexpr = False,
+    FLAT: tl.constexpr, ROPE: tl.constexpr = False, PHASED: tl.constexpr = 0,
 ):
-    # ROPE (decode launches only, ``paged_attention_invariant(rope=...)``): q is the step's query before
+    # PHASED (decode launches, a loop per split, KV_SPLIT == 2 or 4 * BLOCK_N): each split's key tiles in
+    # phases (``_phased_split``) instead of one tile after the other: the same operations on the same
+    # values, only issued in another order. ROPE (decode launches only, ``paged_attention_invariant(rope=...)``): q is the step's query before
     # RoPE, rotated here with rope_kv's own expression and rounded once, as rope_kv stores it; the cache
     # lacks each row's newest position, whose k (before RoPE) and v are at kn / vn. The program that walks
     # the row's last split first writes that token (rotated k, v) at the row's slot, exactly as rope_kv
@@ -222,16 +224,122 @@ def _split_kernel(
             m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for n0 in range(split_start, kv_end, BLOCK_N):
-                kpos = n0 + tl.arange(0, BLOCK_N)
-                kmask = kpos < kv_end  # past it: zeros, never unwritten slots
-                k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
-                                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
-                scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-                scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
-                m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
+            if PHASED:  # PHASED tiles (2 or 4: the split's) at a time, in key order
+                for first_tile in tl.static_range(0, KV_SPLIT // BLOCK_N, PHASED):
+                    m_i, l_i, acc = _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start + first_tile * BLOCK_N,
+                                                  kv_end, q_pos, qk_scale, h, d, dmask, m_i, l_i, acc, stride_kb,
+                                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE, BLOCK_N,
+                                                  PHASED, PREC, UPCAST, ROWSUM_DOT)
+            else:
+                for n0 in range(split_start, kv_end, BLOCK_N):
+                    kpos = n0 + tl.arange(0, BLOCK_N)
+                    kmask = kpos < kv_end  # past it: zeros, never unwritten slots
+                    k, v = load_kv_tile(kc_ptr, vc_ptr, bt_row, kpos, kmask, h, d, dmask,  # [BLOCK_N, BLOCK_D] each
+                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE)
+                    scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+                    scores = tl.where(kmask[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+                    m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PREC, UPCAST, ROWSUM_DOT)
             _store_split(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, s, rows, head, d, dmask,
                          rmask, n_row, prow0, split_rows, stride_ot, stride_oh, HEAD_DIM)
+
+
+@triton.jit
+def _cache_tile(c_ptr, bt_row, pos, pmask, h, d, dmask, stride_b, stride_s, stride_h, PAGE: tl.constexpr):
+    """One cache's rows (K or V) of KV head ``h`` at positions ``pos`` [N], through the block-table row, as
+    ``load_kv_tile`` loads them (masked positions: zeros). [N, BLOCK_D]."""
+    page = kv_pages(bt_row, pos, pmask, PAGE)
+    return tl.load(c_ptr + (page * stride_b + (pos % PAGE) * stride_s + h * stride_h)[:, None] + d[None, :],
+                   mask=pmask[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _tile_scores(q, k, kpos, kv_end, q_pos, qk_scale, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """A key tile's masked scores, [BLOCK_M, BLOCK_N] in log2 units, as the loop per split computes them."""
+    scores = mma(q, tl.trans(k), PREC, UPCAST) * qk_scale
+    return tl.where((kpos < kv_end)[None, :] & (kpos[None, :] <= q_pos[:, None]), scores, float("-inf"))
+
+
+@triton.jit
+def _tile_weights(scores, m_new, v, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr):
+    """A tile's p (in V's dtype) and its row sums, as ``_softmax_step`` computes them for a running max m_new."""
+    p = tl.exp2(scores - m_new[:, None])
+    if ROWSUM_DOT:
+        pv = p.to(v.dtype)
+        ones = tl.full([v.shape[0], 16], 1.0, v.dtype)
+        rowsum = tl.max(mma(pv, ones, PREC, UPCAST), axis=1)
+    else:
+        pv = p.to(v.dtype)
+        rowsum = tl.sum(p, axis=1)
+    return pv, rowsum
+
+
+@triton.jit
+def _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start, kv_end, q_pos, qk_scale, h, d, dmask, m_i, l_i, acc,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                  ROWSUM_DOT: tl.constexpr):
+    """One split of TILES (2 or 4) key tiles folded into (m_i, l_i, acc) exactly as TILES ``_softmax_step``
+    calls in key order fold them, but in phases: every tile's K/V loads, then the score products, the
+    running maxes, the p and row sums, the p @ V products, and last the elementwise folds in key order. The
+    loop per split runs each tile's chain (load, scores, max, exp, p @ V, fold) before the next tile's can
+    start; here the tiles' loads and products are independent of each other until the fold, which is a few
+    elementwise operations. Each value is computed by the same operation from the same operands:
+    - a tile's scores and p @ V are the same [BLOCK_M, BLOCK_N] / [BLOCK_N, BLOCK_D] MMAs;
+    - the running max after tile j, max(m_{j-1}, rowmax_j), is exact whatever the order it is taken in;
+    - alpha_j = exp2(m_{j-1} - m_j), p_j = exp2(s_j - m_j) and the folds l * alpha_j + rowsum_j,
+      acc * alpha_j + pv_j are the loop's expressions, applied in the loop's order.
+    A tile wholly past kv_end, which the loop never visits, is an exact no-op: its scores are all -inf, so
+    m_j = m_{j-1}, alpha_j = exp2(0) = 1, p_j = 0 and its V loads zeros, so l * 1 + 0 = l and acc * 1 + 0 =
+    acc (the module docstring's point 3)."""
+    kpos0 = split_start + tl.arange(0, BLOCK_N)
+    kpos1 = kpos0 + BLOCK_N
+    kpos2 = kpos1 + BLOCK_N
+    kpos3 = kpos2 + BLOCK_N
+    # K first; V is loaded once the scores are taken, so the K tiles are dead by then (registers)
+    k0 = _cache_tile(kc_ptr, bt_row, kpos0, kpos0 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
+    k1 = _cache_tile(kc_ptr, bt_row, kpos1, kpos1 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
+    if TILES == 4:
+        k2 = _cache_tile(kc_ptr, bt_row, kpos2, kpos2 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
+        k3 = _cache_tile(kc_ptr, bt_row, kpos3, kpos3 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
+    s0 = _tile_scores(q, k0, kpos0, kv_end, q_pos, qk_scale, PREC, UPCAST)
+    s1 = _tile_scores(q, k1, kpos1, kv_end, q_pos, qk_scale, PREC, UPCAST)
+    m0 = tl.maximum(m_i, tl.max(s0, axis=1))
+    m1 = tl.maximum(m0, tl.max(s1, axis=1))
+    if TILES == 4:
+        s2 = _tile_scores(q, k2, kpos2, kv_end, q_pos, qk_scale, PREC, UPCAST)
+        s3 = _tile_scores(q, k3, kpos3, kv_end, q_pos, qk_scale, PREC, UPCAST)
+        m2 = tl.maximum(m1, tl.max(s2, axis=1))
+        m3 = tl.maximum(m2, tl.max(s3, axis=1))
+    v0 = _cache_tile(vc_ptr, bt_row, kpos0, kpos0 < kv_end, h, d, dmask, stride_vb, stride_vs, stride_vh, PAGE)
+    v1 = _cache_tile(vc_ptr, bt_row, kpos1, kpos1 < kv_end, h, d, dmask, stride_vb, stride_vs, stride_vh, PAGE)
+    if TILES == 4:
+        v2 = _cache_tile(vc_ptr, bt_row, kpos2, kpos2 < kv_end, h, d, dmask, stride_vb, stride_vs, stride_vh, PAGE)
+        v3 = _cache_tile(vc_ptr, bt_row, kpos3, kpos3 < kv_end, h, d, dmask, stride_vb, stride_vs, stride_vh, PAGE)
+    p0, r0 = _tile_weights(s0, m0, v0, PREC, UPCAST, ROWSUM_DOT)
+    p1, r1 = _tile_weights(s1, m1, v1, PREC, UPCAST, ROWSUM_DOT)
+    pv0 = mma(p0, v0, PREC, UPCAST)
+    pv1 = mma(p1, v1, PREC, UPCAST)
+    if TILES == 4:
+        p2, r2 = _tile_weights(s2, m2, v2, PREC, UPCAST, ROWSUM_DOT)
+        p3, r3 = _tile_weights(s3, m3, v3, PREC, UPCAST, ROWSUM_DOT)
+        pv2 = mma(p2, v2, PREC, UPCAST)
+        pv3 = mma(p3, v3, PREC, UPCAST)
+    a0 = tl.exp2(m_i - m0)
+    a1 = tl.exp2(m0 - m1)
+    l_i = l_i * a0 + r0
+    acc = acc * a0[:, None] + pv0
+    l_i = l_i * a1 + r1
+    acc = acc * a1[:, None] + pv1
+    m_i = m1
+    if TILES == 4:
+        a2 = tl.exp2(m1 - m2)
+        a3 = tl.exp2(m2 - m3)
+        l_i = l_i * a2 + r2
+        acc = acc * a2[:, None] + pv2
+        l_i = l_i * a3 + r3
+        acc = acc * a3[:, None] + pv3
+        m_i = m3
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -305,7 +413,7 @@ def paged_attention_invariant(
     kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
-    split_warps: int | None = None, rope: tuple | None = None,
+    split_warps: int | None = None, rope: tuple | None = None, phased: bool | None = None,
 ) -> torch.Tensor:
     """Batch-invariant paged attention (module docstring). q: [T, Hq, D] flattened by
     ``meta.query_start_loc``; caches [num_blocks, block_size, Hkv, D]; ``meta`` duck-types
@@ -337,6 +445,12 @@ def paged_attention_invariant(
     ``WIDE_WARPS_MAX_TILES`` small tiles with MMA row sums, else 4 for small tiles, 8 for tall ones).
     Tried and removed at 943114a (no gain at one row, or a loss at large batches): each split's key tiles
     unrolled with the next tile's loads ahead, and the merge folding several splits a trip.
+    ``phased``: a loop per split walks each split's key tiles in phases (``_phased_split``: all loads,
+    then all score products, ..., then the folds in key order) instead of tile after tile; the same
+    operations on the same values, so never a bit changes. Needs ``kv_split`` of 2 or 4 ``block_n`` tiles
+    and a loop per split. None: on for the decode launches that take 8 warps (at most ``WIDE_WARPS_MAX_TILES`` small tiles
+    with MMA row sums: batches of 1-4), where one split's chain of four tiles is most of the call. Small
+    tiles only (a step's chunks in tall tiles keep the loop).
     ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``).
     ``rope``: (k, v, positions, cos_sin, slot_mapping) of a decode batch (``max_query_len == 1``): q, k
     and v are then the step's before RoPE (views of the qkv rows), the caches lack each row's newest
@@ -409,6 +523,12 @@ def paged_attention_invariant(
         stages = split_stages or (2 if bm == small_m else 3)
         small_decode = prefill_block_m is not None and meta.max_query_len == 1 and n_tiles * Hkv <= WIDE_WARPS_MAX_TILES
         warps = split_warps or (8 if bm > 64 or small_decode else 4)
+        # small tiles only: four tiles' scores of a tall tile would not fit in registers
+        tiles_ok = kv_split in (2 * block_n, 4 * block_n)
+        phases = bm == small_m and ((small_decode and tiles_ok and not walk_flat) if phased is None else phased)
+        if phases and (not tiles_ok or walk_flat):
+            raise ValueError(f"phased walks a split of two or four key tiles in a loop per split: kv_split {kv_split} "
+                             f"must be 2 or 4 * block_n {block_n}, and flat off")
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -417,7 +537,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq, *rope_args,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, ROPE=rope is not None, num_warps=warps, num_stages=stages, **common,
+            FLAT=walk_flat, ROPE=rope is not None, PHASED=kv_split // block_n if phases else 0, num_warps=warps, num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
