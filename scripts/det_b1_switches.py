@@ -133,9 +133,9 @@ VARIANTS = {
     # (diagnostics/det_b1_switches_default_release_813b4e9.*)
     "det_silu_epilogue_pdl_top": (True, {"gate_up_pdl_release": "top"}),
     # session 40: the attention's split programs at 1-4 rows walk a split's four key tiles in phases (all loads,
-    # all score products, ..., the folds in key order: paged_attention_invariant(phased=...), the default there
-    # since); this variant walks them one tile after the other, as before
-    "det_attn_unphased": (True, {"attention_launch": {"phased": False}}),
+    # all score products, ..., the folds in key order: paged_attention_invariant(phased=...)) instead of one tile
+    # after the other; built without a GPU, so not the default until this A/B has run
+    "det_attn_phased": (True, {"_patch": "attn_phased_small_decodes"}),
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

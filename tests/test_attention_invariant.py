@@ -209,6 +209,37 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
         paged_attention_invariant(q, kc, vc, meta, D**-0.5, phased=True, kv_split=8 * KS, block_n=KS)
 
 
+def test_the_phased_policy_takes_small_decode_launches_only_when_switched_on_and_keeps_their_bits(monkeypatch):
+    # PHASED_MAX_TILES is 0 until the H200 A/B; lab.profiling's patch turns it on for the 8-warp decode launches
+    from pageserve.kernels import paged_invariant
+    from pageserve.lab.profiling import PATCHES
+
+    gen = torch.Generator().manual_seed(12)
+    Hq, Hkv, D, bs = _shape(8, 2)
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1, 1], [3 * KS + 5, KS - 3], Hq, Hkv, D, bs, torch.bfloat16,
+                                                      DEVICE, gen)
+    calls = []
+    if not CUDA:  # the interpreter resolves the helper at call time: count the launches' phased splits
+        phased_split = paged_invariant._phased_split
+
+        def spy(*args, **kwargs):
+            calls.append(1)
+            return phased_split.fn(*args, **kwargs)
+        monkeypatch.setattr(paged_invariant, "_phased_split", spy)
+    assert paged_invariant.PHASED_MAX_TILES == 0
+    loop = paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=TALL, **LAUNCH)
+    assert not calls
+    with PATCHES["attn_phased_small_decodes"]():
+        assert paged_invariant.PHASED_MAX_TILES == paged_invariant.WIDE_WARPS_MAX_TILES
+        auto = paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=TALL, **LAUNCH)
+        assert CUDA or calls
+        calls.clear()  # no MMA row sums (a T4): the launch keeps the loop
+        paged_attention_invariant(q, kc, vc, meta, D**-0.5, **LAUNCH)
+        assert not calls
+    assert paged_invariant.PHASED_MAX_TILES == 0
+    assert torch.equal(loop, auto)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("walk", [{}, {"split_programs": 1, "flat": True}, {"split_programs": 1, "flat": False},
                                   {"split_programs": 2}, {"split_programs": 2, "phased": True}])

@@ -82,6 +82,12 @@ BLOCK_N = 64  # keys per tile
 # 004f872.*): 2.609 -> 2.561, 2.744 -> 2.713; at 64 sequences 8 warps cost +0.40 ms (19 -> 31 us a call). Warps change which thread holds which element, not a bit, where every sum is an MMA chain (bits
 # equal in every walk of the sweeps); a tl.sum tree (ROWSUM_DOT off) follows the layout, so there 4 always
 WIDE_WARPS_MAX_TILES = 8
+# paged_attention_invariant(phased=None) walks a split's key tiles in phases on decode launches of at most this
+# many small tiles with MMA row sums (Hopper). 0: nowhere yet. Built in session 40 for batch 1, where the split
+# kernel's chain of four tiles is the det step's largest excess (9.96 us a layer against the default's 5.27 for
+# RoPE + split, diagnostics/profile_steps_chain_ce246be.*); no GPU was lent after it was built, so the policy stays
+# off until the H200 A/B (det_b1_switches.py's det_attn_phased, which sets it to WIDE_WARPS_MAX_TILES) has run
+PHASED_MAX_TILES = 0
 # paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
 LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps", "phased")
 
@@ -448,9 +454,8 @@ def paged_attention_invariant(
     ``phased``: a loop per split walks each split's key tiles in phases (``_phased_split``: all loads,
     then all score products, ..., then the folds in key order) instead of tile after tile; the same
     operations on the same values, so never a bit changes. Needs ``kv_split`` of 2 or 4 ``block_n`` tiles
-    and a loop per split. None: on for the decode launches that take 8 warps (at most ``WIDE_WARPS_MAX_TILES`` small tiles
-    with MMA row sums: batches of 1-4), where one split's chain of four tiles is most of the call. Small
-    tiles only (a step's chunks in tall tiles keep the loop).
+    and a loop per split. None: on for decode launches of at most ``PHASED_MAX_TILES`` small tiles with MMA row sums (0 until
+    measured on the H200, see there). Small tiles only (a step's chunks in tall tiles keep the loop).
     ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``).
     ``rope``: (k, v, positions, cos_sin, slot_mapping) of a decode batch (``max_query_len == 1``): q, k
     and v are then the step's before RoPE (views of the qkv rows), the caches lack each row's newest
@@ -525,7 +530,8 @@ def paged_attention_invariant(
         warps = split_warps or (8 if bm > 64 or small_decode else 4)
         # small tiles only: four tiles' scores of a tall tile would not fit in registers
         tiles_ok = kv_split in (2 * block_n, 4 * block_n)
-        phases = bm == small_m and ((small_decode and tiles_ok and not walk_flat) if phased is None else phased)
+        auto = small_decode and n_tiles * Hkv <= PHASED_MAX_TILES and tiles_ok and not walk_flat
+        phases = bm == small_m and (auto if phased is None else phased)
         if phases and (not tiles_ok or walk_flat):
             raise ValueError(f"phased walks a split of two or four key tiles in a loop per split: kv_split {kv_split} "
                              f"must be 2 or 4 * block_n {block_n}, and flat off")

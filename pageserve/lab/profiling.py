@@ -60,6 +60,8 @@ ENGINE_MODES = {
     "default_full_grid": {"triton_options": {"prefill_tile_map": False}},
     # the prefill kernel's causal mask on every key tile, as before session 30
     "default_full_mask": {"triton_options": {"prefill_diag_mask": False}},
+    # session 40: the deterministic attention's split programs at 1-4 rows walk a split's key tiles in phases
+    "deterministic_attn_phased": {"deterministic": True, "_patch": "attn_phased_small_decodes"},
     # session 31: eager steps' chunks of >= 64 new tokens through the paged kernel too, as before (no chunk launch)
     "default_no_chunk_attention": {"triton_options": {"chunk_attention": False}},
     # session 32: the gate_up product with SiLU·mul in its epilogue (kernels.gate_up_silu: gate and up rows
@@ -123,7 +125,21 @@ def fp32_logits():
         Decoder.head_logits, Decoder.logits_dtype = head, dtype
 
 
-PATCHES = {"fp32_logits": fp32_logits}
+@contextlib.contextmanager
+def attn_phased_small_decodes():
+    """The deterministic attention's split programs walk a split's key tiles in phases on the decode launches that
+    run at 8 warps (at most ``WIDE_WARPS_MAX_TILES`` tiles: batches of 1-4), ``PHASED_MAX_TILES``'s candidate."""
+    from ..kernels import paged_invariant
+
+    before = paged_invariant.PHASED_MAX_TILES
+    paged_invariant.PHASED_MAX_TILES = paged_invariant.WIDE_WARPS_MAX_TILES
+    try:
+        yield
+    finally:
+        paged_invariant.PHASED_MAX_TILES = before
+
+
+PATCHES = {"fp32_logits": fp32_logits, "attn_phased_small_decodes": attn_phased_small_decodes}
 
 
 def engine_mode(mode: str | dict) -> tuple[dict, contextlib.AbstractContextManager]:
