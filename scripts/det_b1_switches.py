@@ -136,6 +136,7 @@ VARIANTS = {
     # all score products, ..., the folds in key order: paged_attention_invariant(phased=...)) instead of one tile
     # after the other; built without a GPU, so not the default until this A/B has run
     "det_attn_phased": (True, {"_patch": "attn_phased_small_decodes"}),
+    "det_attn_phased_all": (True, {"_patch": "attn_phased_all_decodes"}),  # every decode launch (b64: 4 warps)
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode
     # launches of at most 8 (sequence, KV head) tiles merged the attention's splits in the split kernel's last
     # program (a ticket counter) and "det" did so: b1 +0.08 ms slower fused (diagnostics/

@@ -530,7 +530,8 @@ def paged_attention_invariant(
         warps = split_warps or (8 if bm > 64 or small_decode else 4)
         # small tiles only: four tiles' scores of a tall tile would not fit in registers
         tiles_ok = kv_split in (2 * block_n, 4 * block_n)
-        auto = small_decode and n_tiles * Hkv <= PHASED_MAX_TILES and tiles_ok and not walk_flat
+        mma_decode = prefill_block_m is not None and meta.max_query_len == 1  # MMA row sums: Hopper's launch
+        auto = mma_decode and n_tiles * Hkv <= PHASED_MAX_TILES and tiles_ok and not walk_flat
         phases = bm == small_m and (auto if phased is None else phased)
         if phases and (not tiles_ok or walk_flat):
             raise ValueError(f"phased walks a split of two or four key tiles in a loop per split: kv_split {kv_split} "

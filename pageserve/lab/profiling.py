@@ -126,20 +126,22 @@ def fp32_logits():
 
 
 @contextlib.contextmanager
-def attn_phased_small_decodes():
-    """The deterministic attention's split programs walk a split's key tiles in phases on the decode launches that
-    run at 8 warps (at most ``WIDE_WARPS_MAX_TILES`` tiles: batches of 1-4), ``PHASED_MAX_TILES``'s candidate."""
+def attn_phased(max_tiles: int | None = None):
+    """The deterministic attention's split programs walk a split's key tiles in phases on decode launches of at
+    most ``max_tiles`` (sequence, KV head) tiles (``kernels.paged_invariant.PHASED_MAX_TILES``; None: the launches
+    that run at 8 warps, ``WIDE_WARPS_MAX_TILES``, i.e. batches of 1-4 at 2 KV heads)."""
     from ..kernels import paged_invariant
 
     before = paged_invariant.PHASED_MAX_TILES
-    paged_invariant.PHASED_MAX_TILES = paged_invariant.WIDE_WARPS_MAX_TILES
+    paged_invariant.PHASED_MAX_TILES = paged_invariant.WIDE_WARPS_MAX_TILES if max_tiles is None else max_tiles
     try:
         yield
     finally:
         paged_invariant.PHASED_MAX_TILES = before
 
 
-PATCHES = {"fp32_logits": fp32_logits, "attn_phased_small_decodes": attn_phased_small_decodes}
+PATCHES = {"fp32_logits": fp32_logits, "attn_phased_small_decodes": attn_phased,
+           "attn_phased_all_decodes": lambda: attn_phased(1 << 30)}
 
 
 def engine_mode(mode: str | dict) -> tuple[dict, contextlib.AbstractContextManager]:
