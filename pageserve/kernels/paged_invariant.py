@@ -330,22 +330,21 @@ def _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start, kv_end, q_pos, qk_scal
         p3, r3 = _tile_weights(s3, m3, v3, PREC, UPCAST, ROWSUM_DOT)
         pv2 = mma(p2, v2, PREC, UPCAST)
         pv3 = mma(p3, v3, PREC, UPCAST)
-    a0 = tl.exp2(m_i - m0)
-    a1 = tl.exp2(m0 - m1)
-    l_i = l_i * a0 + r0
-    acc = acc * a0[:, None] + pv0
-    l_i = l_i * a1 + r1
-    acc = acc * a1[:, None] + pv1
+    l_i, acc = _fold(l_i, acc, m_i, m0, r0, pv0)
+    l_i, acc = _fold(l_i, acc, m0, m1, r1, pv1)
     m_i = m1
     if TILES == 4:
-        a2 = tl.exp2(m1 - m2)
-        a3 = tl.exp2(m2 - m3)
-        l_i = l_i * a2 + r2
-        acc = acc * a2[:, None] + pv2
-        l_i = l_i * a3 + r3
-        acc = acc * a3[:, None] + pv3
+        l_i, acc = _fold(l_i, acc, m1, m2, r2, pv2)
+        l_i, acc = _fold(l_i, acc, m2, m3, r3, pv3)
         m_i = m3
     return m_i, l_i, acc
+
+
+@triton.jit
+def _fold(l_i, acc, m_prev, m_new, rowsum, pv):
+    """One tile folded into the running (l, acc): ``_softmax_step``'s expressions for its alpha, l and acc."""
+    alpha = tl.exp2(m_prev - m_new)
+    return l_i * alpha + rowsum, acc * alpha[:, None] + pv
 
 
 @triton.jit
