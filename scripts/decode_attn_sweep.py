@@ -7,6 +7,7 @@ choose the kernel's defaults). K/V caches are rotated so back-to-back calls read
     python scripts/decode_attn_sweep.py --splits auto,8 --stages 2,3 --prefetch 0,1   # the loads' schedule
     python scripts/decode_attn_sweep.py --cases 200x880 --pages 16,64 --pool-gib 0,1.5 --reference   # the KV layout
     python scripts/decode_attn_sweep.py --cases 200x880 --under-load --reference   # kernel time beside a layer's GEMMs
+    python scripts/decode_attn_sweep.py --cases 64x640 --layouts token_major,head_major --reference   # the cache's storage
 
 Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
 """
@@ -38,6 +39,14 @@ def spread_caches(bt: torch.Tensor, used: int, page: int, pool_gib: float, copie
     caches = [tuple(torch.empty(shape, dtype=torch.bfloat16, device=bt.device).normal_() for _ in range(2))
               for _ in range(copies)]
     return table, caches
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same [num_blocks, page, Hkv, D] cache stored head-major inside each block ([num_blocks, Hkv, page, D]
+    underneath, returned as a permuted view): each KV head's rows of a block one contiguous run (page * D
+    elements) instead of D-element runs interleaved with the other heads'. The kernels take the cache's
+    strides, so they read it as it is."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
 
 
 def kernel_us(fn, calls: int, name: str) -> float:
@@ -76,7 +85,7 @@ def layer_load(batch: int, copies: int, gen: torch.Generator):
 
 
 def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict], page: int = 16,
-          pool_gib: float = 0.0, under_load: bool = False) -> list[dict]:
+          pool_gib: float = 0.0, under_load: bool = False, layout: str = "token_major") -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     q, _, _, kc, vc, meta = checks.random_paged_batch([1] * batch, [ctx] * batch, HQ, HKV, HEAD_DIM, page,
                                                       torch.bfloat16, "cuda", gen)
@@ -86,6 +95,8 @@ def sweep(batch: int, ctx: int, max_blocks: int, copies: int, configs: list[dict
         bt, caches = spread_caches(bt, kc.shape[0], page, pool_gib, copies, gen)
     else:
         caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
+    if layout == "head_major":
+        caches = [(head_major(k), head_major(v)) for k, v in caches]
     out = torch.empty_like(q)
     nbytes = 2 * batch * ctx * HKV * HEAD_DIM * 2
     load = layer_load(batch, 2, torch.Generator(device="cuda").manual_seed(1)) if under_load else None
@@ -130,6 +141,9 @@ def main() -> None:
     ap.add_argument("--under-load", action="store_true",
                     help="also profile each config's kernel time alone and with a layer's gate_up and down GEMMs "
                          "(cuBLAS, the case's rows) between launches, as in an engine step (power and clock)")
+    ap.add_argument("--layouts", default="token_major",
+                    help="the caches' storage: token_major (the engine's [blocks, page, Hkv, D]) and/or head_major "
+                         "([blocks, Hkv, page, D] underneath: each head's rows of a block contiguous)")
     ap.add_argument("--reference", action="store_true",
                     help="also time the kernel's own launch (no keywords) in every case, as row 'reference'")
     args = ap.parse_args()
@@ -140,8 +154,9 @@ def main() -> None:
     block_ns = tuple(int(v) for v in args.block_n.split(","))
     stages = tuple(int(v) for v in args.stages.split(","))
     prefetch = tuple(bool(int(v)) for v in args.prefetch.split(","))
-    for (batch, ctx), page, pool in itertools.product(cases, [int(p) for p in args.pages.split(",")],
-                                                       [float(g) for g in args.pool_gib.split(",")]):
+    for (batch, ctx), page, pool, layout in itertools.product(cases, [int(p) for p in args.pages.split(",")],
+                                                               [float(g) for g in args.pool_gib.split(",")],
+                                                               args.layouts.split(",")):
         max_blocks = -(-args.max_model_len // page)
         auto = decode_num_splits(batch, HKV, max_blocks, page, sms)
         if args.splits:
@@ -157,13 +172,14 @@ def main() -> None:
             configs.append({"num_splits": 1, "block_n": 64, "num_warps": 4, "num_stages": 2, "prefetch": False,
                             "direct": False})
         copies = max(1, -(-200_000_000 // (2 * batch * ctx * HKV * HEAD_DIM * 2 + 1)))  # >= 200 MB rotated
-        rows = sweep(batch, ctx, max_blocks, min(copies, 64), configs, page, pool, args.under_load)
-        key = f"b{batch}_ctx{ctx}" + (f"_page{page}" if page != 16 else "") + (f"_pool{pool:g}gib" if pool else "")
-        record[key] = {"auto_splits": auto, "page": page, "pool_gib": pool, "rows": rows}
+        rows = sweep(batch, ctx, max_blocks, min(copies, 64), configs, page, pool, args.under_load, layout)
+        key = (f"b{batch}_ctx{ctx}" + (f"_page{page}" if page != 16 else "") + (f"_pool{pool:g}gib" if pool else "")
+               + (f"_{layout}" if layout != "token_major" else ""))
+        record[key] = {"auto_splits": auto, "page": page, "pool_gib": pool, "layout": layout, "rows": rows}
         default = next((r for r in rows if r.get("num_splits") == auto and r.get("block_n") == 64
                         and r.get("num_warps") == 4 and r.get("num_stages") == 2
                         and not r.get("prefetch") and "direct" not in r), None)
-        print(f"== batch {batch} x ctx {ctx}, page {page}, pool {pool:g} GiB (auto splits {auto}); default "
+        print(f"== batch {batch} x ctx {ctx}, page {page}, pool {pool:g} GiB, {layout} (auto splits {auto}); default "
               f"{default and round(default['us'], 2)} µs", flush=True)
         for r in rows[:10]:
             print("  ", r, flush=True)

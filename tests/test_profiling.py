@@ -320,6 +320,29 @@ def test_decode_attn_sweep_spreads_a_case_over_a_large_pool_keeping_every_block_
     assert max(new) >= kc.shape[0]  # spread beyond the case's own blocks (p of failing ~ (11/1310)^12)
 
 
+def test_decode_attn_sweep_head_major_caches_hold_the_same_values_and_give_the_kernels_the_same_output():
+    """``--layouts head_major``: each KV head's rows of a block contiguous underneath, the logical cache unchanged;
+    the decode kernels read it through its strides, so their output is the token-major cache's, bit for bit."""
+    import torch
+
+    from pageserve.kernels import paged_attention_invariant, paged_decode_attention
+    from pageserve.lab import kernel_checks as checks
+
+    sweep = _script("decode_attn_sweep")
+    gen = torch.Generator().manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, _, _, kc, vc, meta = checks.random_paged_batch([1] * 3, [40, 17, 33], 4, 2, 16, 8, torch.float32, dev, gen)
+    hk, hv = sweep.head_major(kc), sweep.head_major(vc)
+    assert torch.equal(hk, kc) and hk.shape == kc.shape
+    nb, page, hkv, d = kc.shape
+    assert hk.stride() == (hkv * page * d, d, page * d, 1)  # a head's page is one run of page * d elements
+    scale = d ** -0.5
+    assert torch.equal(paged_decode_attention(q, hk, hv, meta.seq_lens, meta.block_tables, scale),
+                       paged_decode_attention(q, kc, vc, meta.seq_lens, meta.block_tables, scale))
+    assert torch.equal(paged_attention_invariant(q, hk, hv, meta, scale, kv_split=32, block_n=16),
+                       paged_attention_invariant(q, kc, vc, meta, scale, kv_split=32, block_n=16))
+
+
 def test_overlap_probe_splits_the_step_into_halves_that_compute_the_whole_batch(tmp_path, monkeypatch):
     # the CPU smoke run of scripts/overlap_probe.py: every split variant runs the two halves (no streams
     # here), and their output must be the full batch's to fp32 rounding: a wrong row slice would not be
