@@ -7,7 +7,7 @@ choose the kernel's defaults). K/V caches are rotated so back-to-back calls read
     python scripts/decode_attn_sweep.py --splits auto,8 --stages 2,3 --prefetch 0,1   # the loads' schedule
     python scripts/decode_attn_sweep.py --cases 200x880 --pages 16,64 --pool-gib 0,1.5 --reference   # the KV layout
     python scripts/decode_attn_sweep.py --cases 200x880 --under-load --reference   # kernel time beside a layer's GEMMs
-    python scripts/decode_attn_sweep.py --cases 64x640 --layouts token_major,head_major --reference   # the cache's storage
+    python scripts/decode_attn_sweep.py --cases 64x640 --layouts token_major,head_major   # the cache's storage
 
 Writes <out>/decode_attn_sweep.json: per (batch, context) the µs of each config, fastest first.
 """

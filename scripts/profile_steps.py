@@ -72,7 +72,8 @@ from pageserve.lab.decode_bench import decode_step_ms, graph_replay_ms, mixed_ba
 from pageserve.lab.kernel_bench.ceilings import measure_ceilings
 from pageserve.lab.peers import measure_read_gbps
 from pageserve.lab.profiling import (by_category, chain_profile, decode_bytes, decode_gaps, engine_mode,
-                                     gpu_idle_fraction, idle_us, linear_flops, mean_step_timing, phase_rows, prefill_attention_flops, profile_kernels)
+                                     gpu_idle_fraction, idle_us, linear_flops, mean_step_timing, phase_rows,
+                                     prefill_attention_flops, profile_kernels)
 from pageserve.lab.results import provenance
 
 def _table(title: str, rows: list[dict], total_us: float, floor_us: float | None) -> str:
@@ -143,7 +144,8 @@ def _chain_table(chain: dict, replay_ms: float) -> str:
              f"   {'share us':>9} {'a launch':>9} {'duration':>9} {'idle before':>11}  kernel"]
     for name, r in list(chain["kernels"].items())[:24]:
         per = r["share_us"] / max(r["launches"], 1)
-        lines.append(f"   {r['share_us']:9.1f} {per:9.2f} {r['duration_us']:9.1f} {r['idle_before_us']:11.1f}  {name[:70]}")
+        lines.append(f"   {r['share_us']:9.1f} {per:9.2f} {r['duration_us']:9.1f} {r['idle_before_us']:11.1f}  "
+                     f"{name[:70]}")
     return "\n".join(lines)
 
 

@@ -65,9 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, kv_pages, load_kv_tile, mma, next_pow2,
-                    online_softmax_step, pdl_args, pdl_enter_after_inputs, pdl_enter_before_inputs, query_tile_map,
-                    sm_count_for)
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, kv_pages, load_kv_tile, mma,
+                    next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs, pdl_enter_before_inputs,
+                    query_tile_map, sm_count_for)
 from .paged_decode import _newest_kv, _rope_row, _rotate
 
 __all__ = ["paged_attention_invariant", "invariant_block_m", "KV_SPLIT", "BLOCK_N"]
@@ -149,9 +149,10 @@ def _split_kernel(
     BLOCK_N: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr, USE_PDL: tl.constexpr,
     FLAT: tl.constexpr, ROPE: tl.constexpr = False, PHASED: tl.constexpr = 0,
 ):
-    # PHASED (decode launches, a loop per split, KV_SPLIT == 2 or 4 * BLOCK_N): each split's key tiles in
-    # phases (``_phased_split``) instead of one tile after the other: the same operations on the same
-    # values, only issued in another order. ROPE (decode launches only, ``paged_attention_invariant(rope=...)``): q is the step's query before
+    # PHASED (0 or the split's key tiles, 2 or 4; a loop per split): each split's tiles in phases
+    # (``_phased_split``) instead of one after the other: the same operations on the same values, only
+    # issued in another order.
+    # ROPE (decode launches only, ``paged_attention_invariant(rope=...)``): q is the step's query before
     # RoPE, rotated here with rope_kv's own expression and rounded once, as rope_kv stores it; the cache
     # lacks each row's newest position, whose k (before RoPE) and v are at kn / vn. The program that walks
     # the row's last split first writes that token (rotated k, v) at the row's slot, exactly as rope_kv
@@ -230,12 +231,10 @@ def _split_kernel(
             m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            if PHASED:  # PHASED tiles (2 or 4: the split's) at a time, in key order
-                for first_tile in tl.static_range(0, KV_SPLIT // BLOCK_N, PHASED):
-                    m_i, l_i, acc = _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start + first_tile * BLOCK_N,
-                                                  kv_end, q_pos, qk_scale, h, d, dmask, m_i, l_i, acc, stride_kb,
-                                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, PAGE, BLOCK_N,
-                                                  PHASED, PREC, UPCAST, ROWSUM_DOT)
+            if PHASED:
+                m_i, l_i, acc = _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start, kv_end, q_pos, qk_scale, h, d,
+                                              dmask, m_i, l_i, acc, stride_kb, stride_ks, stride_kh, stride_vb,
+                                              stride_vs, stride_vh, PAGE, BLOCK_N, PHASED, PREC, UPCAST, ROWSUM_DOT)
             else:
                 for n0 in range(split_start, kv_end, BLOCK_N):
                     kpos = n0 + tl.arange(0, BLOCK_N)
@@ -269,12 +268,10 @@ def _tile_scores(q, k, kpos, kv_end, q_pos, qk_scale, PREC: tl.constexpr, UPCAST
 def _tile_weights(scores, m_new, v, PREC: tl.constexpr, UPCAST: tl.constexpr, ROWSUM_DOT: tl.constexpr):
     """A tile's p (in V's dtype) and its row sums, as ``_softmax_step`` computes them for a running max m_new."""
     p = tl.exp2(scores - m_new[:, None])
-    if ROWSUM_DOT:
-        pv = p.to(v.dtype)
-        ones = tl.full([v.shape[0], 16], 1.0, v.dtype)
-        rowsum = tl.max(mma(pv, ones, PREC, UPCAST), axis=1)
+    pv = p.to(v.dtype)
+    if ROWSUM_DOT:  # every column of the product is the row sum (of the p that meets V); max picks one exactly
+        rowsum = tl.max(mma(pv, tl.full([v.shape[0], 16], 1.0, v.dtype), PREC, UPCAST), axis=1)
     else:
-        pv = p.to(v.dtype)
         rowsum = tl.sum(p, axis=1)
     return pv, rowsum
 
@@ -285,8 +282,8 @@ def _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start, kv_end, q_pos, qk_scal
                   BLOCK_N: tl.constexpr, TILES: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                   ROWSUM_DOT: tl.constexpr):
     """One split of TILES (2 or 4) key tiles folded into (m_i, l_i, acc) exactly as TILES ``_softmax_step``
-    calls in key order fold them, but in phases: every tile's K/V loads, then the score products, the
-    running maxes, the p and row sums, the p @ V products, and last the elementwise folds in key order. The
+    calls in key order fold them, but in phases: every tile's K loads, the score products and the running
+    maxes, the V loads, the p, row sums and p @ V products, and last the elementwise folds in key order. The
     loop per split runs each tile's chain (load, scores, max, exp, p @ V, fold) before the next tile's can
     start; here the tiles' loads and products are independent of each other until the fold, which is a few
     elementwise operations. Each value is computed by the same operation from the same operands:
@@ -299,12 +296,13 @@ def _phased_split(q, kc_ptr, vc_ptr, bt_row, split_start, kv_end, q_pos, qk_scal
     acc (the module docstring's point 3)."""
     kpos0 = split_start + tl.arange(0, BLOCK_N)
     kpos1 = kpos0 + BLOCK_N
-    kpos2 = kpos1 + BLOCK_N
-    kpos3 = kpos2 + BLOCK_N
-    # K first; V is loaded once the scores are taken, so the K tiles are dead by then (registers)
+    # K first; V once the scores are taken, when the K tiles are dead: fewer tiles live at once (the batch-1
+    # launch compiles for sm_90 at 171 registers, no spill: kernels/NOTES.md, session 40)
     k0 = _cache_tile(kc_ptr, bt_row, kpos0, kpos0 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
     k1 = _cache_tile(kc_ptr, bt_row, kpos1, kpos1 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
     if TILES == 4:
+        kpos2 = kpos1 + BLOCK_N
+        kpos3 = kpos2 + BLOCK_N
         k2 = _cache_tile(kc_ptr, bt_row, kpos2, kpos2 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
         k3 = _cache_tile(kc_ptr, bt_row, kpos3, kpos3 < kv_end, h, d, dmask, stride_kb, stride_ks, stride_kh, PAGE)
     s0 = _tile_scores(q, k0, kpos0, kv_end, q_pos, qk_scale, PREC, UPCAST)
@@ -453,8 +451,9 @@ def paged_attention_invariant(
     ``phased``: a loop per split walks each split's key tiles in phases (``_phased_split``: all loads,
     then all score products, ..., then the folds in key order) instead of tile after tile; the same
     operations on the same values, so never a bit changes. Needs ``kv_split`` of 2 or 4 ``block_n`` tiles
-    and a loop per split. None: on for decode launches of at most ``PHASED_MAX_TILES`` small tiles with MMA row sums (0 until
-    measured on the H200, see there). Small tiles only (a step's chunks in tall tiles keep the loop).
+    and a loop per split. None: on for decode launches of at most ``PHASED_MAX_TILES`` small tiles with MMA
+    row sums (0 until measured on the H200, see there). Small tiles only (a step's chunks in tall tiles keep
+    the loop).
     ``pdl``: see ``_util.use_pdl``; the kernels load their step inputs before the wait (``_util``).
     ``rope``: (k, v, positions, cos_sin, slot_mapping) of a decode batch (``max_query_len == 1``): q, k
     and v are then the step's before RoPE (views of the qkv rows), the caches lack each row's newest
@@ -543,7 +542,8 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq, *rope_args,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, ROPE=rope is not None, PHASED=kv_split // block_n if phases else 0, num_warps=warps, num_stages=stages, **common,
+            FLAT=walk_flat, ROPE=rope is not None, PHASED=kv_split // block_n if phases else 0, num_warps=warps,
+            num_stages=stages, **common,
         )
     if S > 1:
         # the merge is elementwise per row, so its tile height never changes a row's bits: small
