@@ -132,9 +132,9 @@ VARIANTS = {
     # default mode's gate_up / qkv GEMV letting the next kernel in after its K loop) ran level / +0.01-0.02 ms at b1
     # (diagnostics/det_b1_switches_default_release_813b4e9.*)
     "det_silu_epilogue_pdl_top": (True, {"gate_up_pdl_release": "top"}),
-    # session 40: the attention's split programs at 1-4 rows walk a split's four key tiles in phases (all loads,
-    # all score products, ..., the folds in key order: paged_attention_invariant(phased=...)) instead of one tile
-    # after the other; built without a GPU, so not the default until this A/B has run
+    # session 40: the attention's split programs at 1-4 rows walk a split's four key tiles in phases (K loads, score
+    # products, maxes, V loads, p @ V products, then the folds in key order: paged_attention_invariant(phased=...))
+    # instead of one tile after the other; built without a GPU, so not the default until this A/B has run
     "det_attn_phased": (True, {"_patch": "attn_phased_small_decodes"}),
     "det_attn_phased_all": (True, {"_patch": "attn_phased_all_decodes"}),  # every decode launch (b64: 4 warps)
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode

@@ -188,7 +188,7 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
         walks = [{"split_programs": None, "phased": False}] + [{"split_programs": p} for p in (None, 1, 2, 64)] + [
             {"split_programs": 1, "flat": False}, {"split_programs": 1, "flat": True, "split_stages": 3},
             {"split_programs": 2, "split_stages": 3},
-            # a split's four key tiles in phases (loads, products, maxes, ..., folds) instead of one by one
+            # a split's key tiles in phases (K loads, scores, maxes, V loads, p @ V, folds) instead of one by one
             {"split_programs": 2, "phased": True}, {"split_programs": 1, "flat": False, "phased": True},
             {"split_programs": 64, "phased": False}]
         if tall is not None:  # with MMA row sums the warps move no bit (a tl.sum tree would follow them)
