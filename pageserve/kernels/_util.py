@@ -261,9 +261,8 @@ def pdl_args(t: torch.Tensor, tokens: int, pdl: bool | str | None = None) -> dic
 def pdl_enter(USE_PDL: tl.constexpr):
     """Wait until the previous kernel on the stream has finished and its writes are
     visible, then let the next kernel launch (its programs wait the same way)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(USE_PDL)
+    pdl_release(USE_PDL)
 
 
 @triton.jit
