@@ -124,7 +124,8 @@ def _build_engine(args: argparse.Namespace):
                               max_model_len=args.max_model_len, max_num_seqs=1,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
-                              quantization=args.quantization, deterministic=args.deterministic)
+                              quantization=args.quantization, deterministic=args.deterministic,
+                              generation_config="none")  # every sampling flag has its own default (greedy)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …
         raise UsageError(str(e)) from None

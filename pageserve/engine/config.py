@@ -3,6 +3,7 @@ flags map one-to-one onto its fields."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 
@@ -12,6 +13,13 @@ class EngineConfig:
     """Knobs of the paged engine. Every field is a keyword of ``LLM(...)``."""
 
     model: str = "smollm2-135m-instruct"
+    # where a request's unset sampling fields come from, as vLLM's --generation-config: "auto" reads
+    # the model folder's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    # max_new_tokens as max_tokens; a GGUF file or random weights have none); "none" (or "vllm") uses
+    # pageserve's own (temperature 1, no truncation or penalty); a folder path reads that folder's
+    # generation_config.json, and its max_new_tokens is then also every server request's upper limit.
+    # A field the request sets keeps its value; LLM.generate uses them only with no sampling params
+    generation_config: str = "auto"
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"
     seed: int = 0
@@ -81,6 +89,13 @@ class EngineConfig:
                     or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {sizes!r}")
             self.cuda_graph_sizes = sorted(set(sizes))
+        if self.generation_config not in ("auto", "none", "vllm"):
+            rule = "generation_config must be 'auto', 'none' (alias 'vllm') or a folder holding generation_config.json"
+            if not isinstance(self.generation_config, str):
+                raise ValueError(f"{rule}, got {self.generation_config!r}")
+            gen_file = Path(self.generation_config).expanduser() / "generation_config.json"
+            if not gen_file.is_file():
+                raise ValueError(f"{rule}, got {self.generation_config!r} (there is no {gen_file})")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.device == "auto":

@@ -68,7 +68,9 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in input order."""
+        """Generate for every prompt (text or token ids); results in input order. With no
+        ``sampling_params``: ``SamplingParams`` with the engine's ``sampling_defaults`` (the model's
+        generation_config.json, see ``EngineConfig.generation_config``) over its own defaults."""
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(
                 "prompts must be a string, a list of token ids, or a list of those; "
@@ -99,7 +101,7 @@ class LLM:
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
         if sampling_params is None:
-            params = [SamplingParams()] * len(prompts)
+            params = [SamplingParams(**self.engine.sampling_defaults)] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

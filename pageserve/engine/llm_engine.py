@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable
 
@@ -127,6 +128,8 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer = getattr(loaded, "tokenizer", None)
         self.stream_outputs = stream_outputs
+        # what a server request leaves unset, and LLM.generate without params, gets (generation_config)
+        self.sampling_defaults, self.max_tokens_limit = resolve_sampling_defaults(config, loaded)
 
         eos = set(self.model_config.eos_token_ids or [])
         if self.tokenizer is not None:
@@ -564,3 +567,33 @@ def _completion(seq: Sequence, safe: bool) -> CompletionOutput:
         cumulative_logprob=seq.cumulative_logprob if want_lp else None,
         stop_reason=seq.stop_reason,
     )
+
+
+def resolve_sampling_defaults(config: EngineConfig, loaded: Any) -> tuple[dict[str, Any], int | None]:
+    """``config.generation_config`` resolved, as vLLM resolves ``--generation-config``: the
+    ``SamplingParams`` keywords a request gets for the fields it leaves unset, and the server's
+    upper limit on ``max_tokens`` (a folder's max_new_tokens; None with "auto": there the model's
+    max_new_tokens is only a default). Logs one line naming them when there are any; raises
+    ValueError for a value ``SamplingParams`` refuses."""
+    from ..model.loader import sampling_defaults
+
+    if config.generation_config in ("none", "vllm"):
+        return {}, None
+    if config.generation_config == "auto":
+        defaults = dict(getattr(loaded, "sampling_defaults", None) or {})  # {} for an in-memory model
+        source = f"the generation_config.json of {getattr(loaded, 'source', config.model)}"
+    else:
+        defaults = sampling_defaults(config.generation_config)
+        source = str(Path(config.generation_config).expanduser() / "generation_config.json")
+    if not defaults:
+        return {}, None
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e} (generation_config='none' ignores the file)") from None
+    limit = defaults.get("max_tokens") if config.generation_config != "auto" else None
+    logger.warning("sampling defaults from %s: %s (for the fields a request leaves unset%s; "
+                   "generation_config='none' ignores the file)", source,
+                   ", ".join(f"{k}={v}" for k, v in defaults.items()),
+                   f"; a server request's max_tokens at most {limit}" if limit is not None else "")
+    return defaults, limit

@@ -10,13 +10,17 @@
   * ``smollm2-135m-instruct`` (the default): real SmolLM2 weights, see default_model.py;
   * the aliases ``qwen2.5-3b``, ``qwen2.5-0.5b``, ``smollm2-135m``: random weights of the
     shipped config (same as ``dummy:<name>``), for benchmarks at a real model's shape.
+
+An HF directory's ``generation_config.json`` also gives the model's sampling defaults
+(``LoadedModel.sampling_defaults``, see ``sampling_defaults``); GGUF files and random weights
+have none.
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -29,6 +33,11 @@ from .tokenizer import Tokenizer
 DUMMY_ALIASES = ("qwen2.5-3b", "qwen2.5-0.5b", "smollm2-135m")
 DEFAULT_MAX_MODEL_LEN = 32768
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+# generation_config.json's sampling fields -> their SamplingParams names, the ones vLLM reads
+# (do_sample is not: a file with temperature 0.7 and do_sample false still samples at 0.7)
+GENERATION_CONFIG_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                                     "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                                     "max_new_tokens": "max_tokens"}
 
 
 class ModelLoadError(ValueError):
@@ -42,6 +51,9 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer | None  # None for dummy weights
     source: str  # where the weights came from (a path, a hub id, or "dummy:<config>")
+    # SamplingParams keywords from the directory's generation_config.json (``sampling_defaults``);
+    # empty for GGUF files, random weights and a directory whose file sets none
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -201,16 +213,40 @@ def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, st.get_tensor(key)
 
 
+def _read_generation_config(folder: Path) -> dict[str, Any]:
+    """``folder/generation_config.json`` as a dict ({} when there is none)."""
+    path = Path(folder).expanduser() / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        gen = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(gen).__name__}")
+    return gen
+
+
+def sampling_defaults(folder: str | Path) -> dict[str, Any]:
+    """The sampling defaults in ``folder/generation_config.json``, as ``SamplingParams`` keywords:
+    every one of temperature, top_p, top_k, min_p, repetition_penalty that the file sets (not
+    null), and max_new_tokens as ``max_tokens``. {} when the folder has no such file."""
+    return _sampling_fields(_read_generation_config(Path(folder)))
+
+
+def _sampling_fields(gen: dict[str, Any]) -> dict[str, Any]:
+    return {name: gen[key] for key, name in GENERATION_CONFIG_SAMPLING_FIELDS.items() if gen.get(key) is not None}
+
+
 def _load_hf_dir(path: Path, device, dtype, max_model_len, source: str | None = None) -> LoadedModel:
     config_path = path / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not an HF model directory)")
     cfg = ModelConfig.from_json(config_path)
     eos = list(cfg.eos_token_ids)
-    gen_path = path / "generation_config.json"
-    if gen_path.is_file():
-        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        eos += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    gen = _read_generation_config(path)
+    gen_eos = gen.get("eos_token_id")
+    eos += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
     files = _safetensors_files(path)
     model = build_decoder(cfg, device, dtype, _max_len(cfg, max_model_len))
     model.load_weights(_iter_safetensors(files), source=str(files[0] if len(files) == 1 else path))
@@ -219,7 +255,7 @@ def _load_hf_dir(path: Path, device, dtype, max_model_len, source: str | None = 
         from transformers import AutoTokenizer
 
         tokenizer = Tokenizer(AutoTokenizer.from_pretrained(str(path)), eos_token_ids=eos)
-    return LoadedModel(model, cfg, tokenizer, source or str(path))
+    return LoadedModel(model, cfg, tokenizer, source or str(path), _sampling_fields(gen))
 
 
 def _load_gguf(path: Path, device, dtype, max_model_len) -> LoadedModel:

@@ -147,6 +147,9 @@ class _Server:
         self.metrics = metrics
         self.table = table
         self.has_tokenizer = engine.tokenizer is not None
+        # the model's generation_config.json defaults for unset request fields (EngineConfig.generation_config)
+        self.sampling_defaults = engine.engine.sampling_defaults
+        self.max_tokens_limit = engine.engine.max_tokens_limit
 
     # ---------------------------------------------------------------- shared
     def _check_model(self, model: str | None) -> str:
@@ -227,7 +230,7 @@ class _Server:
             raise OpenAIError(400, f"model {model!r} has no tokenizer, so no chat template: use /v1/completions "
                                    "with token ids", param="messages")
         try:
-            params = body.to_sampling_params()
+            params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
         messages = [m.as_template_dict() for m in body.messages]
@@ -315,7 +318,7 @@ class _Server:
     async def complete(self, body: CompletionRequest, request: Request):
         model = self._check_model(body.model)
         try:
-            params = body.to_sampling_params()
+            params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
             raw = body.prompts()
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None

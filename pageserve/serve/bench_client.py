@@ -138,7 +138,10 @@ async def run_load(
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
 
         async def send(prompt) -> RequestResult:
-            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            # greedy with every other sampling field neutral and set: a server's defaults from the model's
+            # generation_config.json (vLLM's and pageserve's; e.g. a repetition penalty) must not apply
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                    "min_p": 0.0, "repetition_penalty": 1.0, "stream": True,
                     "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
             if model:
                 body["model"] = model

@@ -4,14 +4,16 @@ from a request onto ``SamplingParams``.
 Requests are parsed leniently where OpenAI is lenient (``stop`` as a string or a list,
 ``max_completion_tokens`` beside the older ``max_tokens``) and carry the usual extensions of
 open servers: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``.
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``. A sampling field the
+request leaves unset takes the model's generation_config.json default when the engine has one
+(``EngineConfig.generation_config``), as vLLM's server does.
 
 OpenAI features this server does not have are refused with a 400 that names them, not ignored:
 a ``response_format`` other than text (no guided decoding), and tools / function calling.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -83,10 +85,21 @@ class _Request(BaseModel):
                 or self.function_call not in (None, "none"):
             raise ValueError("tools and function calling are not supported by this server")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """``SamplingParams`` for this request (raises ``ValueError`` with the rule broken)."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None = None,
+                        max_tokens_limit: int | None = None) -> SamplingParams:
+        """``SamplingParams`` for this request (raises ``ValueError`` with the rule broken).
+
+        ``defaults`` (the engine's ``sampling_defaults``, from the model's generation_config.json)
+        fill the fields this request leaves unset, ``max_tokens`` among them; ``max_tokens_limit``
+        caps ``max_tokens`` whether set or not (vLLM's limit from a --generation-config folder)."""
         self._refuse_unsupported()
-        kw: dict[str, Any] = {"n": self.n, "max_tokens": max_tokens, "logprobs": logprobs, "seed": self.seed}
+        defaults = defaults or {}
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        if max_tokens_limit is not None:
+            max_tokens = max_tokens_limit if max_tokens is None else min(max_tokens, max_tokens_limit)
+        kw: dict[str, Any] = {**defaults, "n": self.n, "max_tokens": max_tokens, "logprobs": logprobs,
+                              "seed": self.seed}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
                      "skip_special_tokens", "include_stop_str_in_output"):
@@ -134,14 +147,15 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
+                           max_tokens_limit: int | None = None) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         top = self.top_logprobs or 0
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(limit, top if self.logprobs else None)
+        return self.sampling_params(limit, top if self.logprobs else None, defaults, max_tokens_limit)
 
 
 # a completion prompt: text, texts, token ids, or lists of token ids
@@ -150,13 +164,16 @@ PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(_Request):
     prompt: PromptType
-    max_tokens: int | None = 16  # OpenAI's default for /v1/completions
+    # OpenAI's default for /v1/completions, kept over a generation_config.json's max_new_tokens as vLLM
+    # does (only an explicit null lets that default apply)
+    max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
+                           max_tokens_limit: int | None = None) -> SamplingParams:
         if self.echo:
             raise ValueError("echo is not supported by this server")
         if self.suffix:
@@ -165,7 +182,7 @@ class CompletionRequest(_Request):
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, defaults, max_tokens_limit)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (each text or token ids)."""
