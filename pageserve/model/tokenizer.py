@@ -49,11 +49,15 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages``, as text."""
-        if not self.has_chat_template:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, **template_kwargs) -> str:
+        """The chat template applied to ``messages``, as text. ``chat_template``: a Jinja template
+        used instead of the tokenizer's own; ``template_kwargs``: extra variables the template
+        reads (e.g. a model's ``enable_thinking``)."""
+        if chat_template is None and not self.has_chat_template:
             raise ValueError("this tokenizer has no chat template; encode plain text instead")
-        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                           chat_template=chat_template, **template_kwargs)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered chat. The template already writes any BOS it wants,

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, ...)`` returns a FastAPI app.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
-``/metrics``, ``/v1/engine_stats`` (debug: where the engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
+``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's), ``/v1/engine_stats`` (debug: where the
+engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
 "code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
 401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over the
 limit, 500 when the engine failed the request, 503 when the queue is full.
@@ -18,6 +19,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -31,7 +33,8 @@ from pageserve.engine.outputs import CompletionOutput, RequestOutput
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream, TextPrompt
 from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, error_body
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
+                       error_body, template_kwargs)
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +48,19 @@ def build_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     max_request_bytes: int | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
-    """An app serving ``engine``. The engine thread starts and stops with the app's lifespan."""
+    """An app serving ``engine``. The engine thread starts and stops with the app's lifespan.
+    ``chat_template``: a Jinja chat template (its text, or a file holding it) used instead of the
+    tokenizer's own, as vLLM's ``--chat-template``."""
+    template = load_chat_template(chat_template)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_waiting_requests)
     llm = aengine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [llm.config.model]
     metrics = ServerMetrics(lambda: aengine.stats, names[0], aengine.step_stats)
     table = TokenTable(llm.tokenizer.hf if llm.tokenizer is not None else None, llm.model_config.vocab_size)
-    server = _Server(aengine, names, metrics, table)
+    server = _Server(aengine, names, metrics, table, template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -128,7 +135,28 @@ def build_app(
     async def completions(body: CompletionRequest, request: Request):
         return await server.complete(body, request)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return server.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return server.detokenize(body)
+
     return app
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s value as template text: a file's contents, or the value itself when it
+    is a Jinja template (raises ``ValueError`` for anything else, e.g. a mistyped path)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
 
 
 class _Choice:
@@ -141,8 +169,10 @@ class _Choice:
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, table: TokenTable) -> None:
+    def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, table: TokenTable,
+                 chat_template: str | None = None) -> None:
         self.engine = engine
+        self.chat_template = chat_template  # None: the tokenizer's own
         self.names = names
         self.metrics = metrics
         self.table = table
@@ -222,6 +252,51 @@ class _Server:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _render_chat(self, messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> str:
+        """The chat as prompt text: the server's template, else the tokenizer's, else a plain
+        "role: content" transcript (a tokenizer without a template)."""
+        tok = self.engine.tokenizer
+        rows = [m.as_template_dict() for m in messages]
+        kwargs = template_kwargs(kwargs)
+        if self.chat_template is None and not tok.has_chat_template:
+            return "\n".join(f"{m['role']}: {m['content']}" for m in rows) + "\nassistant:"
+        try:
+            return tok.render_chat(rows, add_generation_prompt, chat_template=self.chat_template, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+
+    def _tokenizer(self, model: str | None):
+        self._check_model(model)
+        if self.engine.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer")
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------- tokenize / detokenize
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a prompt as /v1/completions encodes it, or of messages as
+        /v1/chat/completions renders them."""
+        tok = self._tokenizer(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            text = self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            special = bool(body.add_special_tokens)
+        else:
+            text, special = body.prompt, body.add_special_tokens is not False
+        ids = tok.encode(text, add_special_tokens=special)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tok.hf.convert_ids_to_tokens(ids)
+        return out
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        tok = self._tokenizer(body.model)
+        vocab = self.engine.engine.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise OpenAIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
+
     # ---------------------------------------------------------------- chat
     async def chat(self, body: ChatCompletionRequest, request: Request):
         model = self._check_model(body.model)
@@ -233,14 +308,8 @@ class _Server:
             params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
-        messages = [m.as_template_dict() for m in body.messages]
-        try:
-            if tok.has_chat_template:
-                prompt = TextPrompt(tok.render_chat(messages, body.add_generation_prompt), add_special_tokens=False)
-            else:
-                prompt = TextPrompt("\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:")
-        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-            raise OpenAIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs),
+                            add_special_tokens=False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [prompt], params)
         created = int(time.time())

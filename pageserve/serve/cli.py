@@ -90,6 +90,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests that may wait beyond the running batch before 503 (default max(1024, 4*max_num_seqs))")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body, else 413 (default 4 MiB)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own")
     p.add_argument("--tunnel", action="store_true",
                    help="also open a public Cloudflare quick tunnel (needs --api-key)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -113,9 +115,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use it",
               file=sys.stderr)
+    from .api import build_app, load_chat_template
+
     try:
         config = engine_config_from_args(args)
-    except ValueError as e:
+        chat_template = load_chat_template(args.chat_template)  # before the model loads: a typo fails fast
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.switch_interval_ms is not None:
@@ -126,12 +131,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from pageserve.engine.llm_engine import LLMEngine
 
-    from .api import build_app
     from .background import start_server_in_background
 
     engine = LLMEngine(config, stream_outputs=True)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes)
+                    max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
+                    chat_template=chat_template)
     server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
     if args.tunnel:

@@ -146,6 +146,7 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM's extension)
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
                            max_tokens_limit: int | None = None) -> SamplingParams:
@@ -200,4 +201,42 @@ class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+# variables a chat template is rendered with by the server itself: a request's chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template", "conversation"})
+
+
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's ``chat_template_kwargs``, checked (raises ``OpenAIError`` 400 for a reserved name)."""
+    kwargs = dict(kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise OpenAIError(400, f"chat_template_kwargs may not set {reserved}: the server sets them",
+                          param="chat_template_kwargs")
+    return kwargs
+
+
+class TokenizeRequest(BaseModel):
+    """``/tokenize``: a text ``prompt`` or chat ``messages`` (exactly one), as vLLM's route."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    # None: True for a prompt (as /v1/completions encodes it), False for messages (the template writes them)
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``/detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
