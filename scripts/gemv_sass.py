@@ -59,12 +59,14 @@ def compile_sass(quant: bool, block_n: int, block_k: int, warps: int, match_x: b
     return cuobjdump(compile_sm90(k, sig, const, attrs, warps, stages), "-sass")
 
 
-def compile_sm90(kernel, sig: dict, const: dict, attrs: dict, warps: int, stages: int):
-    """``kernel`` compiled for sm_90 with Triton's own tools: ``sig`` maps argument names to types
-    ("constexpr" for those in ``const``, which gives their values), ``attrs`` (argument index,) to hints."""
+def compile_sm90(kernel, sig: dict, const: dict, attrs: dict, warps: int, stages: int, capability: int = 90):
+    """``kernel`` compiled for sm_90 (or another ``capability``: 75 for a T4, scripts/t4_compile_audit.py)
+    with Triton's own tools: ``sig`` maps argument names to types ("constexpr" for those in ``const``,
+    which gives their values), ``attrs`` (argument index,) to hints."""
     names = list(kernel.arg_names)
     src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in const.items()}, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": warps, "num_stages": stages})
 
 
 def cuobjdump(compiled, flag: str) -> str:

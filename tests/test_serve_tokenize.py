@@ -15,19 +15,24 @@ MARKER_TEMPLATE = ("{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% en
 
 
 @pytest.fixture(scope="module")
-def server(start_server):
-    srv = start_server()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def templated(start_server, tmp_path_factory):
+def servers(start_server, tmp_path_factory):
+    """(a server with the tokenizer's own template, one started with --chat-template's file)."""
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text(MARKER_TEMPLATE)
-    srv = start_server(chat_template=str(path))
-    yield srv
-    srv.stop()
+    pair = start_server(), start_server(chat_template=str(path))
+    yield pair
+    for srv in pair:
+        srv.stop()
+
+
+@pytest.fixture
+def server(servers):
+    return servers[0]
+
+
+@pytest.fixture
+def templated(servers):
+    return servers[1]
 
 
 def post(server, route, body):

@@ -38,6 +38,20 @@ def sm_count_for(t: torch.Tensor) -> int:
     return num_sms(t.device.index or 0) if t.is_cuda else num_sms(0)
 
 
+@functools.lru_cache(maxsize=None)
+def _mma_device(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
+def mma_dot_for(t: torch.Tensor) -> bool:
+    """Whether Triton lowers ``tl.dot`` to tensor-core MMAs on ``t``'s device: sm_80 and newer, and
+    the interpreter and the CPU (where tiles are chosen as for the H200). Below sm_80 (a Colab T4,
+    sm_75) Triton 3.2+ computes a dot with FMAs on the CUDA cores (triton-lang/triton#5066), and the
+    tiles sized for MMAs on the H200 run out of registers there and spill; launches on such a GPU take
+    tiles sized for FMAs instead (``scripts/t4_compile_audit.py`` compiles them for sm_75)."""
+    return not (t.is_cuda and not interpreting()) or _mma_device(t.device.index or 0)
+
+
 def dot_precision(dtype: torch.dtype):
     """fp32 dots in full precision (Triton defaults to tf32 on the GPU); others: default."""
     return "ieee" if dtype == torch.float32 else None

@@ -59,6 +59,12 @@ def _argmax_reduce_kernel(val_ptr, idx_ptr, out_ptr, V, PARTS,
     tl.store(out_ptr + row, tl.min(tl.where(vals == top, idxs, V), axis=0).to(tl.int64))
 
 
+def default_block(rows: int) -> int:
+    """Columns a first-stage program reads for ``rows`` rows (``BLOCK``, ``WIDE_BLOCK`` from ``WIDE_ROWS``):
+    its own function so that the offline audit (scripts/t4_compile_audit.py) compiles the launch a step gets."""
+    return WIDE_BLOCK if rows >= WIDE_ROWS else BLOCK
+
+
 def argmax_rows(x: torch.Tensor, pdl: bool | None = None, block: int | None = None) -> torch.Tensor:
     """x: [B, V] float (last dim contiguous, rows may be strided) -> [B] int64, the index of each
     row's first maximum. ``pdl``: see ``_util.use_pdl``, except that any row count may use it.
@@ -70,7 +76,7 @@ def argmax_rows(x: torch.Tensor, pdl: bool | None = None, block: int | None = No
     if V == 0:
         raise ValueError("argmax_rows: a row needs at least one column")
     if block is None:
-        block = WIDE_BLOCK if x.shape[0] >= WIDE_ROWS else BLOCK
+        block = default_block(B)
     if block < 16 or block & (block - 1):
         raise ValueError(f"argmax_rows: block must be a power of two >= 16, got {block}")
     if V >= 2**31 or cdiv(V, block) > MAX_PARTS:

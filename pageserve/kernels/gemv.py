@@ -413,6 +413,16 @@ def magic_code(magic: bool | str) -> int:
     return MAGIC_MODES[magic]
 
 
+def gemv_tiles(M: int, K: int, cfg: GemvConfig) -> tuple[int, int, int, bool]:
+    """What ``launch_gemv`` derives from a config for M rows of K: (K_PER_SPLIT, splits, BLOCK_M,
+    USE_DOT). Its own function so that the offline audit (scripts/t4_compile_audit.py) compiles the
+    very tiles a launch gets."""
+    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    use_dot = M > 1 and cfg.block_n >= 16
+    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
+    return k_per_split, cdiv(K, k_per_split), block_m, use_dot
+
+
 def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                 out: torch.Tensor, cfg: GemvConfig, pdl: bool | None, silu_mul: bool = False,
                 magic: bool | str = True, match_x: bool = True) -> torch.Tensor:
@@ -423,10 +433,7 @@ def launch_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     M, N, K = x.shape[0], weight.shape[0], weight.shape[1]
     if M == 0 or N == 0:
         return out
-    k_per_split = cdiv(cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = cdiv(K, k_per_split)
-    use_dot = M > 1 and cfg.block_n >= 16
-    block_m = 1 if M == 1 else max(16, next_pow2(M)) if use_dot else next_pow2(M)
+    k_per_split, splits, block_m, use_dot = gemv_tiles(M, K, cfg)
     part = torch.empty((splits, M, N), dtype=torch.float32, device=x.device) if splits > 1 else out
     anything = weight if scale is None else scale  # unused pointers point at something valid
     launch = pdl_args(x, M, pdl)

@@ -55,7 +55,7 @@ import triton.language as tl
 from . import reference
 from .activation import silu_mul_f32
 from ._util import (cdiv, check, check_linear, dot_precision, dot_upcast, grouped_tile, interpreting, mma,
-                    pdl_args, pdl_enter, pdl_release, pdl_wait, sm_count_for)
+                    mma_dot_for, pdl_args, pdl_enter, pdl_release, pdl_wait, sm_count_for)
 
 try:  # host-side TMA descriptors (Triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -93,7 +93,7 @@ class InvariantMatmulConfig:
 
 def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
                      block_n: int | None = None, K: int | None = None,
-                     smem_bytes: int = 200 << 10) -> InvariantMatmulConfig:
+                     smem_bytes: int = 200 << 10, mma: bool = True) -> InvariantMatmulConfig:
     """The launch config for an [M, K] x [N, K]^T product.
 
     bf16/fp16 on the GPU (no override): ``measured_config``, the tiles the H200 sweep picked
@@ -101,7 +101,14 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
     BLOCK_M and BLOCK_K from the dtype (``block_m`` overrides BLOCK_M); BLOCK_N the widest
     choice that keeps >= 2 programs per SM (16 if none does; ``block_n`` overrides it: the lab's
     sweeps); warps and stages follow the tile. ``smem_bytes``: the shared memory a program may
-    use (stages, then tiles, shrink to fit: no effect on the bits on the GPU)."""
+    use (stages, then tiles, shrink to fit: no effect on the bits on the GPU).
+
+    ``mma`` False (``_util.mma_dot_for``: a GPU below sm_80, where Triton runs a dot as FMAs, each output
+    element one fma chain over K in K order, so no tile choice changes a bit): ``FMA_CONFIG``'s tiles,
+    16 rows up to 16, else 32, which compile for sm_75 without spilling (the MMA tiles spill 1-28 KB
+    a thread there: scripts/t4_compile_audit.py)."""
+    if not mma and block_m is None and block_n is None:
+        return FMA_CONFIG[16 if M <= 16 else 32]
     if block_m is None and block_n is None and not interpreting() and dtype != torch.float32:
         return fit_shared_memory(measured_config(M, N, K if K is not None else 4096, sms), dtype, smem_bytes)
     bm = default_block_m(M, dtype) if block_m is None else block_m
@@ -122,6 +129,11 @@ def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int 
     stages = max(2, min(8 if bm <= 32 else 4, smem_bytes // stage_bytes))
     warps = 8 if bm * bn >= 64 * 256 else 4
     return InvariantMatmulConfig(block_m=bm, block_n=bn, block_k=BLOCK_K[dtype], num_warps=warps, num_stages=stages)
+
+
+# by row tile: 32-wide K slices, 64 columns (32 with SILU_MUL, which halves a tile's columns), 2 stages
+FMA_CONFIG = {16: InvariantMatmulConfig(block_m=16, block_n=64, block_k=32, num_warps=4, num_stages=2),
+              32: InvariantMatmulConfig(block_m=32, block_n=64, block_k=32, num_warps=8, num_stages=2)}
 
 
 def measured_config(M: int, N: int, K: int, sms: int) -> InvariantMatmulConfig:
@@ -388,7 +400,8 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         return out
     if K == 0:
         return out.copy_(bias.expand(M, N)) if bias is not None else out.zero_()
-    cfg = config or invariant_config(M, w.shape[0], x.dtype, sm_count_for(x), block_m, K=K, smem_bytes=smem_budget(x))
+    cfg = config or invariant_config(M, w.shape[0], x.dtype, sm_count_for(x), block_m, K=K, smem_bytes=smem_budget(x),
+                                     mma=mma_dot_for(x))
     if silu_mul:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
     if specialize is None:

@@ -42,6 +42,13 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def norm_launch(H: int) -> tuple[int, int]:
+    """(BLOCK, warps) of a row of H: its own function so that the offline audit
+    (scripts/t4_compile_audit.py) compiles the launch a step gets."""
+    block = next_pow2(H)
+    return block, 4 if block <= 2048 else 8
+
+
 def _launch(x, residual, weight, eps, out, residual_out, pdl):
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     T, H = x.shape
@@ -58,8 +65,7 @@ def _launch(x, residual, weight, eps, out, residual_out, pdl):
         check("residual_out", residual_out, shape=(T, H), dtype=x.dtype)
     if T == 0:
         return out, residual_out
-    BLOCK = next_pow2(H)
-    num_warps = 4 if BLOCK <= 2048 else 8
+    BLOCK, num_warps = norm_launch(H)
     ro = residual_out if residual is not None else out
     r = residual if residual is not None else x
     _rms_norm_kernel[(T,)](

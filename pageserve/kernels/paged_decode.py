@@ -39,7 +39,7 @@ import triton.language as tl
 from .reference import paged_attention as paged_attention_reference
 from .rotary import rope_first_half, rope_second_half
 from ._util import (cdiv, check, check_device, check_paged_qkv, dot_precision, dot_upcast, interpreting, kv_pages,
-                    load_kv_at, mma, next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs,
+                    load_kv_at, mma, mma_dot_for, next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs,
                     pdl_enter_before_inputs, sm_count_for)
 
 __all__ = ["paged_decode_attention", "rope_decode_attention", "paged_attention_reference", "decode_num_splits",
@@ -275,7 +275,7 @@ class DecodeSchedule(NamedTuple):
 
 
 def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int, max_blocks: int,
-                    block_size: int, sms: int, pipelined: bool) -> DecodeSchedule:
+                    block_size: int, sms: int, pipelined: bool, mma: bool = True) -> DecodeSchedule:
     """The launch for a decode batch, from shapes only (graph-safe).
 
     The split rule (``pipelined=False``, the default everywhere): ``decode_num_splits``, 32-key
@@ -298,7 +298,12 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
       +7% a step, 65-128 rows +3%, the run 2% slower. One split leaves SMs idle on long contexts
       at under one pair per SM, and a graph's launch cannot see the context. So it is not the default
       here; the engine's ops pick it per step by the host-known context (``TritonOps(decode_schedule=
-      "by_context")``: up to 768 tokens, b64 -0.05 ms, b128 -0.13, nano-vllm level; NOTES.md, session 28)."""
+      "by_context")``: up to 768 tokens, b64 -0.05 ms, b128 -0.13, nano-vllm level; NOTES.md, session 28).
+
+    ``mma`` False (``_util.mma_dot_for``: a GPU below sm_80, where a dot runs on FMAs): the split rule's
+    count with 16-key tiles over 8 warps at every batch, which compile for sm_75 without spilling at
+    head_dim 64 and 128, RoPE in the launch or not (64-key tiles spill from ~8-16 rows, 32-key ones at
+    head_dim 128 with RoPE: scripts/t4_compile_audit.py)."""
     pairs = max(1, batch * num_kv_heads)
     if pipelined and elem_size == 2 and head_dim <= 128 and pairs <= 4 * sms:
         if 2 * pairs < sms:
@@ -309,6 +314,8 @@ def decode_schedule(batch: int, num_kv_heads: int, head_dim: int, elem_size: int
             return DecodeSchedule(1, 64, 4, 3, True)
         return DecodeSchedule(1, 32, 4, 3, True)
     splits = decode_num_splits(batch, num_kv_heads, max_blocks, block_size, sms)
+    if not mma:
+        return DecodeSchedule(splits, 16, 8, 2, True)
     return DecodeSchedule(splits, 32 if 4 * pairs <= sms else 64, 4, 2, True)
 
 
@@ -333,7 +340,7 @@ def schedule_for(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Ten
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     pipelined = schedule == "pipelined" and (interpreting() or (q.is_cuda and pipelined_device(q.device.index or 0)))
     return decode_schedule(q.shape[0], k_cache.shape[2], q.shape[-1], k_cache.element_size(), block_tables.shape[1],
-                           k_cache.shape[1], sm_count_for(q), pipelined)
+                           k_cache.shape[1], sm_count_for(q), pipelined, mma_dot_for(q))
 
 
 class DecodeRope(NamedTuple):

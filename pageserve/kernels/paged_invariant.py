@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, kv_pages, load_kv_tile, mma,
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, kv_pages, load_kv_tile, mma, mma_dot_for,
                     next_pow2, online_softmax_step, pdl_args, pdl_enter_after_inputs, pdl_enter_before_inputs,
                     query_tile_map, sm_count_for)
 from .paged_decode import _newest_kv, _rope_row, _rotate
@@ -76,6 +76,7 @@ LOG2E = 1.4426950408889634
 KV_SPLIT = 256  # keys per split (a multiple of BLOCK_N): a row at position p has p // KV_SPLIT + 1 splits
 #                (512: faster at batch 64 @ 4k and in prefill, slower at batch 1; module docstring)
 BLOCK_N = 64  # keys per tile
+FMA_BLOCK_N = 32  # keys per tile where a dot runs on FMAs (_util.mma_dot_for): 64 spill on sm_75, 32 do not
 # decode launches of at most this many (sequence, KV head) tiles run the split kernel at 8 warps where the row
 # sums are MMAs (ROWSUM_DOT, Hopper): H200, graphed 3B step (diagnostics/det_b1_switches_ksplit_silu_in_943114a.*),
 # batch 1 2.603 -> 2.558 ms, batch 4 2.747 -> 2.702; two more pairs with this policy at 004f872 (..._attn_warps_
@@ -411,9 +412,41 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=amask)
 
 
+def split_launch(bm: int, small_m: int, n_tiles: int, num_kv_heads: int, num_splits: int, sms: int, decode: bool,
+                 rowsum_dot: bool, kv_split: int = KV_SPLIT, block_n: int = BLOCK_N, split_programs: int | None = None,
+                 flat: bool | None = None, split_stages: int | None = None, split_warps: int | None = None,
+                 phased: bool | None = None) -> tuple[int, bool, int, int, int]:
+    """How ``paged_attention_invariant`` launches the split kernel over ``n_tiles`` tiles of ``bm`` rows
+    (``small_m``: the small tiles' height) with ``num_splits`` splits on ``sms`` SMs: (programs per tile
+    and KV head P, FLAT, stages, warps, PHASED). ``decode``: a decode batch (max_query_len 1);
+    ``rowsum_dot``: MMA row sums (``prefill_block_m`` set); the rest as ``paged_attention_invariant``'s
+    keywords (None: its policy). None of it changes a bit. Its own function so that the offline audit
+    (scripts/t4_compile_audit.py) compiles the launch a step gets."""
+    # programs per (tile, KV head), each walking splits first, first + P, ...: from shapes only
+    # (graph-safe), enough for ~4 waves, never more than the splits. A decode batch's S follows
+    # the block table's width (max_model_len), so one program a split would launch e.g. 512 x
+    # 256 programs at 32k, nearly all exiting at once
+    P = split_programs or min(num_splits, max(1, cdiv(4 * sms, n_tiles * num_kv_heads)))
+    if flat and P != 1:
+        raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
+    walk_flat = (P == 1 and bm == small_m) if flat is None else flat
+    stages = split_stages or (2 if bm == small_m else 3)
+    small_decode = rowsum_dot and decode and n_tiles * num_kv_heads <= WIDE_WARPS_MAX_TILES
+    warps = split_warps or (8 if bm > 64 or small_decode else 4)
+    # small tiles only: four tiles' scores of a tall tile would not fit in registers
+    tiles_ok = kv_split in (2 * block_n, 4 * block_n)
+    mma_decode = rowsum_dot and decode  # MMA row sums: Hopper's launch
+    auto = mma_decode and n_tiles * num_kv_heads <= PHASED_MAX_TILES and tiles_ok and not walk_flat
+    phases = bm == small_m and (auto if phased is None else phased)
+    if phases and (not tiles_ok or walk_flat):
+        raise ValueError(f"phased walks a split of two or four key tiles in a loop per split: kv_split {kv_split} "
+                         f"must be 2 or 4 * block_n {block_n}, and flat off")
+    return P, walk_flat, stages, warps, kv_split // block_n if phases else 0
+
+
 def paged_attention_invariant(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float, *,
-    kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int = BLOCK_N,
+    kv_split: int = KV_SPLIT, block_m: int | None = None, block_n: int | None = None,
     prefill_block_m: int | None = None, out: torch.Tensor | None = None, pdl: bool | None = None,
     split_programs: int | None = None, flat: bool | None = None, split_stages: int | None = None,
     split_warps: int | None = None, rope: tuple | None = None, phased: bool | None = None,
@@ -426,8 +459,9 @@ def paged_attention_invariant(
 
     A decode batch (``max_query_len == 1``) launches from shapes only (split count from the
     block-table width) and can be captured in a CUDA graph. ``kv_split`` (keys per split, a
-    multiple of ``block_n``), ``block_m`` (default ``invariant_block_m(group)``) and ``block_n``
-    decide the bits: keep them fixed for a run. ``prefill_block_m``: rows per tile for the chunks of
+    multiple of ``block_n``), ``block_m`` (default ``invariant_block_m(group)``) and ``block_n`` (default
+    ``BLOCK_N``; ``FMA_BLOCK_N`` on a GPU whose dots run on FMAs, ``_util.mma_dot_for``: a device's every
+    launch takes the same) decide the bits: keep them fixed for a run. ``prefill_block_m``: rows per tile for the chunks of
     a step with chunks (max_query_len > 1; sequences with more new tokens than one small tile
     holds), e.g. 128 = 16 query tokens of a group of 8 instead of 2, so each K/V tile serves 8x
     the queries; the step's decodes keep small tiles in a launch of their own. It turns on the
@@ -461,6 +495,8 @@ def paged_attention_invariant(
     bit as ``rope_kv.rotary_write_kv`` followed by this function would compute them."""
     page, Hkv, B = check_paged_meta(q, k_cache, v_cache, meta)
     T, Hq, D = q.shape
+    if block_n is None:
+        block_n = BLOCK_N if mma_dot_for(q) else FMA_BLOCK_N
     if rope is not None:
         if meta.max_query_len > 1:
             raise ValueError("rope: decode batches only (max_query_len 1); a chunk's rows need rope_kv's launch")
@@ -515,25 +551,9 @@ def paged_attention_invariant(
         n_tiles = tiles.shape[1]
         if n_tiles == 0:
             continue
-        # programs per (tile, KV head), each walking splits first, first + P, ...: from shapes only
-        # (graph-safe), enough for ~4 waves, never more than the splits. A decode batch's S follows
-        # the block table's width (max_model_len), so one program a split would launch e.g. 512 x
-        # 256 programs at 32k, nearly all exiting at once
-        P = split_programs or min(S, max(1, cdiv(4 * sm_count_for(q), n_tiles * Hkv)))
-        if flat and P != 1:
-            raise ValueError(f"flat walks every split of a tile in one program: split_programs must be 1, got {P}")
-        walk_flat = (P == 1 and bm == small_m) if flat is None else flat
-        stages = split_stages or (2 if bm == small_m else 3)
-        small_decode = prefill_block_m is not None and meta.max_query_len == 1 and n_tiles * Hkv <= WIDE_WARPS_MAX_TILES
-        warps = split_warps or (8 if bm > 64 or small_decode else 4)
-        # small tiles only: four tiles' scores of a tall tile would not fit in registers
-        tiles_ok = kv_split in (2 * block_n, 4 * block_n)
-        mma_decode = prefill_block_m is not None and meta.max_query_len == 1  # MMA row sums: Hopper's launch
-        auto = mma_decode and n_tiles * Hkv <= PHASED_MAX_TILES and tiles_ok and not walk_flat
-        phases = bm == small_m and (auto if phased is None else phased)
-        if phases and (not tiles_ok or walk_flat):
-            raise ValueError(f"phased walks a split of two or four key tiles in a loop per split: kv_split {kv_split} "
-                             f"must be 2 or 4 * block_n {block_n}, and flat off")
+        P, walk_flat, stages, warps, phased_tiles = split_launch(
+            bm, small_m, n_tiles, Hkv, S, sm_count_for(q), meta.max_query_len == 1, prefill_block_m is not None,
+            kv_split, block_n, split_programs, flat, split_stages, split_warps, phased)
         _split_kernel[(n_tiles, P * Hkv)](
             q, k_cache, v_cache, out, part_acc, part_ml, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             tiles, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -542,7 +562,7 @@ def paged_attention_invariant(
             meta.block_tables.stride(0), float(scale) * LOG2E, S, n_tiles, P, T * Hq, *rope_args,
             PAGE=page, BLOCK_N=block_n, PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype, ordered=True),
             ROWSUM_DOT=prefill_block_m is not None, Q_TOK=bm // group, BLOCK_M=bm,
-            FLAT=walk_flat, ROPE=rope is not None, PHASED=kv_split // block_n if phases else 0, num_warps=warps,
+            FLAT=walk_flat, ROPE=rope is not None, PHASED=phased_tiles, num_warps=warps,
             num_stages=stages, **common,
         )
     if S > 1:

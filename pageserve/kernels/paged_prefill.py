@@ -34,8 +34,8 @@ import triton
 import triton.language as tl
 
 from .reference import paged_attention as paged_attention_reference
-from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, next_pow2,
-                    online_softmax_step, query_tile_map)
+from ._util import (cdiv, check, check_paged_meta, dot_precision, dot_upcast, load_kv_tile, mma, mma_dot_for,
+                    next_pow2, online_softmax_step, query_tile_map)
 
 __all__ = ["paged_prefill_attention", "chunk_prefill_attention", "paged_attention_reference"]
 
@@ -117,6 +117,21 @@ def prefill_block_m(group: int) -> int:
     return max(64, next_pow2(group))
 
 
+def prefill_config(group: int, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                   num_stages: int = 2, mma: bool = True) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of ``paged_prefill_attention``'s launch, the knobs left None
+    taking the defaults the engine runs: its own function so that the offline audit
+    (scripts/t4_compile_audit.py) compiles the tiles a launch gets. ``mma`` False (``_util.mma_dot_for``:
+    a GPU below sm_80, where a dot runs on FMAs): 16-key tiles over 8 warps, the widest that compile
+    for sm_75 without spilling at head_dim 64 and 128 (64 keys spill 6.5 KB a thread at 64, 73 KB at
+    128); BLOCK_M stays ``prefill_block_m``, which the mixed-step graphs' tile maps are built with."""
+    bm = block_m or prefill_block_m(group)
+    if not mma:
+        return bm, block_n or 16, num_warps or 8, num_stages
+    bn = block_n or 64
+    return bm, bn, num_warps or (4 if bm * bn <= 64 * 64 else 8), num_stages
+
+
 def paged_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
     out: torch.Tensor | None = None, block_m: int | None = None, block_n: int | None = None,
@@ -151,11 +166,11 @@ def paged_prefill_attention(
     if B == 0 or T == 0 or meta.max_query_len == 0:
         return out
     group = Hq // Hkv
-    BLOCK_M = block_m or prefill_block_m(group)
+    BLOCK_M, BLOCK_N, num_warps, num_stages = prefill_config(group, block_m, block_n, num_warps, num_stages,
+                                                             mma_dot_for(q))
     if BLOCK_M < group:
         raise ValueError(f"block_m {BLOCK_M} smaller than the GQA group {group}")
     q_tok = BLOCK_M // group
-    BLOCK_N = block_n or 64
     if tile_map is None:
         # always on the engine's path, even where the full grid would be exact (one sequence, or
         # one tile each): a launch whose variant followed the step's shape would compile the other
@@ -182,7 +197,7 @@ def paged_prefill_attention(
         GROUP=group, HEAD_DIM=D, PAGE=page, Q_TOK=q_tok,
         BLOCK_M=BLOCK_M, BLOCK_D=max(16, next_pow2(D)), BLOCK_N=BLOCK_N,
         PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), TILE_MAP=bool(tile_map), DIAG_MASK=bool(diag_mask),
-        num_warps=num_warps or (4 if BLOCK_M * BLOCK_N <= 64 * 64 else 8), num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

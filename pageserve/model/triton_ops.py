@@ -20,7 +20,7 @@ from ..kernels.matmul_invariant import InvariantMatmulConfig
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
 from ..kernels.int8_planes import supported as planes_supported
-from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES
+from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES, mma_dot_for
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
 from ..kernels.paged_decode import pipelined_device, rope_supported
 from ..kernels.paged_prefill import CHUNK_CONFIGS, CHUNK_MIN_TOKENS
@@ -283,6 +283,11 @@ class TritonOps(TorchOps):
                 and x.dtype in (torch.bfloat16, torch.float16) and planes_supported(x.device))
 
     def _linear_int8(self, x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] > 1 and not mma_dot_for(x):
+            # below sm_80 (a T4) Triton's dots run on FMAs, where the int8 GEMV's 2-64-row tl.dot tiles
+            # spill (scripts/t4_compile_audit.py): those rows take the dequantize + cuBLAS path of larger M
+            return torch.nn.functional.linear(x if x.stride(-1) == 1 else x.contiguous(),
+                                              dequantize_int8(w.qweight, w.scale), bias)
         if self._planes_fit(x):
             return gemv_int8_planes(x, w.qweight, w.scale, bias, configs=self.int8_configs, pdl=self.pdl_for(x.shape[0]))
         if self._gemv_fits(x, INT8_GEMV_ROWS):
