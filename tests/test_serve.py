@@ -231,9 +231,9 @@ def test_token_id_prompts_single_and_batched(client):
 
 
 # ------------------------------------------------------------------------ errors
-def test_echo_is_rejected_with_400(client):
-    with pytest.raises(BadRequestError, match="echo"):
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True)
+def test_suffix_is_rejected_with_400(client):
+    with pytest.raises(BadRequestError, match="suffix"):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, suffix="!")
 
 
 def test_unknown_model_is_404(client):

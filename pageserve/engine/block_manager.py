@@ -97,8 +97,9 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[KVCacheBlock]:
         """The longest run of cached blocks that prefixes ``seq``'s tokens, never covering its
-        last token. No side effects on the pool (hashes are memoised on the sequence)."""
-        if not self.enable_prefix_caching:
+        last token. No side effects on the pool (hashes are memoised on the sequence). None for a
+        sequence asking for its prompt's logprobs, whose every prompt token must be computed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []

@@ -204,6 +204,8 @@ class LLMEngine:
                 raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError(f"request {request_id!r}: prompt_logprobs is not supported with tensor parallelism")
         vocab = self.model_config.vocab_size
         outside = [t for t in (params.logit_bias or ()) if t >= vocab]
         if outside:
@@ -234,6 +236,8 @@ class LLMEngine:
                 )
             seqs.append(seq)
         self.requests[request_id] = Request(request_id, text, ids, params, seqs, now)
+        if params.prompt_logprobs is not None:
+            self.runner.prompt_logprobs_asked = True
         for seq in seqs:
             self.scheduler.add(seq)
         self.stats.num_requests_added += 1
@@ -497,7 +501,7 @@ class LLMEngine:
                 inter_token_latencies=_gaps(seq.token_times) if finished else [],
             )
             return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [_completion(seq, safe)],
-                                 finished, metrics)
+                                 finished, metrics, _prompt_logprobs(seq))
         outs = [_completion(seq, safe) for seq in seqs]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         finishes = [s.finish_time for s in seqs if s.finish_time is not None]
@@ -513,7 +517,8 @@ class LLMEngine:
             num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
             inter_token_latencies=itl,
         )
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics,
+                             _prompt_logprobs(seqs[0]))
 
     # ------------------------------------------------------------------ stats
     def get_stats(self) -> dict[str, Any]:
@@ -547,6 +552,14 @@ class LLMEngine:
 
 def _gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
+
+
+def _prompt_logprobs(seq: Sequence) -> list[dict[int, float] | None] | None:
+    """``RequestOutput.prompt_logprobs``: None unless asked for, else one entry a prompt token (None for
+    the first, and for any not scored yet)."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    return [seq.prompt_logprobs.get(i) for i in range(seq.num_prompt_tokens)]
 
 
 def _completion(seq: Sequence, safe: bool) -> CompletionOutput:

@@ -224,6 +224,8 @@ class ModelRunner:
         self._pinned: torch.Tensor | None = None  # host staging buffer for the per-step copy
         self._copy_done: torch.cuda.Event | None = None
         self.graphs = None  # CUDAGraphRunner for decode-only steps
+        # set by the engine once a request asks for prompt logprobs: until then no step looks for their rows
+        self.prompt_logprobs_asked = False
         self.mixed_graphs = None  # MixedGraphRunner for mixed / prefill steps (config.mixed_cuda_graphs)
         if self.device.type == "cuda" and not config.enforce_eager:
             if getattr(self.ops, "graph_safe", False):
@@ -444,7 +446,12 @@ class ModelRunner:
         such a token reads it from there (``Sequence.pending_row``). Nothing here waits
         for the device: the returned output reads its tokens when asked."""
         x = self.prepare_inputs(batch)
-        logits = self.run_step(x, prev_tokens)
+        prompt_rows = self._prompt_logprob_rows(batch, x) if self.prompt_logprobs_asked else None
+        if prompt_rows is None:
+            logits = self.run_step(x, prev_tokens)
+        else:
+            logits, prompt_logits = self.run_step(x, prev_tokens, prompt_rows[0])
+            self._land_prompt_logprobs(prompt_logits, *prompt_rows[1:])
         if logits is None:
             return None
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
@@ -457,14 +464,50 @@ class ModelRunner:
             [s.num_output_tokens for s in seqs],
         )
 
+    @staticmethod
+    def _prompt_logprob_rows(batch: ScheduledBatch, x: StepInputs):
+        """For the sequences asking for prompt logprobs (``SamplingParams.prompt_logprobs``): the step's
+        rows whose next token is a prompt token not yet scored, as (rows [R], targets [R], and per row its
+        sequence and the position it scores); None when there are none (every other step)."""
+        rows, targets, owners = [], [], []
+        for i, seq in enumerate(batch.seqs):
+            if seq.params.prompt_logprobs is None:
+                continue
+            for row in range(int(x.query_start_loc[i]), int(x.query_start_loc[i + 1])):
+                nxt = int(x.positions[row]) + 1  # the position this row's logits score
+                if nxt < seq.num_prompt_tokens and nxt not in seq.prompt_logprobs:  # once, even if recomputed
+                    rows.append(row)
+                    targets.append(seq.prompt_token_ids[nxt])
+                    owners.append((seq, nxt))
+        if not rows:
+            return None
+        return np.asarray(rows, dtype=np.int64), targets, owners
+
+    def _land_prompt_logprobs(self, logits: torch.Tensor, targets: list[int], owners: list) -> None:
+        """Score the prompt tokens on the host at once (a sync, on the rare steps that have them)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
+        tgt = torch.as_tensor(targets, device=lp.device)
+        target_lp = lp.gather(1, tgt[:, None])[:, 0].tolist()
+        k = max(seq.params.prompt_logprobs for seq, _ in owners)
+        top_lp, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        for r, (seq, pos) in enumerate(owners):
+            entry = {targets[r]: target_lp[r]}
+            for t, v in zip(top_ids[r][:seq.params.prompt_logprobs], top_lp[r]):
+                entry.setdefault(t, v)
+            seq.prompt_logprobs[pos] = entry
+
     @torch.inference_mode()
-    def run_step(self, x: StepInputs, prev_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
+    def run_step(self, x: StepInputs, prev_tokens: torch.Tensor | None = None,
+                 prompt_rows: np.ndarray | None = None):
         """The step's forward from its host inputs: logits [S, V] of the sampling rows (the model's dtype),
-        or None when no row samples. (Under tensor parallelism every rank runs this with the
-        same ``x``; see ``tensor_parallel.py``.)"""
+        or None when no row samples. With ``prompt_rows`` (rows whose logits score a prompt token,
+        ``_prompt_logprob_rows``): (those logits, the logits of ``prompt_rows`` [R, V]). (Under tensor
+        parallelism every rank runs this with the same ``x``; see ``tensor_parallel.py``.)"""
         B, T, S = x.seq_lens.shape[0], x.num_tokens, x.logits_indices.shape[0]
         # one token per sequence and every one samples (not so when a prompt's chunk is a single
         # token short of its end): the graph ends with the output head over all B rows
+        # (a step with prompt rows never is: such a row's chunk does not reach its prompt's end, so S < B)
         graphed = self.graphs is not None and x.max_query_len == 1 and S == B and self.graphs.can_run(B, T == B)
         if not graphed and self.eager_row_buckets and x.max_query_len > 1:
             x = pad_step_rows(x)  # T and S stay the real counts
@@ -476,6 +519,12 @@ class ModelRunner:
             hidden = self.mixed_graphs.run(x, d, input_ids)
         else:
             hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
+        if prompt_rows is not None:
+            prompt_logits = self.model.head_logits(hidden[torch.from_numpy(prompt_rows).to(hidden.device)])
+            return self._sampled_logits(hidden, d, S, T), prompt_logits
+        return self._sampled_logits(hidden, d, S, T)
+
+    def _sampled_logits(self, hidden: torch.Tensor, d: "DeviceInputs", S: int, T: int) -> torch.Tensor | None:
         if S == 0:
             return None
         if S < T:

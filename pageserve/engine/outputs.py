@@ -47,6 +47,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # SamplingParams.prompt_logprobs: per prompt token {token: logprob, top ids: logprob} (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def num_generated_tokens(self) -> int:

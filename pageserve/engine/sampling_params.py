@@ -44,7 +44,10 @@ class SamplingParams:
     -1 or 0 is off (normalised to -1). ``max_tokens=None`` means until the model's
     context is full. ``stop`` is normalised to a list. ``logprobs=k`` asks for the
     sampled token's logprob plus the ``k`` most likely alternatives (``0``: only the
-    sampled token's logprob). ``logit_bias`` maps token ids to a number in [-100, 100] added
+    sampled token's logprob). ``prompt_logprobs=k``: each prompt token's logprob given the
+    tokens before it (the model's raw distribution: no penalty, bias or temperature) plus
+    the ``k`` most likely alternatives, as vLLM's parameter (the first token has none; a
+    request asking for them is never served from the prefix cache). ``logit_bias`` maps token ids to a number in [-100, 100] added
     to their logits before penalties, temperature and truncation, as OpenAI's parameter does
     (-100 in effect bans a token, 100 all but forces it).
     """
@@ -64,6 +67,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
@@ -117,6 +121,8 @@ class SamplingParams:
             fail("stop_token_ids", "must be a list of non-negative token ids")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             fail("logprobs", "must be an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            fail("prompt_logprobs", "must be an integer >= 0 or None")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "must be a bool")

@@ -64,6 +64,8 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks of block_table already published in the prefix cache
 
         self.logprobs: list[dict[int, float]] | None = None
+        # params.prompt_logprobs: position i -> {prompt token i: logprob, top ids: logprob}, i >= 1
+        self.prompt_logprobs: dict[int, dict[int, float]] = {}
         self.cumulative_logprob = 0.0
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None

@@ -398,16 +398,18 @@ class _Server:
         streams = await self._submit(rid, prompts, params)
         created = int(time.time())
         k = params.logprobs
+        extras = _CompletionExtras(body.echo, body.prompt_logprobs is not None, raw)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(self._completion_events(streams, rid, created, model, params.n, k, include_usage))
+            return _sse(self._completion_events(streams, rid, created, model, params.n, k, include_usage, extras))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                choices.append(self._completion_choice(i * params.n + c.index, c.text, c.token_ids,
-                                                       c.logprobs, k, c.finish_reason, c.stop_reason))
+                choice = self._completion_choice(i * params.n + c.index, c.text, c.token_ids, c.logprobs, k,
+                                                 c.finish_reason, c.stop_reason)
+                choices.append(self._with_prompt(choice, out, extras.prompt_text(i, self.table), extras, k))
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": self._usage(outs, params.n),
@@ -423,7 +425,32 @@ class _Server:
             choice["token_ids"] = list(ids)
         return choice
 
-    async def _completion_events(self, streams, rid, created, model, n, k, include_usage) -> AsyncIterator[dict]:
+    def _with_prompt(self, choice: dict, out: RequestOutput, prompt_text: str, extras: "_CompletionExtras",
+                     k: int | None) -> dict:
+        """A completion choice with the prompt echoed in front (text and logprobs) and/or the vLLM-style
+        ``prompt_logprobs`` beside it, as the request asked."""
+        if extras.echo:
+            choice["text"] = prompt_text + choice["text"]
+            if k is not None:
+                ids = out.prompt_token_ids
+                lead = completion_logprobs(self.table, ids, list(out.prompt_logprobs or [None] * len(ids)), k)
+                gen = choice["logprobs"]
+                shift = len(prompt_text)
+                choice["logprobs"] = {
+                    "tokens": lead["tokens"] + gen["tokens"],
+                    "token_logprobs": lead["token_logprobs"] + gen["token_logprobs"],
+                    "top_logprobs": lead["top_logprobs"] + gen["top_logprobs"],
+                    "text_offset": lead["text_offset"] + [o + shift for o in gen["text_offset"]],
+                }
+        if extras.prompt_logprobs:
+            choice["prompt_logprobs"] = [
+                None if e is None else {str(t): {"logprob": lp, "decoded_token": self.table.token_str(t)}
+                                        for t, lp in e.items()}
+                for e in (out.prompt_logprobs or [])]
+        return choice
+
+    async def _completion_events(self, streams, rid, created, model, n, k, include_usage,
+                                 extras: "_CompletionExtras") -> AsyncIterator[dict]:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
         usage_none = {"usage": None} if include_usage else {}
         choices: dict[int, _Choice] = {}
@@ -434,21 +461,43 @@ class _Server:
             delta_choices = []
             for c in out.outputs:
                 index = i * n + c.index
+                first = index not in choices
                 st = choices.setdefault(index, _Choice(index))
                 offset = st.text_len
                 new = self._delta(st, c)
-                if new is None:
+                if new is None and not (first and (extras.echo or extras.prompt_logprobs)):
                     continue
-                text, ids = new
+                text, ids = new if new is not None else ("", [])
                 lps = (c.logprobs or [])[st.num_tokens - len(ids): st.num_tokens]
-                delta_choices.append(self._completion_choice(index, text, ids, lps, k, c.finish_reason,
-                                                             c.stop_reason, offset))
+                choice = self._completion_choice(index, text, ids, lps, k, c.finish_reason if new else None,
+                                                 c.stop_reason if new else None, offset)
+                if first:  # the prompt goes out with a choice's first chunk
+                    choice = self._with_prompt(choice, out, extras.prompt_text(i, self.table), extras, k)
+                delta_choices.append(choice)
             if delta_choices:
                 yield {**base, "choices": delta_choices, **usage_none}
         outs = [finals[i] for i in sorted(finals)]
         self._finish(outs)
         if include_usage:
             yield {**base, "choices": [], "usage": self._usage(outs, n)}
+
+
+class _CompletionExtras:
+    """What a completion request adds around the generated text: ``echo`` (the prompt in front) and
+    ``prompt_logprobs`` (vLLM's per-prompt-token logprobs beside it); ``raw``: its prompts as sent."""
+
+    def __init__(self, echo: bool, prompt_logprobs: bool, raw: list) -> None:
+        self.echo, self.prompt_logprobs, self.raw = echo, prompt_logprobs, raw
+
+    def prompt_text(self, i: int, table: TokenTable) -> str:
+        """Prompt ``i`` as text: as sent, or its token ids' bytes decoded (the handlers never call the
+        tokenizer, which the engine thread uses)."""
+        if not self.echo:
+            return ""
+        p = self.raw[i]
+        if isinstance(p, str):
+            return p
+        return b"".join(table.token_bytes(t) for t in p).decode("utf-8", errors="replace")
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -83,15 +83,20 @@ def chat_logprobs(table: TokenTable, token_ids: list[int], entries: list[dict[in
     return {"content": content}
 
 
-def completion_logprobs(table: TokenTable, token_ids: list[int], entries: list[dict[int, float]], k: int,
+def completion_logprobs(table: TokenTable, token_ids: list[int], entries: list[dict[int, float] | None], k: int,
                         text_offset: int = 0) -> dict:
-    """``choices[].logprobs`` of a text completion: parallel lists, offsets in characters."""
+    """``choices[].logprobs`` of a text completion: parallel lists, offsets in characters. An entry of
+    None (an echoed prompt's first token, which nothing precedes) gives null logprobs, as OpenAI's."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for tok, entry in zip(token_ids, entries):
         s = table.token_str(tok)
         tokens.append(s)
-        token_lps.append(_finite(entry.get(tok)))
-        tops.append({table.token_str(t): _finite(lp) for t, lp in _ranked(entry, k)} if k else None)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            token_lps.append(_finite(entry.get(tok)))
+            tops.append({table.token_str(t): _finite(lp) for t, lp in _ranked(entry, k)} if k else None)
         offsets.append(text_offset)
         text_offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -9,7 +9,7 @@ request leaves unset takes the model's generation_config.json default when the e
 (``EngineConfig.generation_config``), as vLLM's server does.
 
 OpenAI features this server does not have are refused with a 400 that names them, not ignored:
-a ``response_format`` other than text (no guided decoding), and tools / function calling.
+a ``response_format`` other than text (no guided decoding), tools / function calling, ``suffix``.
 """
 from __future__ import annotations
 
@@ -169,21 +169,27 @@ class CompletionRequest(_Request):
     # does (only an explicit null lets that default apply)
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt leads each choice's text (and, with logprobs, its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's extension: each choice also carries them, per prompt token
     suffix: str | None = None
     best_of: int | None = None
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
                            max_tokens_limit: int | None = None) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
-        return self.sampling_params(self.max_tokens, self.logprobs, defaults, max_tokens_limit)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
+        params = self.sampling_params(self.max_tokens, self.logprobs, defaults, max_tokens_limit)
+        # echo with logprobs scores the prompt too (its tokens lead the choice's logprobs)
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        if asked:
+            params.prompt_logprobs = max(asked)
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (each text or token ids)."""
