@@ -16,10 +16,11 @@ MARKER_TEMPLATE = ("{% for m in messages %}<<{{ m.role }}|{{ m.content }}>>{% en
 
 @pytest.fixture(scope="module")
 def servers(start_server, tmp_path_factory):
-    """(a server with the tokenizer's own template, one started with --chat-template's file)."""
+    """(a server with the tokenizer's own template, one started with --chat-template's file and
+    --enable-tokenizer-info-endpoint)."""
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text(MARKER_TEMPLATE)
-    pair = start_server(), start_server(chat_template=str(path))
+    pair = start_server(), start_server(chat_template=str(path), enable_tokenizer_info=True)
     yield pair
     for srv in pair:
         srv.stop()
@@ -127,3 +128,14 @@ def test_serve_refuses_a_mistyped_chat_template_before_loading_the_model(tmp_pat
 @pytest.fixture(scope="module")
 def client_for():
     return lambda srv: OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_tokenizer_info_is_off_by_default_and_serves_what_a_remote_tokenizer_needs(server, templated, smollm2):
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404
+    info = httpx.get(templated.url + "/tokenizer_info").json()
+    hf = smollm2.tokenizer.hf
+    assert info["eos_token"] == hf.eos_token and info["bos_token"] == hf.bos_token
+    assert info["chat_template"] == MARKER_TEMPLATE and info["model_max_length"] == 1024
+    # lm-evaluation-harness's check before it tokenizes through the server: /tokenize without special tokens
+    ids = post(templated, "/tokenize", {"prompt": "test", "add_special_tokens": False}).json()["tokens"]
+    assert ids == smollm2.tokenizer.encode("test", add_special_tokens=False)

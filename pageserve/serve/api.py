@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, ...)`` returns a FastAPI app.
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
-``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's), ``/v1/engine_stats`` (debug: where the
-engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
+``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's; ``/tokenizer_info`` when enabled),
+``/v1/engine_stats`` (debug: where the engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
 "code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
 401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over the
 limit, 500 when the engine failed the request, 503 when the queue is full.
@@ -49,10 +49,15 @@ def build_app(
     max_waiting_requests: int | None = None,
     max_request_bytes: int | None = None,
     chat_template: str | None = None,
+    enable_tokenizer_info: bool = False,
 ) -> FastAPI:
     """An app serving ``engine``. The engine thread starts and stops with the app's lifespan.
     ``chat_template``: a Jinja chat template (its text, or a file holding it) used instead of the
-    tokenizer's own, as vLLM's ``--chat-template``."""
+    tokenizer's own, as vLLM's ``--chat-template``. ``enable_tokenizer_info``: serve GET
+    ``/tokenizer_info`` (the special tokens and the chat template: with ``/tokenize`` and
+    ``/detokenize``, what a client such as lm-evaluation-harness needs to tokenize through the server
+    instead of a local copy of the tokenizer); off by default, as vLLM's
+    ``--enable-tokenizer-info-endpoint``, since it hands out the template."""
     template = load_chat_template(chat_template)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_waiting_requests)
     llm = aengine.engine
@@ -142,6 +147,11 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return server.detokenize(body)
+
+    if enable_tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info():
+            return server.tokenizer_info()
 
     return app
 
@@ -288,6 +298,13 @@ class _Server:
         if body.return_token_strs:
             out["token_strs"] = tok.hf.convert_ids_to_tokens(ids)
         return out
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        hf = self._tokenizer(None).hf
+        return {"tokenizer_class": type(hf).__name__, "eos_token": hf.eos_token, "bos_token": hf.bos_token,
+                "pad_token": hf.pad_token, "unk_token": hf.unk_token,
+                "chat_template": self.chat_template or getattr(hf, "chat_template", None),
+                "model_max_length": self.engine.engine.max_model_len}
 
     def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
         tok = self._tokenizer(body.model)

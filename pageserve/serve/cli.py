@@ -92,6 +92,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="largest request body, else 413 (default 4 MiB)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own")
+    p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (special tokens, chat template), as vLLM's flag")
     p.add_argument("--tunnel", action="store_true",
                    help="also open a public Cloudflare quick tunnel (needs --api-key)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -136,7 +138,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(config, stream_outputs=True)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
-                    chat_template=chat_template)
+                    chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
     server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
     if args.tunnel:
