@@ -5,6 +5,7 @@ import torch
 
 from pageserve.engine.llm import LLM
 from pageserve.engine.sampling_params import SamplingParams
+from pageserve.engine import model_runner
 from pageserve.lab.naive import prompt_logits
 from pageserve.model.config import ModelConfig
 from pageserve.model.decoder import Decoder
@@ -47,7 +48,8 @@ def assert_close(got, want):
 
 @pytest.mark.parametrize("budget,caching", [(512, False), (7, False), (16, True)],
                          ids=["one-chunk", "chunks-of-7", "prefix-cache"])
-def test_prompt_logprobs_match_one_full_prefill(tiny, prompts, budget, caching):
+def test_prompt_logprobs_match_one_full_prefill(tiny, prompts, budget, caching, monkeypatch):
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", 5)  # a step's rows scored in several slices
     llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256, max_num_batched_tokens=budget,
                          enable_prefix_caching=caching)
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)

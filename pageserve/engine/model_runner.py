@@ -112,6 +112,10 @@ def select_ops(use_triton: bool | None, device: torch.device, options: dict | No
     return TorchOps()
 
 
+# prompt-logprob rows scored per head launch (``ModelRunner._land_prompt_logprobs``)
+PROMPT_LOGPROBS_ROWS = 512
+
+
 @dataclass
 class StepInputs:
     """A step's flattened batch as host arrays (T tokens of B sequences, S of which sample)."""
@@ -450,8 +454,8 @@ class ModelRunner:
         if prompt_rows is None:
             logits = self.run_step(x, prev_tokens)
         else:
-            logits, prompt_logits = self.run_step(x, prev_tokens, prompt_rows[0])
-            self._land_prompt_logprobs(prompt_logits, *prompt_rows[1:])
+            logits, prompt_hidden = self.run_step(x, prev_tokens, prompt_rows[0])
+            self._land_prompt_logprobs(prompt_hidden, *prompt_rows[1:])
         if logits is None:
             return None
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
@@ -483,14 +487,22 @@ class ModelRunner:
             return None
         return np.asarray(rows, dtype=np.int64), targets, owners
 
-    def _land_prompt_logprobs(self, logits: torch.Tensor, targets: list[int], owners: list) -> None:
-        """Score the prompt tokens on the host at once (a sync, on the rare steps that have them)."""
-        lp = torch.log_softmax(logits.float(), dim=-1)  # [R, V]
-        tgt = torch.as_tensor(targets, device=lp.device)
-        target_lp = lp.gather(1, tgt[:, None])[:, 0].tolist()
+    def _land_prompt_logprobs(self, hidden: torch.Tensor, targets: list[int], owners: list) -> None:
+        """Score the prompt tokens from their rows' final hidden states [R, H], ``PROMPT_LOGPROBS_ROWS``
+        rows at a time (a chunk's [R, V] fp32 log-probabilities at once would be ~5 GB at 8k rows and the 3B
+        vocabulary), and land them on the host (a sync, on the rare steps that have them)."""
         k = max(seq.params.prompt_logprobs for seq, _ in owners)
-        top_lp, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        tgt = torch.as_tensor(targets, device=hidden.device)
+        target_lp, top_lp, top_ids = [], [], []
+        for r0 in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
+            lp = torch.log_softmax(self.model.head_logits(hidden[r0:r0 + PROMPT_LOGPROBS_ROWS]).float(), dim=-1)
+            target_lp += lp.gather(1, tgt[r0:r0 + PROMPT_LOGPROBS_ROWS, None])[:, 0].tolist()
+            if k:
+                top = lp.topk(k, dim=-1)
+                top_lp += top.values.tolist()
+                top_ids += top.indices.tolist()
+        if not k:
+            top_lp = top_ids = [[] for _ in owners]
         for r, (seq, pos) in enumerate(owners):
             entry = {targets[r]: target_lp[r]}
             for t, v in zip(top_ids[r][:seq.params.prompt_logprobs], top_lp[r]):
@@ -502,7 +514,7 @@ class ModelRunner:
                  prompt_rows: np.ndarray | None = None):
         """The step's forward from its host inputs: logits [S, V] of the sampling rows (the model's dtype),
         or None when no row samples. With ``prompt_rows`` (rows whose logits score a prompt token,
-        ``_prompt_logprob_rows``): (those logits, the logits of ``prompt_rows`` [R, V]). (Under tensor
+        ``_prompt_logprob_rows``): (those logits, the final hidden states of ``prompt_rows`` [R, H]). (Under tensor
         parallelism every rank runs this with the same ``x``; see ``tensor_parallel.py``.)"""
         B, T, S = x.seq_lens.shape[0], x.num_tokens, x.logits_indices.shape[0]
         # one token per sequence and every one samples (not so when a prompt's chunk is a single
@@ -519,9 +531,8 @@ class ModelRunner:
             hidden = self.mixed_graphs.run(x, d, input_ids)
         else:
             hidden = self.model(input_ids, d.positions, PagedAttention(self.kv_cache, d.metadata(), self.ops))
-        if prompt_rows is not None:
-            prompt_logits = self.model.head_logits(hidden[torch.from_numpy(prompt_rows).to(hidden.device)])
-            return self._sampled_logits(hidden, d, S, T), prompt_logits
+        if prompt_rows is not None:  # their hidden states (a copy: a mixed graph's output buffer is reused)
+            return self._sampled_logits(hidden, d, S, T), hidden[torch.from_numpy(prompt_rows).to(hidden.device)]
         return self._sampled_logits(hidden, d, S, T)
 
     def _sampled_logits(self, hidden: torch.Tensor, d: "DeviceInputs", S: int, T: int) -> torch.Tensor | None:
