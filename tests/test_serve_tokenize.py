@@ -139,3 +139,10 @@ def test_tokenizer_info_is_off_by_default_and_serves_what_a_remote_tokenizer_nee
     # lm-evaluation-harness's check before it tokenizes through the server: /tokenize without special tokens
     ids = post(templated, "/tokenize", {"prompt": "test", "add_special_tokens": False}).json()["tokens"]
     assert ids == smollm2.tokenizer.encode("test", add_special_tokens=False)
+
+
+def test_version_route_names_the_installed_package(server):
+    from pageserve.cli import version
+
+    r = httpx.get(server.url + "/version")
+    assert r.status_code == 200 and r.json() == {"version": version()}

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, ...)`` returns a FastAPI app.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/version``,
 ``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's; ``/tokenizer_info`` when enabled),
 ``/v1/engine_stats`` (debug: where the engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
 "code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
@@ -123,6 +123,12 @@ def build_app(
         """Debug: the engine thread's step timings (ms percentiles) over the steps numbered
         above ``since`` (read ``num_records`` before a run, pass it after), and its totals."""
         return {**aengine.step_stats.summary(since), "engine": aengine.stats}
+
+    @app.get("/version")
+    async def version_route():
+        from pageserve.cli import version
+
+        return {"version": version()}
 
     @app.get("/v1/models")
     async def models():
