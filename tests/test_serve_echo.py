@@ -81,3 +81,17 @@ def test_echo_of_token_ids_decodes_them(client, smollm2):
     ids = smollm2.tokenizer.encode(TEXT)
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, echo=True)
     assert r.choices[0].text.startswith(TEXT)
+
+
+def test_a_batch_of_token_id_prompts_gets_each_prompts_scores_at_its_choice_index(client, smollm2):
+    # lm-evaluation-harness batches its loglikelihood requests as lists of token ids, then zips the choices,
+    # sorted by index, with its own contexts
+    tok = smollm2.tokenizer
+    batch = [tok.encode(TEXT), tok.encode("Two plus two equals four.")]
+    r = client.completions.create(model=MODEL, prompt=batch, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    for choice in sorted(r.choices, key=lambda c: c.index):
+        ids = batch[choice.index]
+        lp = torch.log_softmax(prompt_logits(smollm2.model, ids).double(), dim=-1)
+        got = choice.logprobs.token_logprobs
+        assert len(got) == len(ids) + 1 and got[0] is None
+        assert all(abs(got[i] - lp[i - 1, ids[i]].item()) < 1e-3 for i in range(1, len(ids)))
