@@ -493,19 +493,17 @@ class ModelRunner:
         vocabulary), and land them on the host (a sync, on the rare steps that have them)."""
         k = max(seq.params.prompt_logprobs for seq, _ in owners)
         tgt = torch.as_tensor(targets, device=hidden.device)
-        target_lp, top_lp, top_ids = [], [], []
+        # per slice on the device: [rows, 1 + k] of the target's logprob then the top k, and the top ids
+        lps, ids = [], []
         for r0 in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
             lp = torch.log_softmax(self.model.head_logits(hidden[r0:r0 + PROMPT_LOGPROBS_ROWS]).float(), dim=-1)
-            target_lp += lp.gather(1, tgt[r0:r0 + PROMPT_LOGPROBS_ROWS, None])[:, 0].tolist()
-            if k:
-                top = lp.topk(k, dim=-1)
-                top_lp += top.values.tolist()
-                top_ids += top.indices.tolist()
-        if not k:
-            top_lp = top_ids = [[] for _ in owners]
+            top = lp.topk(k, dim=-1)
+            lps.append(torch.cat([lp.gather(1, tgt[r0:r0 + PROMPT_LOGPROBS_ROWS, None]), top.values], dim=1))
+            ids.append(top.indices)
+        lps, ids = torch.cat(lps).tolist(), torch.cat(ids).tolist()  # the one sync
         for r, (seq, pos) in enumerate(owners):
-            entry = {targets[r]: target_lp[r]}
-            for t, v in zip(top_ids[r][:seq.params.prompt_logprobs], top_lp[r]):
+            entry = {targets[r]: lps[r][0]}
+            for t, v in zip(ids[r][:seq.params.prompt_logprobs], lps[r][1:]):
                 entry.setdefault(t, v)
             seq.prompt_logprobs[pos] = entry
 
