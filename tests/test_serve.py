@@ -205,8 +205,11 @@ def test_logit_bias_forces_a_token_and_is_validated(server, client, smollm2):
 
 
 @pytest.mark.parametrize("extra,why", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "one output constraint"),
+    ({"structured_outputs": {"regex": "("}}, "does not compile"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "required"}, "tools"),
     ({"functions": [{"name": "f"}]}, "function"),

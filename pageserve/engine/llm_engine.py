@@ -162,6 +162,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.last_step = StepTiming()  # reset by every step() call
         self._inflight: _Inflight | None = None  # the launched step whose tokens are not appended yet
+        self.grammar = None  # structured_output.GrammarCompiler, made at the first request that needs one
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, tokenizer=None, stream_outputs: bool = True) -> "LLMEngine":
@@ -211,6 +212,9 @@ class LLMEngine:
         if outside:
             raise ValueError(f"request {request_id!r}: logit_bias names token ids {outside[:5]} outside the "
                              f"vocabulary [0, {vocab})")
+        matcher = None
+        if params.structured_outputs is not None:
+            matcher = self._matcher(request_id, params)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(ids)} tokens; max_model_len is "
@@ -227,6 +231,8 @@ class LLMEngine:
         for i in range(params.n):
             seed = child_seed(params.seed, i)
             seq = Sequence(request_id, ids, params, index=i, seed=seed, arrival_time=now)
+            if matcher is not None:
+                seq.matcher = matcher if i == 0 else matcher.deep_copy()
             if self.tokenizer is not None and (self.stream_outputs or params.stop):
                 from .detokenizer import IncrementalDetokenizer
 
@@ -238,10 +244,27 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, text, ids, params, seqs, now)
         if params.prompt_logprobs is not None:
             self.runner.prompt_logprobs_asked = True
+        if matcher is not None:
+            self.runner.grammar = self.grammar
         for seq in seqs:
             self.scheduler.add(seq)
         self.stats.num_requests_added += 1
         self.stats.num_prompt_tokens += len(ids) * params.n
+
+    def _matcher(self, request_id: str, params: SamplingParams):
+        """A fresh llguidance matcher for the request's structured-output constraint (raises
+        ``ValueError`` when the model has no tokenizer or the constraint does not compile)."""
+        if self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: structured outputs need the model's tokenizer, "
+                             f"and this model ({self.config.model}) has none")
+        if self.grammar is None:
+            from .structured_output import GrammarCompiler
+
+            self.grammar = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        try:
+            return self.grammar.matcher(params.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """Stop requests now (finish_reason "abort") and free their blocks; unknown ids are ignored."""
@@ -335,7 +358,8 @@ class LLMEngine:
             launched = _Inflight(batch.sampling_seqs, out, has_prefill=batch.num_prefill_tokens > 0)
             max_len = self.max_model_len
             for row, seq in enumerate(launched.seqs):
-                launched.needs_landing |= seq.params.has_penalties
+                # penalties and grammars read every output token: land this step before planning the next
+                launched.needs_landing |= seq.params.has_penalties or seq.matcher is not None
                 seq.num_pending += 1
                 seq.pending_row = row
                 mt = seq.params.max_tokens
@@ -452,11 +476,16 @@ class LLMEngine:
                 reason = "stop"
             elif p.stop_token_ids and tok in p.stop_token_ids:
                 reason, seq.stop_reason = "stop", tok
+        matcher = seq.matcher
+        if matcher is not None and not matcher.consume_token(tok):
+            raise RuntimeError(f"the structured-output grammar rejected token {tok}: {matcher.get_error()}")
         det = seq.detokenizer
         if det is not None and reason is None:  # stop tokens never reach the text
             det.add(tok)
             if det.stopped and n_out >= p.min_tokens:
                 reason, seq.stop_reason = "stop", det.stop_reason
+        if reason is None and matcher is not None and matcher.is_stopped():
+            reason = "stop"  # the grammar is complete: nothing may follow
         if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_known_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:

@@ -230,6 +230,8 @@ class ModelRunner:
         self.graphs = None  # CUDAGraphRunner for decode-only steps
         # set by the engine once a request asks for prompt logprobs: until then no step looks for their rows
         self.prompt_logprobs_asked = False
+        # set by the engine at its first structured-output request (a GrammarCompiler): the masks' source
+        self.grammar = None
         self.mixed_graphs = None  # MixedGraphRunner for mixed / prefill steps (config.mixed_cuda_graphs)
         if self.device.type == "cuda" and not config.enforce_eager:
             if getattr(self.ops, "graph_safe", False):
@@ -459,6 +461,8 @@ class ModelRunner:
         if logits is None:
             return None
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        # guided rows' masks: built on the host while the device runs the forward launched above
+        masks = None if self.grammar is None else self.grammar.step_masks([s.matcher for s in seqs])
         return self.sampler.sample(
             logits,
             [s.params for s in seqs],
@@ -466,6 +470,7 @@ class ModelRunner:
             [s.output_token_ids for s in seqs],
             [s.seed for s in seqs],
             [s.num_output_tokens for s in seqs],
+            masks,
         )
 
     @staticmethod

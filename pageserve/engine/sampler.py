@@ -3,7 +3,8 @@
 One ``Sampler.sample`` call per engine step turns ``logits[B, V]`` into B token ids with
 one device->host sync (the final read of the packed results). The pipeline, per row:
 
-    logit_bias -> min_tokens ban -> repetition/presence/frequency penalties  ("penalised logits")
+    logit_bias -> structured-output mask -> min_tokens ban -> repetition/presence/frequency penalties
+      ("penalised logits")
       -> temperature -> top-k -> top-p -> min-p -> softmax          ("sampling probs")
       -> exponential race: argmax(probs / q), q ~ Exp(1) per token
 
@@ -25,10 +26,12 @@ from __future__ import annotations
 import warnings
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
+from pageserve.engine.structured_output import TokenMasks
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash
@@ -69,6 +72,12 @@ def seeded_uniform_tensor(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tens
     tokens = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)
     h = _mix64_tensor(row[:, None] + tokens.mul(_signed64(_TOKEN_MUL))[None, :])  # [S, V]
     return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
+
+
+def unpack_token_bits(bits: Tensor, vocab_size: int) -> Tensor:
+    """[G, W] int32 words, token t at bit ``t % 32`` of word ``t // 32`` -> [G, vocab_size] bool."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab_size].bool()
 
 
 def _row_argmax(device: torch.device):
@@ -186,6 +195,7 @@ class Sampler:
         output_token_ids: list[list[int]],
         seeds: list[int | None],
         num_outputs: list[int] | None = None,
+        masks: TokenMasks | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: [B, >= vocab_size] on the device.
 
@@ -193,16 +203,17 @@ class Sampler:
         its random draw depends only on (seed, step, token id), the step being row i's
         number of output tokens so far: ``num_outputs[i]``, by default
         ``len(output_token_ids[i])`` (an async engine counts tokens still in flight; the
-        ids themselves are only read for penalties, which need them all).
+        ids themselves are only read for penalties, which need them all). ``masks``: the
+        allowed tokens of the structured-output rows; every other token of such a row is banned.
         """
         logits = logits[:, : self.vocab_size]
         if num_outputs is None:
             num_outputs = [len(o) for o in output_token_ids]
-        if self._all_plain_greedy(params, num_outputs):
+        if masks is None and self._all_plain_greedy(params, num_outputs):
             return SamplerOutput(self._argmax(logits))
 
         penalised, probs, greedy_rows = self._process(
-            logits, params, prompt_token_ids, output_token_ids, num_outputs
+            logits, params, prompt_token_ids, output_token_ids, num_outputs, masks
         )
         B = logits.shape[0]
         if probs is None:  # every row greedy
@@ -259,7 +270,7 @@ class Sampler:
             banned += self.eos_token_ids
         return [t for t in banned if t < self.vocab_size]
 
-    def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None):
+    def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None, masks=None):
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows)."""
         B, V = logits.shape
         # the bias and bans below write in place: into a copy of the caller's logits, made once
@@ -295,11 +306,22 @@ class Sampler:
             idx = self._to_device(torch.tensor([bias_rows, bias_ids], dtype=torch.int64))
             logits.index_put_((idx[0], idx[1]), self._to_device(torch.tensor(bias_values)), accumulate=True)
 
-        # min_tokens: ban eos / stop tokens
-        ban_rows, ban_ids = [], []
         if num_outputs is None:
             num_outputs = [len(o) for o in output_token_ids]
+        guided = set()
+        if masks is not None:  # structured outputs: ban what each guided row's grammar does not allow
+            logits, owned = logits if owned else logits.clone(), True
+            bits = self._with_min_tokens_bans(masks, params, num_outputs)
+            rows = self._to_device(torch.tensor(masks.rows, dtype=torch.int64))
+            allowed = unpack_token_bits(self._to_device(torch.from_numpy(bits)), V)
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+            guided = set(masks.rows)
+
+        # min_tokens: ban eos / stop tokens (a guided row's bans are in its mask)
+        ban_rows, ban_ids = [], []
         for i, (p, n_out) in enumerate(zip(params, num_outputs)):
+            if i in guided:
+                continue
             banned = self._banned_tokens(p, n_out)
             ban_rows += [i] * len(banned)
             ban_ids += banned
@@ -336,6 +358,23 @@ class Sampler:
             threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         return logits, probs, greedy_rows
+
+    def _with_min_tokens_bans(self, masks: TokenMasks, params, num_outputs) -> np.ndarray:
+        """``masks.bits`` with the ``min_tokens`` bans cleared from them, except where that would
+        leave a row nothing to sample (its grammar may only end there: the grammar wins)."""
+        bits = masks.bits
+        for j, row in enumerate(masks.rows):
+            banned = self._banned_tokens(params[row], num_outputs[row])
+            if not banned:
+                continue
+            cleared = bits[j].copy()
+            ids = np.asarray(banned)
+            np.bitwise_and.at(cleared, ids // 32, ~(np.int32(1) << (ids % 32).astype(np.int32)))
+            if cleared.any():
+                if bits is masks.bits:
+                    bits = bits.copy()
+                bits[j] = cleared
+        return bits
 
     def _apply_penalties(self, logits, table, rows, params, prompt_token_ids, output_token_ids):
         V = logits.shape[1]

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .structured_output import StructuredOutputsParams
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -49,7 +51,8 @@ class SamplingParams:
     the ``k`` most likely alternatives, as vLLM's parameter (the first token has none; a
     request asking for them is never served from the prefix cache). ``logit_bias`` maps token ids to a number in [-100, 100] added
     to their logits before penalties, temperature and truncation, as OpenAI's parameter does
-    (-100 in effect bans a token, 100 all but forces it).
+    (-100 in effect bans a token, 100 all but forces it). ``structured_outputs`` keeps the output to a JSON
+    schema, a regex, a choice or a grammar (``structured_output.py``; a dict of its fields is taken too).
     """
 
     n: int = 1
@@ -71,6 +74,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -132,6 +136,8 @@ class SamplingParams:
             if not all(is_int(t) and t >= 0 and is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
                 fail("logit_bias", "must map non-negative token ids to numbers in [-100, 100]")
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

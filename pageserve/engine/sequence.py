@@ -55,6 +55,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
         self.num_pending = 0  # tokens sampled by launched steps whose values the host has not read yet
+        self.matcher = None  # llguidance's state of its structured-output constraint (structured_output.py)
         self.pending_row = -1  # the row of the newest pending token in its step's sampled-token tensor
         self.length_capped = False  # its pending tokens reach max_tokens / max_model_len: schedule no more
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache

@@ -8,8 +8,13 @@ open servers: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ig
 request leaves unset takes the model's generation_config.json default when the engine has one
 (``EngineConfig.generation_config``), as vLLM's server does.
 
+Structured outputs (``engine/structured_output.py``): OpenAI's ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` object (``json``, ``regex``, ``choice``, ``grammar``,
+``json_object``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
+fields; one of them a request.
+
 OpenAI features this server does not have are refused with a 400 that names them, not ignored:
-a ``response_format`` other than text (no guided decoding), tools / function calling, ``suffix``.
+tools / function calling, ``suffix``.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from typing import Any, Mapping, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from pageserve.engine.sampling_params import SamplingParams
+from pageserve.engine.structured_output import StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20
 
@@ -68,19 +74,51 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     user: str | None = None
-    # refused unless empty / "text" / "none" (see the module docstring): a request that relies on them
-    # must not get an unconstrained answer that looks like a success
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension, and its older names below
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # refused (see the module docstring): a request that relies on them must not get an unconstrained
+    # answer that looks like a success
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
 
-    def _refuse_unsupported(self) -> None:
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint, from whichever field gives it (raises ``ValueError`` for
+        more than one, an unknown ``response_format`` type, or a malformed constraint)."""
+        given = {}
         kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format {kind!r} is not supported by this server (no guided decoding); "
-                             "only 'text'")
+        if kind == "json_object":
+            given["response_format"] = {"json_object": True}
+        elif kind == "json_schema":
+            spec = self.response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+            given["response_format"] = {"json": spec["schema"]}
+        elif kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported; "
+                             "use 'text', 'json_object' or 'json_schema'")
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, "guided_" + name)
+            if value is not None:
+                given["guided_" + name] = {name: value}
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, got {sorted(given)}")
+        if not given:
+            return None
+        (source, value), = given.items()
+        try:
+            return StructuredOutputsParams.of(value)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def _refuse_unsupported(self) -> None:
         if self.tools or self.functions or self.tool_choice not in (None, "none") \
                 or self.function_call not in (None, "none"):
             raise ValueError("tools and function calling are not supported by this server")
@@ -113,6 +151,7 @@ class _Request(BaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {sorted(self.logit_bias)[:5]}") from None
         if kw["n"] > 128:
             raise ValueError(f"n must be at most 128, got {kw['n']}")
+        kw["structured_outputs"] = self.structured()
         return SamplingParams(**kw)
 
 

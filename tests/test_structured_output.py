@@ -1,0 +1,149 @@
+"""Structured outputs: the bitmask's unpacking and the sampler's ban against plain references, and
+the engine over SmolLM2's real weights keeping its output to a JSON schema, a regex, a choice and a
+grammar, without touching the requests beside it."""
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from pageserve.engine.llm import LLM  # noqa: E402
+from pageserve.engine.sampler import Sampler, unpack_token_bits  # noqa: E402
+from pageserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pageserve.engine.structured_output import StructuredOutputsParams, TokenMasks  # noqa: E402
+
+V = 1000
+
+
+def random_bits(g: np.random.Generator, rows: int, vocab: int = V) -> np.ndarray:
+    """[rows, words] int32 masks of vocab tokens, each token allowed with probability 0.3."""
+    allowed = g.random((rows, (vocab + 31) // 32 * 32)) < 0.3
+    allowed[:, vocab:] = False
+    return np.packbits(allowed, axis=1, bitorder="little").view(np.int32)
+
+
+def allowed_of(bits: np.ndarray, vocab: int = V) -> np.ndarray:
+    """The reference unpacking: bit t % 32 of word t // 32, read one token at a time."""
+    return np.array([[(int(row[t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for row in bits], dtype=bool)
+
+
+def test_unpack_token_bits_matches_a_bit_by_bit_reading():
+    g = np.random.default_rng(0)
+    for vocab in (1, 31, 32, 33, V):
+        bits = random_bits(g, 3, vocab)
+        bits[0, 0] = -1  # every bit of a word set, the sign bit included
+        got = unpack_token_bits(torch.from_numpy(bits), vocab).numpy()
+        np.testing.assert_array_equal(got, allowed_of(bits, vocab))
+
+
+def test_sampler_keeps_guided_rows_inside_their_masks_and_leaves_the_others_alone():
+    g = np.random.default_rng(1)
+    sampler = Sampler(V, "cpu", eos_token_ids=[7], seed=0)
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(2)) * 3
+    params = [SamplingParams(temperature=t, seed=s) for t, s in
+              ((0, None), (0.9, 1), (0, None), (1.2, 5), (0.7, 9), (0, None))]
+    rows = [0, 1, 3]
+    bits = random_bits(g, len(rows))
+    allowed = allowed_of(bits)
+    masks = TokenMasks(rows, bits)
+    seeds = [p.seed for p in params]
+    for trial in range(20):
+        out = sampler.sample(logits, params, [[1]] * 6, [[]] * 6, seeds, [trial] * 6, masks).token_ids
+        plain = sampler.sample(logits, params, [[1]] * 6, [[]] * 6, seeds, [trial] * 6).token_ids
+        for j, r in enumerate(rows):
+            assert allowed[j, out[r]], (trial, r, out[r])
+        assert out[4] == plain[4]  # seeded, unguided: the same draw with or without the others' masks
+        assert out[2] == plain[2] == logits[2].argmax().item() and out[5] == plain[5]
+    masked = logits[0].masked_fill(~torch.from_numpy(allowed[0]), float("-inf"))
+    assert out[0] == masked.argmax().item()
+
+
+def test_min_tokens_bans_go_into_the_mask_unless_the_grammar_may_only_end():
+    sampler = Sampler(V, "cpu", eos_token_ids=[7], seed=0)
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 10.0  # eos is by far the likeliest
+    both = np.zeros((2, (V + 31) // 32), dtype=np.int32)
+    both[0, 0] = (1 << 7) | (1 << 3)  # eos or token 3
+    both[1, 0] = 1 << 7  # eos alone: the grammar is complete
+    params = [SamplingParams(temperature=0, min_tokens=5)] * 2
+    out = sampler.sample(logits, params, [[1]] * 2, [[]] * 2, [None] * 2, [0, 0], TokenMasks([0, 1], both)).token_ids
+    assert out == [3, 7]
+
+
+def test_structured_outputs_params_are_checked():
+    assert StructuredOutputsParams.of({"json": '{"type": "object"}'}).json == {"type": "object"}
+    for bad, why in (({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
+                     ({"json": "{"}, "not valid JSON"), ({"choice": []}, "non-empty list"), ({"choice": [1]}, "choice"),
+                     ({"pattern": "a"}, "unknown keys"), ({"json": [1]}, "must be an object")):
+        with pytest.raises(ValueError, match=why):
+            StructuredOutputsParams.of(bad)
+    with pytest.raises(ValueError, match="structured outputs"):
+        SamplingParams(structured_outputs="json")
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2):
+    return LLM("smollm2-135m-instruct", loaded=smollm2, device="cpu", dtype="float32", num_blocks=256)
+
+
+def chat(llm, text: str) -> str:
+    return llm.tokenizer.hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_engine_output_matches_each_kind_of_constraint(llm):
+    prompt = chat(llm, "Describe a cat named Tom, 3 years old, as JSON.")
+    cases = [
+        ({"json": PERSON}, lambda t: set(json.loads(t)) == {"name", "age"} and isinstance(json.loads(t)["age"], int)),
+        ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+        ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+        ({"grammar": 'start: "a" "b"+ "c"'}, lambda t: re.fullmatch("ab+c", t)),
+        ({"grammar": 'root ::= "x" [0-9] [0-9]'}, lambda t: re.fullmatch("x[0-9]{2}", t)),  # GBNF
+    ]
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=40, structured_outputs=so)
+              for so, _ in cases for t in (0, 1.0)]
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    for i, out in enumerate(outs):
+        so, ok = cases[i // 2]
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and ok(c.text), (so, c.text, c.finish_reason)
+        # the grammar's end finishes the sequence at once: no eos step after it
+        assert llm.tokenizer.hf.decode(c.token_ids) == c.text
+
+
+def test_json_object_is_an_object_and_guided_requests_leave_their_neighbours_alone(llm):
+    prompts = [chat(llm, "List three colours."), chat(llm, "Say hello."), chat(llm, 'Give me a JSON object with a key "colour" set to "red".')]
+    free = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.8, seed=4, max_tokens=12)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], free, use_tqdm=False)]
+    guided = SamplingParams(temperature=0, max_tokens=40, structured_outputs={"json_object": True})
+    outs = llm.generate(prompts, free + [guided], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    text = outs[2].outputs[0].text
+    assert json.loads(text) == {"colour": "red"} and outs[2].outputs[0].finish_reason == "stop", text
+
+
+def test_n_samples_each_follow_the_constraint_and_async_matches_sync(smollm2, llm):
+    prompt = chat(llm, "Pick a number.")
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, structured_outputs={"regex": "[1-9][0-9]?"})
+    got = [c.text for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+    assert all(re.fullmatch("[1-9][0-9]?", t) for t in got), got
+    sync = LLM("smollm2-135m-instruct", loaded=smollm2, device="cpu", dtype="float32", num_blocks=256,
+               async_scheduling=False)
+    assert [c.text for c in sync.generate([prompt], params, use_tqdm=False)[0].outputs] == got
+
+
+def test_a_constraint_that_does_not_compile_is_refused_before_anything_is_queued(llm):
+    engine = llm.engine
+    with pytest.raises(ValueError, match="does not compile"):
+        engine.add_request("bad", "hi", SamplingParams(structured_outputs={"regex": "("}))
+    assert not engine.has_unfinished_requests() and "bad" not in engine.requests
+    out = llm.generate(["hi"], SamplingParams(max_tokens=3, structured_outputs={"choice": ["ok"]}), use_tqdm=False)
+    assert out[0].outputs[0].text == "ok"
