@@ -210,11 +210,12 @@ def test_logit_bias_forces_a_token_and_is_validated(server, client, smollm2):
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "one output constraint"),
     ({"structured_outputs": {"regex": "("}}, "does not compile"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tools"),
-    ({"functions": [{"name": "f"}]}, "function"),
+    # auto tool choice (the default with tools) is off unless the server was started with it
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "--enable-auto-tool-choice"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"functions": [{"name": "f"}]}, "legacy function calling"),
 ])
-def test_features_this_server_lacks_are_refused_not_ignored(server, extra, why):
+def test_requests_this_server_cannot_honour_are_refused_not_ignored(server, extra, why):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": HI, "max_tokens": 2, **extra},
                    timeout=30)
     assert r.status_code == 400 and why in r.json()["error"]["message"], r.text

@@ -35,6 +35,7 @@ from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
                        error_body, template_kwargs)
+from .tool_parsers import TOOL_PARSERS, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ def build_app(
     max_request_bytes: int | None = None,
     chat_template: str | None = None,
     enable_tokenizer_info: bool = False,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine``. The engine thread starts and stops with the app's lifespan.
     ``chat_template``: a Jinja chat template (its text, or a file holding it) used instead of the
@@ -57,15 +60,19 @@ def build_app(
     ``/tokenizer_info`` (the special tokens and the chat template: with ``/tokenize`` and
     ``/detokenize``, what a client such as lm-evaluation-harness needs to tokenize through the server
     instead of a local copy of the tokenizer); off by default, as vLLM's
-    ``--enable-tokenizer-info-endpoint``, since it hands out the template."""
+    ``--enable-tokenizer-info-endpoint``, since it hands out the template. ``enable_auto_tool_choice``
+    with ``tool_call_parser`` (a name in ``tool_parsers.TOOL_PARSERS``): requests may leave the choice of
+    tools to the model (``tool_choice`` "auto", the default when a request has tools), whose text that
+    parser reads calls from, as vLLM's flags of the same names."""
     template = load_chat_template(chat_template)
+    parser = tool_parser(enable_auto_tool_choice, tool_call_parser)
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_waiting_requests)
     llm = aengine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
     names = names or [llm.config.model]
     metrics = ServerMetrics(lambda: aengine.stats, names[0], aengine.step_stats)
     table = TokenTable(llm.tokenizer.hf if llm.tokenizer is not None else None, llm.model_config.vocab_size)
-    server = _Server(aengine, names, metrics, table, template)
+    server = _Server(aengine, names, metrics, table, template, parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -162,16 +169,28 @@ def build_app(
     return app
 
 
+def tool_parser(enable_auto_tool_choice: bool, name: str | None):
+    """The parser "auto" tool choice reads calls with (None when auto is off; raises ``ValueError`` for
+    an unknown name, or auto without a parser)."""
+    if name is not None and name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; known: {sorted(TOOL_PARSERS)}")
+    if not enable_auto_tool_choice:
+        return None
+    if name is None:
+        raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+    return TOOL_PARSERS[name]()
+
+
 def load_chat_template(value: str | None) -> str | None:
     """``--chat-template``'s value as template text: a file's contents, or the value itself when it
     is a Jinja template (raises ``ValueError`` for anything else, e.g. a mistyped path)."""
     if value is None:
         return None
+    if "{{" in value or "{%" in value:  # a template (checked first: a long one is no valid path to stat)
+        return value
     path = Path(value).expanduser()
     if path.is_file():
         return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
     raise ValueError(f"chat template {value!r} is neither a file nor a Jinja template")
 
 
@@ -186,9 +205,10 @@ class _Choice:
 
 class _Server:
     def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, table: TokenTable,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None, tool_parser=None) -> None:
         self.engine = engine
         self.chat_template = chat_template  # None: the tokenizer's own
+        self.tool_parser = tool_parser  # reads "auto" tool choice's calls; None: auto is off
         self.names = names
         self.metrics = metrics
         self.table = table
@@ -268,12 +288,15 @@ class _Server:
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _render_chat(self, messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None) -> str:
+    def _render_chat(self, messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None,
+                     tools: list[dict[str, Any]] | None = None) -> str:
         """The chat as prompt text: the server's template, else the tokenizer's, else a plain
         "role: content" transcript (a tokenizer without a template)."""
         tok = self.engine.tokenizer
         rows = [m.as_template_dict() for m in messages]
         kwargs = template_kwargs(kwargs)
+        if tools:
+            kwargs["tools"] = tools
         if self.chat_template is None and not tok.has_chat_template:
             return "\n".join(f"{m['role']}: {m['content']}" for m in rows) + "\nassistant:"
         try:
@@ -295,7 +318,8 @@ class _Server:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            text = self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            text = self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
@@ -329,26 +353,31 @@ class _Server:
                                    "with token ids", param="messages")
         try:
             params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
+            tools = _ChatTools(body, self.tool_parser)
         except ValueError as e:
-            raise OpenAIError(400, str(e)) from None
-        prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs),
-                            add_special_tokens=False)
+            raise OpenAIError(400, str(e), param="tool_choice" if "tool" in str(e) else None) from None
+        prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                              body.template_tools()), add_special_tokens=False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [prompt], params)
         created = int(time.time())
         k = params.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(self._chat_events(streams, rid, created, model, params.n, k, include_usage))
+            return _sse(self._chat_events(streams, rid, created, model, params.n, k, include_usage, tools))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
         for c in outs[0].outputs:
+            content, calls = tools.parse(c.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [_call_json(call) for call in calls]
             choice: dict[str, Any] = {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": None if k is None else chat_logprobs(self.table, c.token_ids, c.logprobs or [], k),
-                "finish_reason": c.finish_reason,
+                "finish_reason": tools.finish_reason(c.finish_reason, bool(calls)),
                 "stop_reason": c.stop_reason,
             }
             choices.append(choice)
@@ -357,10 +386,12 @@ class _Server:
             "choices": choices, "usage": self._usage(outs, params.n),
         })
 
-    async def _chat_events(self, streams, rid, created, model, n, k, include_usage) -> AsyncIterator[dict]:
+    async def _chat_events(self, streams, rid, created, model, n, k, include_usage,
+                           tools: "_ChatTools") -> AsyncIterator[dict]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         usage_none = {"usage": None} if include_usage else {}
         choices = [_Choice(i) for i in range(n)]
+        calls = [tools.stream() for _ in range(n)]
         yield {**base, "choices": [
             {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             for i in range(n)
@@ -375,8 +406,11 @@ class _Server:
                 if new is None:
                     continue
                 text, ids = new
-                entry: dict[str, Any] = {"index": c.index, "delta": {"content": text} if text else {},
-                                         "logprobs": None, "finish_reason": c.finish_reason}
+                delta = calls[c.index].feed(text, c.finish_reason is not None)
+                if not (delta or c.finish_reason is not None or (k is not None and ids)):
+                    continue  # text a tool call holds back
+                finish = tools.finish_reason(c.finish_reason, calls[c.index].saw_calls)
+                entry: dict[str, Any] = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
                 if k is not None and ids:
                     lps = (c.logprobs or [])[st.num_tokens - len(ids): st.num_tokens]
                     entry["logprobs"] = chat_logprobs(self.table, ids, lps, k)
@@ -503,6 +537,115 @@ class _Server:
         self._finish(outs)
         if include_usage:
             yield {**base, "choices": [], "usage": self._usage(outs, n)}
+
+
+def _call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A tool call as OpenAI's message (``index``: as a streamed delta's)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    return {**out, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _compact_json(text: str) -> str | None:
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return None
+
+
+class _ChatTools:
+    """How a chat request's tool calls come out of its generated text, by its tool mode:
+
+    * ``none``: the text is the content;
+    * ``auto``: the server's tool-call parser splits the text into content and calls;
+    * ``named``: the text is the named function's arguments (its schema constrained it);
+    * ``required``: the text is a JSON array of ``{"name", "parameters"}`` (``required_calls_schema``).
+
+    A text cut short (``max_tokens``) that does not parse is answered as content, without calls."""
+
+    def __init__(self, body: ChatCompletionRequest, parser) -> None:
+        self.mode, self.function = body.tool_mode()
+        if self.mode == "auto" and parser is None:
+            raise ValueError('tool_choice "auto" (the default with tools) needs the server started with '
+                             '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "required", '
+                             '"none" or a named function')
+        self.parser = parser
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole choice's text."""
+        if self.mode == "auto":
+            return self.parser.extract(text)
+        if self.mode == "named":
+            arguments = _compact_json(text)
+            return (text, []) if arguments is None else (None, [ToolCall(self.function.name, arguments)])
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+            except (ValueError, TypeError, KeyError):
+                return text, []
+        return text, []
+
+    def finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
+        """"tool_calls" where the model chose to call (auto, required) and ended on its own, as OpenAI."""
+        if has_calls and reason == "stop" and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def stream(self) -> "_ToolStream":
+        return _ToolStream(self)
+
+
+class _ToolStream:
+    """One streamed choice's deltas under its request's tool mode: content as it comes (auto: what the
+    parser lets through; a call as one delta once whole); named: the arguments as they come, in a call
+    delta; required: the calls at the end."""
+
+    def __init__(self, tools: _ChatTools) -> None:
+        self.tools = tools
+        self.parser_stream = tools.parser.streamer() if tools.mode == "auto" else None
+        self.text = ""  # required: the whole text, parsed at the end
+        self.num_calls = 0
+        self.call_id: str | None = None  # named: the call's id, sent with its first delta
+
+    @property
+    def saw_calls(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, text: str, finished: bool) -> dict[str, Any]:
+        """The delta for this much more text (``finished``: the choice's last)."""
+        mode = self.tools.mode
+        if mode == "none":
+            return {"content": text} if text else {}
+        if mode == "named":
+            if not text:
+                return {}
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if self.call_id is None:
+                self.call_id = ToolCall(self.tools.function.name, "").id
+                call = {"index": 0, "id": self.call_id, "type": "function",
+                        "function": {"name": self.tools.function.name, "arguments": text}}
+                self.num_calls = 1
+            return {"tool_calls": [call]}
+        if mode == "required":
+            self.text += text
+            if not finished:
+                return {}
+            content, calls = self.tools.parse(self.text)
+            events: list = [content] if content else []
+            events += calls
+        else:
+            events = self.parser_stream.feed(text)
+            if finished:
+                events += self.parser_stream.finish()
+        delta: dict[str, Any] = {}
+        content = "".join(e for e in events if isinstance(e, str))
+        if content:
+            delta["content"] = content
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        if calls:
+            delta["tool_calls"] = [_call_json(c, self.num_calls + i) for i, c in enumerate(calls)]
+            self.num_calls += len(calls)
+        return delta
 
 
 class _CompletionExtras:

@@ -16,6 +16,7 @@ import typing
 
 from pageserve.engine.config import EngineConfig
 
+from .tool_parsers import TOOL_PARSERS
 from .tunnel import TunnelError, close_tunnel, open_tunnel, resolve_api_key
 
 
@@ -94,6 +95,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens, chat template), as vLLM's flag")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let requests leave the choice of tools to the model (tool_choice "auto"); needs '
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's text (hermes: Qwen2.5, Hermes)")
     p.add_argument("--tunnel", action="store_true",
                    help="also open a public Cloudflare quick tunnel (needs --api-key)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -117,11 +123,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach this port can use it",
               file=sys.stderr)
-    from .api import build_app, load_chat_template
+    from .api import build_app, load_chat_template, tool_parser
 
     try:
         config = engine_config_from_args(args)
         chat_template = load_chat_template(args.chat_template)  # before the model loads: a typo fails fast
+        tool_parser(args.enable_auto_tool_choice, args.tool_call_parser)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -138,7 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(config, stream_outputs=True)
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
-                    chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint)
+                    chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
     server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
     if args.tunnel:

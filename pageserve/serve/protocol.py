@@ -13,12 +13,18 @@ Structured outputs (``engine/structured_output.py``): OpenAI's ``response_format
 ``json_object``) and its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``
 fields; one of them a request.
 
+Tools (chat only): ``tools`` reach the chat template; ``tool_choice`` ``"required"`` or a named function
+is a structured-output constraint over the tools' parameter schemas, as in vLLM; ``"auto"`` parses the
+model's text with the server's ``--tool-call-parser`` (``tool_parsers.py``) and needs
+``--enable-auto-tool-choice``; ``"none"`` generates plain text.
+
 OpenAI features this server does not have are refused with a 400 that names them, not ignored:
-tools / function calling, ``suffix``.
+the legacy ``functions`` / ``function_call`` (use ``tools``), ``suffix``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Union
+import json
+from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -82,8 +88,6 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     # refused (see the module docstring): a request that relies on them must not get an unconstrained
     # answer that looks like a success
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -119,9 +123,9 @@ class _Request(BaseModel):
             raise ValueError(f"{source}: {e}") from None
 
     def _refuse_unsupported(self) -> None:
-        if self.tools or self.functions or self.tool_choice not in (None, "none") \
-                or self.function_call not in (None, "none"):
-            raise ValueError("tools and function calling are not supported by this server")
+        if self.functions or self.function_call not in (None, "none"):
+            raise ValueError("functions and function_call (OpenAI's legacy function calling) are not supported: "
+                             "send tools and tool_choice")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any] | None = None,
                         max_tokens_limit: int | None = None) -> SamplingParams:
@@ -155,6 +159,24 @@ class _Request(BaseModel):
         return SamplingParams(**kw)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+
+    def parameters_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -168,15 +190,39 @@ class ChatMessage(BaseModel):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it. An earlier call's ``arguments`` (JSON text on the wire)
+        become an object, which is what templates print (as transformers' chat-template docs and vLLM do)."""
         content = self.content
         if isinstance(content, list):
             other = [p.type for p in content if p.type != "text"]
             if other:
                 raise OpenAIError(400, f"only text content parts are supported, got {other}", param="messages")
             content = "".join(p.text or "" for p in content)
-        return {"role": self.role, "content": content or ""}
+        row: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            row["name"] = self.name
+        if self.tool_call_id is not None:
+            row["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            row["tool_calls"] = [_template_call(c) for c in self.tool_calls]
+        return row
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise OpenAIError(400, "a message's tool_calls need function.name", param="messages")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            raise OpenAIError(400, f"tool call {function['name']!r}: arguments are not JSON", param="messages") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_Request):
@@ -186,6 +232,46 @@ class ChatCompletionRequest(_Request):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM's extension)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None  # accepted; "required" may give several calls, as vLLM
+
+    def tool_mode(self) -> tuple[str, FunctionDefinition | None]:
+        """How this request uses its tools: ("none" | "auto" | "required" | "named", the named function)
+        (raises ``ValueError`` for a choice that names no tool or comes without tools)."""
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if self.tools else "none"
+        if choice == "none":
+            return "none", None
+        if not self.tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if isinstance(choice, str):
+            return choice, None
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise ValueError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}')
+        for tool in self.tools:
+            if tool.function.name == name:
+                return "named", tool.function
+        raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output constraint; for tool_choice "required" or a named function, the one the tools give."""
+        given = super().structured()
+        mode, function = self.tool_mode()
+        if mode not in ("required", "named"):
+            return given
+        if given is not None:
+            raise ValueError(f"tool_choice {self.tool_choice!r} constrains the output itself: "
+                             "it takes no response_format or structured_outputs")
+        if mode == "named":
+            return StructuredOutputsParams(json=function.parameters_schema())
+        return StructuredOutputsParams(json=required_calls_schema([t.function for t in self.tools]))
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
                            max_tokens_limit: int | None = None) -> SamplingParams:
@@ -196,6 +282,15 @@ class ChatCompletionRequest(_Request):
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, top if self.logprobs else None, defaults, max_tokens_limit)
+
+
+def required_calls_schema(functions: list[FunctionDefinition]) -> dict[str, Any]:
+    """tool_choice "required": a JSON array of one or more calls, each ``{"name", "parameters"}`` of one of
+    the tools (the form vLLM constrains such a request to)."""
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": f.name}, "parameters": f.parameters_schema()},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for f in functions]}}
 
 
 # a completion prompt: text, texts, token ids, or lists of token ids
@@ -249,7 +344,8 @@ class Usage(BaseModel):
 
 
 # variables a chat template is rendered with by the server itself: a request's chat_template_kwargs may not set them
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template", "conversation"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template", "conversation",
+                                      "tools"})
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -272,6 +368,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None  # rendered by the chat template, as /v1/chat/completions does
     # None: True for a prompt (as /v1/completions encodes it), False for messages (the template writes them)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False

@@ -1,0 +1,171 @@
+"""Tool calls parsed out of generated text, for the server's ``--enable-auto-tool-choice
+--tool-call-parser hermes``.
+
+The "hermes" format is the one the Qwen2.5 and NousResearch Hermes chat templates teach: the
+model writes ordinary content, then zero or more blocks of one JSON object each::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``"name"`` is a string; ``"arguments"`` (some models write ``"parameters"``) is a JSON object.
+A block that does not parse is not a call: the non-streaming parser then answers the whole text
+as content, and the streaming one sends that block's raw text as content. A final block left
+open (the model stopped on EOS before ``</tool_call>``) counts as a call when its JSON parses.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass, field
+
+
+def new_call_id() -> str:
+    """An OpenAI-style call id: ``call_`` and 24 hex characters."""
+    return "call_" + secrets.token_hex(12)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # compact JSON text of an object, "{}" when the model gave none
+    id: str = field(default_factory=new_call_id)
+
+
+def _parse_call(block: str) -> ToolCall | None:
+    """The call one block's text (between the tags) holds, or None when it is not a call."""
+    try:
+        obj = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):  # arguments already written as JSON text, OpenAI-style
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+class HermesToolParser:
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``(content, calls)`` of a whole generation.
+
+        With no ``<tool_call>`` in it, or any block that is not a call, the answer is
+        ``(text, [])``: the text unchanged. Otherwise content is the text outside the blocks,
+        stripped (None when empty), with whitespace that ends a stretch after a block dropped,
+        as ``HermesStream`` drops it.
+        """
+        segments: list[str] = []  # the text before each block, then the text after the last
+        calls: list[ToolCall] = []
+        pos = 0
+        while (start := text.find(self.START, pos)) >= 0:
+            segments.append(text[pos:start])
+            end = text.find(self.END, start + len(self.START))
+            block_end = len(text) if end < 0 else end
+            call = _parse_call(text[start + len(self.START):block_end])
+            if call is None:
+                return text, []
+            calls.append(call)
+            pos = block_end if end < 0 else end + len(self.END)
+        if not calls:
+            return text, []
+        segments.append(text[pos:])
+        content = (segments[0] + "".join(s.rstrip() for s in segments[1:])).strip()
+        return content or None, calls
+
+    def streamer(self) -> HermesStream:
+        return HermesStream()
+
+
+def _held_tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class HermesStream:
+    """Incremental parsing of one generation's text deltas.
+
+    ``feed()`` returns the events a delta completes, in order: a ``str`` is content to send now,
+    a ``ToolCall`` is a whole call (sent as one delta). Content is held back only while its end
+    could be the start of ``<tool_call>``; a block's text is held until ``</tool_call>``. Once a
+    call has been sent, whitespace is sent only when more content follows it, so the newlines
+    between blocks and after the last one never reach the client. ``finish()`` ends the stream.
+    """
+
+    START, END = HermesToolParser.START, HermesToolParser.END
+
+    def __init__(self) -> None:
+        self._buf = ""          # text not yet sent: a held tag prefix, or an open block's text
+        self._in_block = False
+        self._held_ws = ""      # whitespace after a call, sent only if content follows it
+        self._saw_calls = False
+
+    @property
+    def saw_calls(self) -> bool:
+        return self._saw_calls
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        events: list[str | ToolCall] = []
+        self._buf += delta
+        while True:
+            if self._in_block:
+                end = self._buf.find(self.END)
+                if end < 0:
+                    return events
+                block, self._buf = self._buf[:end], self._buf[end + len(self.END):]
+                self._in_block = False
+                self._close_block(block, self.END, events)
+            else:
+                start = self._buf.find(self.START)
+                if start < 0:
+                    keep = _held_tag_prefix(self._buf, self.START)
+                    self._content(self._buf[:len(self._buf) - keep], events)
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return events
+                self._content(self._buf[:start], events)
+                self._buf = self._buf[start + len(self.START):]
+                self._in_block = True
+
+    def finish(self) -> list[str | ToolCall]:
+        """The events left at the end: an open block as a call (or its raw text), a held prefix."""
+        events: list[str | ToolCall] = []
+        if self._in_block:
+            self._close_block(self._buf, "", events)
+        else:
+            self._content(self._buf, events)
+        self._buf, self._in_block, self._held_ws = "", False, ""
+        return events
+
+    def _close_block(self, block: str, end_tag: str, events: list[str | ToolCall]) -> None:
+        call = _parse_call(block)
+        if call is None:
+            self._content(self.START + block + end_tag, events)
+            return
+        self._held_ws = ""
+        self._saw_calls = True
+        events.append(call)
+
+    def _content(self, text: str, events: list[str | ToolCall]) -> None:
+        if self._saw_calls:
+            text = self._held_ws + text
+            sent = text.rstrip()
+            self._held_ws = text[len(sent):]
+            text = sent
+        if text:
+            events.append(text)
+
+
+TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser}
