@@ -147,3 +147,17 @@ def test_a_constraint_that_does_not_compile_is_refused_before_anything_is_queued
     assert not engine.has_unfinished_requests() and "bad" not in engine.requests
     out = llm.generate(["hi"], SamplingParams(max_tokens=3, structured_outputs={"choice": ["ok"]}), use_tqdm=False)
     assert out[0].outputs[0].text == "ok"
+
+
+def test_a_token_the_grammar_rejects_fails_that_request_alone(llm, monkeypatch):
+    """If a token outside the grammar ever lands (here: the sampler made to drop the masks), that
+    request finishes with "error" and the one beside it is untouched."""
+    prompts = [chat(llm, "Say hello."), chat(llm, "Say hello.")]
+    free = SamplingParams(temperature=0, max_tokens=6)
+    alone = llm.generate(prompts[:1], free, use_tqdm=False)[0].outputs[0].token_ids
+    real = Sampler.sample
+    monkeypatch.setattr(Sampler, "sample", lambda self, *a: real(self, *a[:6]))
+    guided = SamplingParams(temperature=0, max_tokens=6, structured_outputs={"choice": ["zzzz"]})
+    outs = llm.generate(prompts, [free, guided], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone and outs[0].outputs[0].finish_reason == "length"
+    assert outs[1].outputs[0].finish_reason == "error"
