@@ -1,8 +1,10 @@
 
+import numpy as np
 import pytest
 import torch
 
-from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor
+from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor, unpack_token_bits
+from pageserve.engine.structured_output import TokenMasks
 from pageserve.lab.sampling_reference import sample_reference, sampler_probs
 from pageserve.engine.sampling_params import SamplingParams, child_seed
 
@@ -407,3 +409,67 @@ def test_logit_bias_and_bans_never_write_the_callers_logits(dtype):
     assert torch.equal(logits, before)
     assert got.token_ids == Sampler(V, "cpu").sample(logits.float(), params, prompts, outs, [1, 2, 3, 4]).token_ids
     assert got.token_ids[0] == 3 and got.token_ids[2] != int(logits[2].argmax())
+
+
+# --------------------------------------------------------------- structured-output masks
+MASK_V = 1000
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def random_bits(g: np.random.Generator, rows: int, vocab: int = MASK_V) -> np.ndarray:
+    """[rows, words] int32 masks of vocab tokens, each token allowed with probability 0.3."""
+    allowed = g.random((rows, (vocab + 31) // 32 * 32)) < 0.3
+    allowed[:, vocab:] = False
+    return np.packbits(allowed, axis=1, bitorder="little").view(np.int32)
+
+
+def allowed_of(bits: np.ndarray, vocab: int = MASK_V) -> np.ndarray:
+    """The reference unpacking: bit t % 32 of word t // 32, read one token at a time."""
+    return np.array([[(int(row[t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for row in bits], dtype=bool)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_unpack_token_bits_matches_a_bit_by_bit_reading(device):
+    g = np.random.default_rng(0)
+    for vocab in (1, 31, 32, 33, MASK_V):
+        bits = random_bits(g, 3, vocab)
+        bits[0, 0] = -1  # every bit of a word set, the sign bit included
+        got = unpack_token_bits(torch.from_numpy(bits).to(device), vocab).cpu().numpy()
+        np.testing.assert_array_equal(got, allowed_of(bits, vocab))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampler_keeps_guided_rows_inside_their_masks_and_leaves_the_others_alone(device):
+    g = np.random.default_rng(1)
+    sampler = Sampler(MASK_V, device, eos_token_ids=[7], seed=0)
+    logits = (torch.randn(6, MASK_V, generator=torch.Generator().manual_seed(2)) * 3).to(device)
+    params = [SamplingParams(temperature=t, seed=s) for t, s in
+              ((0, None), (0.9, 1), (0, None), (1.2, 5), (0.7, 9), (0, None))]
+    rows = [0, 1, 3]
+    bits = random_bits(g, len(rows))
+    allowed = allowed_of(bits)
+    masks = TokenMasks(rows, bits)
+    seeds = [p.seed for p in params]
+    for trial in range(20):
+        out = sampler.sample(logits, params, [[1]] * 6, [[]] * 6, seeds, [trial] * 6, masks).token_ids
+        plain = sampler.sample(logits, params, [[1]] * 6, [[]] * 6, seeds, [trial] * 6).token_ids
+        for j, r in enumerate(rows):
+            assert allowed[j, out[r]], (trial, r, out[r])
+        assert out[4] == plain[4]  # seeded, unguided: the same draw with or without the others' masks
+        assert out[2] == plain[2] == logits[2].cpu().argmax().item() and out[5] == plain[5]
+    masked = logits[0].cpu().masked_fill(~torch.from_numpy(allowed[0]), float("-inf"))
+    assert out[0] == masked.argmax().item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_bans_go_into_the_mask_unless_the_grammar_may_only_end(device):
+    sampler = Sampler(MASK_V, device, eos_token_ids=[7], seed=0)
+    logits = torch.zeros(2, MASK_V)
+    logits[:, 7] = 10.0  # eos is by far the likeliest
+    logits = logits.to(device)
+    both = np.zeros((2, (MASK_V + 31) // 32), dtype=np.int32)
+    both[0, 0] = (1 << 7) | (1 << 3)  # eos or token 3
+    both[1, 0] = 1 << 7  # eos alone: the grammar is complete
+    params = [SamplingParams(temperature=0, min_tokens=5)] * 2
+    out = sampler.sample(logits, params, [[1]] * 2, [[]] * 2, [None] * 2, [0, 0], TokenMasks([0, 1], both)).token_ids
+    assert out == [3, 7]
