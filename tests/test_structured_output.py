@@ -1,5 +1,6 @@
-"""Structured outputs: the params' checks, and the engine over SmolLM2's real weights keeping its output to a JSON schema, a regex, a choice and a
-grammar, without touching the requests beside it. (The sampler's masks: tests/test_sampler.py.)"""
+"""Structured outputs: the params' checks, and the engine over SmolLM2's real weights keeping its
+output to a JSON schema, a regex, a choice and a grammar, without touching the requests beside it.
+(The sampler's masks: tests/test_sampler.py.)"""
 import json
 import re
 
@@ -11,6 +12,7 @@ from pageserve.engine.llm import LLM  # noqa: E402
 from pageserve.engine.sampler import Sampler  # noqa: E402
 from pageserve.engine.sampling_params import SamplingParams  # noqa: E402
 from pageserve.engine.structured_output import StructuredOutputsParams  # noqa: E402
+
 
 def test_structured_outputs_params_are_checked():
     assert StructuredOutputsParams.of({"json": '{"type": "object"}'}).json == {"type": "object"}
