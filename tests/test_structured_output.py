@@ -102,3 +102,22 @@ def test_a_token_the_grammar_rejects_fails_that_request_alone(llm, monkeypatch):
     outs = llm.generate(prompts, [free, guided], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone and outs[0].outputs[0].finish_reason == "length"
     assert outs[1].outputs[0].finish_reason == "error"
+
+
+def test_the_cost_benchmark_runs_every_mode_to_the_same_length(tmp_path):
+    """scripts/structured_bench.py's promise: every mode's requests yield exactly max_tokens tokens, so the
+    modes run the same steps (the guided ones inside the schema's array)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts/structured_bench.py"), "--out", str(tmp_path), "--device", "cpu",
+                    "--dtype", "float32", "--requests", "3", "--max-tokens", "5", "--rounds", "1", "--every", "2",
+                    "--num-blocks", "64"], check=True, cwd=root, capture_output=True)
+    record = json.loads((tmp_path / "structured_bench.json").read_text())
+    assert {r["mode"] for r in record["runs"]} == {"plain", "plain_sync", "guided_some", "guided_all"}
+    for r in record["runs"]:
+        assert r["lengths"] == [5] and r["not_length_capped"] == 0 and r["output_tokens"] == 15, r
+        assert r["first_text"].startswith("[") or not r["mode"].startswith("guided"), r
+    assert record["ratio_to_plain"]["plain"] == 1.0 and record["git_commit"]

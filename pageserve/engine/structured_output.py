@@ -134,7 +134,8 @@ class GrammarCompiler:
         if self._tokenizer is None:
             llg = _import_llguidance()
             n_vocab = max(self.vocab_size, len(self.hf_tokenizer))
-            eos = self.eos_token_ids or None
+            # eos ids the tokenizer has (a random-weight shape lent another model's tokenizer names others)
+            eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] or None
             self._tokenizer = llg.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
         return self._tokenizer
 

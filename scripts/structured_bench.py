@@ -1,0 +1,108 @@
+"""What structured outputs cost: the same requests through one engine with no constraint, with a JSON
+schema on 1 request in ``--every``, and with it on all of them; each mode run ``--rounds`` times in
+alternation, in one process.
+
+    python scripts/structured_bench.py --out DIR [--model smollm2-135m-instruct | qwen2.5-3b]
+        [--tokenizer-from MODEL] [--device cuda] [--requests 256] [--max-tokens 128] [--rounds 2]
+
+Every request yields exactly ``--max-tokens`` tokens whatever its mode, so the modes run the same
+steps at the same batch sizes: the plain requests ignore eos, and the schema (an array of at least
+``10 * max_tokens`` short strings) can neither end nor allow eos that soon. The difference is then
+the masks (built on the host while the forward runs, applied on the device) and the lost overlap of
+async scheduling (a step holding a guided sequence is landed before the next is planned); the mode
+``plain_sync`` (async scheduling off, no constraint) shows that second part alone.
+
+A random-weight shape (``qwen2.5-3b``) has no tokenizer: ``--tokenizer-from`` lends it one (default:
+the default model's), whose ids all lie inside the shape's vocabulary.
+
+Writes DIR/structured_bench.json (with the commit): per mode and round the output tok/s, steps and
+seconds, and each mode's median ratio to plain; prints one line per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from pageserve.engine.llm import LLM
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.lab.results import provenance
+from pageserve.model.loader import load_model
+
+MODES = ("plain", "plain_sync", "guided_some", "guided_all")
+
+
+def endless_schema(max_tokens: int) -> dict:
+    """A JSON array that cannot end within ``max_tokens`` tokens (each item takes at least two)."""
+    return {"type": "array", "minItems": 10 * max_tokens, "items": {"type": "string", "maxLength": 8}}
+
+
+def requests(llm: LLM, n: int, max_tokens: int, every: int | None) -> tuple[list[str], list[SamplingParams]]:
+    """``n`` chat prompts, and their params: every ``every``-th guided (None: none; 1: all)."""
+    hf = llm.tokenizer.hf
+    prompts = [hf.apply_chat_template([{"role": "user", "content": f"List {i % 50 + 3} fruits as JSON."}],
+                                      tokenize=False, add_generation_prompt=True) for i in range(n)]
+    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    guided = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs={"json": endless_schema(max_tokens)})
+    params = [guided if every and i % every == 0 else plain for i in range(n)]
+    return prompts, params
+
+
+def run(llm: LLM, prompts, params) -> dict:
+    stats0 = llm.get_stats()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    lengths = {len(c.token_ids) for o in outs for c in o.outputs}
+    bad = [c.finish_reason for o in outs for c in o.outputs if c.finish_reason != "length"]
+    steps = llm.get_stats()["num_steps"] - stats0["num_steps"]
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "steps": steps,
+            "ms_per_step": 1e3 * seconds / max(steps, 1), "lengths": sorted(lengths), "not_length_capped": len(bad),
+            "first_text": outs[0].outputs[0].text[:60]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--tokenizer-from", default="smollm2-135m-instruct",
+                    help="the tokenizer lent to a model that has none (random-weight shapes)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--every", type=int, default=8, help="guided_some: one request in this many is guided")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    args = ap.parse_args()
+
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    if loaded.tokenizer is None:
+        loaded.tokenizer = load_model(args.tokenizer_from, device="cpu", dtype="float32").tokenizer
+    kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
+    llm = LLM(args.model, loaded=loaded, device=args.device, dtype=args.dtype, **kw)
+    rows = []
+    for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
+        for mode in (MODES if rnd % 2 else MODES[::-1]):
+            # the engine reads async_scheduling at every step: off for this mode's run only
+            llm.engine.config.async_scheduling = mode != "plain_sync"
+            every = {"guided_some": args.every, "guided_all": 1}.get(mode)
+            row = {"mode": mode, "round": rnd, **run(llm, *requests(llm, args.requests, args.max_tokens, every))}
+            if rnd:
+                rows.append(row)
+            print(json.dumps(row), flush=True)
+    median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in MODES}
+    record = {**provenance(), "args": vars(args), "runs": rows,
+              "median_output_tok_s": median,
+              "ratio_to_plain": {m: median[m] / median["plain"] for m in MODES}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structured_bench.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["ratio_to_plain"]))
+
+
+if __name__ == "__main__":
+    main()
