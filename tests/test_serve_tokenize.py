@@ -146,3 +146,37 @@ def test_version_route_names_the_installed_package(server):
 
     r = httpx.get(server.url + "/version")
     assert r.status_code == 200 and r.json() == {"version": version()}
+
+
+PREFILL = [{"role": "user", "content": "What is the capital of France?"},
+           {"role": "assistant", "content": "The capital of France is"}]
+
+
+def test_continue_final_message_leaves_the_last_message_open_and_echo_leads_with_it(server, client_for, smollm2):
+    tok = smollm2.tokenizer
+    ids = post(server, "/tokenize", {"messages": PREFILL, "add_generation_prompt": False,
+                                     "continue_final_message": True}).json()["tokens"]
+    closed = tok.hf.apply_chat_template(PREFILL, tokenize=False)
+    opened = tok.decode(ids, skip_special_tokens=False)
+    assert opened.endswith("The capital of France is") and closed.startswith(opened) and closed != opened
+    client = client_for(server)
+    kw = dict(model=MODEL, messages=PREFILL, max_tokens=4, temperature=0,
+              extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.chat.completions.create(**kw).choices[0].message.content
+    assert plain == " Paris."  # the open sentence, finished
+    echoed = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == "The capital of France is" + plain
+    chunks = [c for c in client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}},
+                                                        stream=True) if c.choices]
+    assert chunks[0].choices[0].delta.content == "The capital of France is"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The capital of France is" + plain
+    # echo repeats only an assistant's last message
+    hi = client.chat.completions.create(model=MODEL, messages=PREFILL[:1], max_tokens=3, temperature=0,
+                                        extra_body={"echo": True}).choices[0].message.content
+    assert not hi.startswith("What is")
+
+
+def test_continue_final_message_and_a_generation_prompt_together_are_refused(server):
+    for route in ("/tokenize", "/v1/chat/completions"):
+        r = post(server, route, {"model": MODEL, "messages": PREFILL, "continue_final_message": True})
+        assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"], r.text

@@ -34,7 +34,7 @@ from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFu
 from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
-                       error_body, template_kwargs)
+                       check_continuation, error_body, template_kwargs)
 from .tool_parsers import TOOL_PARSERS, ToolCall
 
 logger = logging.getLogger(__name__)
@@ -289,16 +289,20 @@ class _Server:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _render_chat(self, messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None,
-                     tools: list[dict[str, Any]] | None = None) -> str:
+                     tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
         """The chat as prompt text: the server's template, else the tokenizer's, else a plain
-        "role: content" transcript (a tokenizer without a template)."""
+        "role: content" transcript (a tokenizer without a template). ``continue_final_message``: the last
+        message left open, for the reply to continue it."""
         tok = self.engine.tokenizer
         rows = [m.as_template_dict() for m in messages]
         kwargs = template_kwargs(kwargs)
         if tools:
             kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         if self.chat_template is None and not tok.has_chat_template:
-            return "\n".join(f"{m['role']}: {m['content']}" for m in rows) + "\nassistant:"
+            lines = "\n".join(f"{m['role']}: {m['content']}" for m in rows)
+            return lines if continue_final_message else lines + "\nassistant:"
         try:
             return tok.render_chat(rows, add_generation_prompt, chat_template=self.chat_template, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
@@ -318,8 +322,13 @@ class _Server:
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
+            try:
+                check_continuation(body.add_generation_prompt, body.continue_final_message)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="continue_final_message") from None
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-            text = self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools)
+            text = self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs, tools,
+                                     body.continue_final_message)
             special = bool(body.add_special_tokens)
         else:
             text, special = body.prompt, body.add_special_tokens is not False
@@ -357,19 +366,23 @@ class _Server:
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice" if "tool" in str(e) else None) from None
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                              body.template_tools()), add_special_tokens=False)
+                                              body.template_tools(), body.continue_final_message),
+                            add_special_tokens=False)
+        echo = _echoed(body)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._submit(rid, [prompt], params)
         created = int(time.time())
         k = params.logprobs
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(self._chat_events(streams, rid, created, model, params.n, k, include_usage, tools))
+            return _sse(self._chat_events(streams, rid, created, model, params.n, k, include_usage, tools, echo))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
         for c in outs[0].outputs:
             content, calls = tools.parse(c.text)
+            if echo:
+                content = echo + (content or "")
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = [_call_json(call) for call in calls]
@@ -387,13 +400,13 @@ class _Server:
         })
 
     async def _chat_events(self, streams, rid, created, model, n, k, include_usage,
-                           tools: "_ChatTools") -> AsyncIterator[dict]:
+                           tools: "_ChatTools", echo: str = "") -> AsyncIterator[dict]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         usage_none = {"usage": None} if include_usage else {}
         choices = [_Choice(i) for i in range(n)]
         calls = [tools.stream() for _ in range(n)]
         yield {**base, "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
             for i in range(n)
         ], **usage_none}
         last = None
@@ -537,6 +550,14 @@ class _Server:
         self._finish(outs)
         if include_usage:
             yield {**base, "choices": [], "usage": self._usage(outs, n)}
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """What a chat reply's content starts with under ``echo``: the last message's text when it is the
+    assistant's (the message the reply continues), else nothing (as vLLM)."""
+    if not body.echo or body.messages[-1].role != "assistant":
+        return ""
+    return body.messages[-1].as_template_dict()["content"]
 
 
 def _call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:

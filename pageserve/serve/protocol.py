@@ -231,6 +231,10 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's extensions: the reply continues the final (assistant) message instead of starting a new one
+    # (a "prefilled" reply; needs add_generation_prompt false), and echo puts that message in front of the reply
+    continue_final_message: bool = False
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (vLLM's extension)
     tools: list[ToolDefinition] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
@@ -275,6 +279,7 @@ class ChatCompletionRequest(_Request):
 
     def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
                            max_tokens_limit: int | None = None) -> SamplingParams:
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         top = self.top_logprobs or 0
@@ -345,7 +350,14 @@ class Usage(BaseModel):
 
 # variables a chat template is rendered with by the server itself: a request's chat_template_kwargs may not set them
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "chat_template", "conversation",
-                                      "tools"})
+                                      "tools", "continue_final_message"})
+
+
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """Raises ``ValueError`` for both at once: a new assistant turn cannot also continue the last message."""
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("continue_final_message needs add_generation_prompt false: the reply either starts a new "
+                         "message or continues the last one")
 
 
 def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
@@ -367,6 +379,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ToolDefinition] | None = None  # rendered by the chat template, as /v1/chat/completions does
     # None: True for a prompt (as /v1/completions encodes it), False for messages (the template writes them)
