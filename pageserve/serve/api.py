@@ -35,7 +35,7 @@ from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
                        check_continuation, error_body, template_kwargs)
-from .tool_parsers import TOOL_PARSERS, ToolCall
+from .tools import TOOL_PARSERS, ChatTools, call_json
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def build_app(
     ``/detokenize``, what a client such as lm-evaluation-harness needs to tokenize through the server
     instead of a local copy of the tokenizer); off by default, as vLLM's
     ``--enable-tokenizer-info-endpoint``, since it hands out the template. ``enable_auto_tool_choice``
-    with ``tool_call_parser`` (a name in ``tool_parsers.TOOL_PARSERS``): requests may leave the choice of
+    with ``tool_call_parser`` (a name in ``tools.TOOL_PARSERS``): requests may leave the choice of
     tools to the model (``tool_choice`` "auto", the default when a request has tools), whose text that
     parser reads calls from, as vLLM's flags of the same names."""
     template = load_chat_template(chat_template)
@@ -362,7 +362,7 @@ class _Server:
                                    "with token ids", param="messages")
         try:
             params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
-            tools = _ChatTools(body, self.tool_parser)
+            tools = ChatTools(body, self.tool_parser)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice" if "tool" in str(e) else None) from None
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
@@ -385,7 +385,7 @@ class _Server:
                 content = echo + (content or "")
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if calls:
-                message["tool_calls"] = [_call_json(call) for call in calls]
+                message["tool_calls"] = [call_json(call) for call in calls]
             choice: dict[str, Any] = {
                 "index": c.index,
                 "message": message,
@@ -400,7 +400,7 @@ class _Server:
         })
 
     async def _chat_events(self, streams, rid, created, model, n, k, include_usage,
-                           tools: "_ChatTools", echo: str = "") -> AsyncIterator[dict]:
+                           tools: ChatTools, echo: str = "") -> AsyncIterator[dict]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         usage_none = {"usage": None} if include_usage else {}
         choices = [_Choice(i) for i in range(n)]
@@ -558,115 +558,6 @@ def _echoed(body: ChatCompletionRequest) -> str:
     if not body.echo or body.messages[-1].role != "assistant":
         return ""
     return body.messages[-1].as_template_dict()["content"]
-
-
-def _call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A tool call as OpenAI's message (``index``: as a streamed delta's)."""
-    out: dict[str, Any] = {} if index is None else {"index": index}
-    return {**out, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
-
-
-def _compact_json(text: str) -> str | None:
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except ValueError:
-        return None
-
-
-class _ChatTools:
-    """How a chat request's tool calls come out of its generated text, by its tool mode:
-
-    * ``none``: the text is the content;
-    * ``auto``: the server's tool-call parser splits the text into content and calls;
-    * ``named``: the text is the named function's arguments (its schema constrained it);
-    * ``required``: the text is a JSON array of ``{"name", "parameters"}`` (``required_calls_schema``).
-
-    A text cut short (``max_tokens``) that does not parse is answered as content, without calls."""
-
-    def __init__(self, body: ChatCompletionRequest, parser) -> None:
-        self.mode, self.function = body.tool_mode()
-        if self.mode == "auto" and parser is None:
-            raise ValueError('tool_choice "auto" (the default with tools) needs the server started with '
-                             '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "required", '
-                             '"none" or a named function')
-        self.parser = parser
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a whole choice's text."""
-        if self.mode == "auto":
-            return self.parser.extract(text)
-        if self.mode == "named":
-            arguments = _compact_json(text)
-            return (text, []) if arguments is None else (None, [ToolCall(self.function.name, arguments)])
-        if self.mode == "required":
-            try:
-                items = json.loads(text)
-                return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
-            except (ValueError, TypeError, KeyError):
-                return text, []
-        return text, []
-
-    def finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
-        """"tool_calls" where the model chose to call (auto, required) and ended on its own, as OpenAI."""
-        if has_calls and reason == "stop" and self.mode in ("auto", "required"):
-            return "tool_calls"
-        return reason
-
-    def stream(self) -> "_ToolStream":
-        return _ToolStream(self)
-
-
-class _ToolStream:
-    """One streamed choice's deltas under its request's tool mode: content as it comes (auto: what the
-    parser lets through; a call as one delta once whole); named: the arguments as they come, in a call
-    delta; required: the calls at the end."""
-
-    def __init__(self, tools: _ChatTools) -> None:
-        self.tools = tools
-        self.parser_stream = tools.parser.streamer() if tools.mode == "auto" else None
-        self.text = ""  # required: the whole text, parsed at the end
-        self.num_calls = 0
-        self.call_id: str | None = None  # named: the call's id, sent with its first delta
-
-    @property
-    def saw_calls(self) -> bool:
-        return self.num_calls > 0
-
-    def feed(self, text: str, finished: bool) -> dict[str, Any]:
-        """The delta for this much more text (``finished``: the choice's last)."""
-        mode = self.tools.mode
-        if mode == "none":
-            return {"content": text} if text else {}
-        if mode == "named":
-            if not text:
-                return {}
-            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-            if self.call_id is None:
-                self.call_id = ToolCall(self.tools.function.name, "").id
-                call = {"index": 0, "id": self.call_id, "type": "function",
-                        "function": {"name": self.tools.function.name, "arguments": text}}
-                self.num_calls = 1
-            return {"tool_calls": [call]}
-        if mode == "required":
-            self.text += text
-            if not finished:
-                return {}
-            content, calls = self.tools.parse(self.text)
-            events: list = [content] if content else []
-            events += calls
-        else:
-            events = self.parser_stream.feed(text)
-            if finished:
-                events += self.parser_stream.finish()
-        delta: dict[str, Any] = {}
-        content = "".join(e for e in events if isinstance(e, str))
-        if content:
-            delta["content"] = content
-        calls = [e for e in events if isinstance(e, ToolCall)]
-        if calls:
-            delta["tool_calls"] = [_call_json(c, self.num_calls + i) for i, c in enumerate(calls)]
-            self.num_calls += len(calls)
-        return delta
 
 
 class _CompletionExtras:

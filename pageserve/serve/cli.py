@@ -16,7 +16,7 @@ import typing
 
 from pageserve.engine.config import EngineConfig
 
-from .tool_parsers import TOOL_PARSERS
+from .tools import TOOL_PARSERS
 from .tunnel import TunnelError, close_tunnel, open_tunnel, resolve_api_key
 
 

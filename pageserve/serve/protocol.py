@@ -15,7 +15,7 @@ fields; one of them a request.
 
 Tools (chat only): ``tools`` reach the chat template; ``tool_choice`` ``"required"`` or a named function
 is a structured-output constraint over the tools' parameter schemas, as in vLLM; ``"auto"`` parses the
-model's text with the server's ``--tool-call-parser`` (``tool_parsers.py``) and needs
+model's text with the server's ``--tool-call-parser`` (``tools.py``) and needs
 ``--enable-auto-tool-choice``; ``"none"`` generates plain text.
 
 OpenAI features this server does not have are refused with a 400 that names them, not ignored:

@@ -1,5 +1,6 @@
-"""Tool calls parsed out of generated text, for the server's ``--enable-auto-tool-choice
---tool-call-parser hermes``.
+"""Tool calls: how a chat request's calls come out of the text its model generates (``ChatTools``,
+by the request's ``tool_choice``), and the parser that reads them from free text for the server's
+``--enable-auto-tool-choice --tool-call-parser hermes``.
 
 The "hermes" format is the one the Qwen2.5 and NousResearch Hermes chat templates teach: the
 model writes ordinary content, then zero or more blocks of one JSON object each::
@@ -18,6 +19,10 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .protocol import ChatCompletionRequest
 
 
 def new_call_id() -> str:
@@ -169,3 +174,112 @@ class HermesStream:
 
 
 TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser}
+
+
+def call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A tool call as OpenAI's message (``index``: as a streamed delta's)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    return {**out, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def compact_json(text: str) -> str | None:
+    try:
+        return json.dumps(json.loads(text), ensure_ascii=False)
+    except ValueError:
+        return None
+
+
+class ChatTools:
+    """How a chat request's tool calls come out of its generated text, by its tool mode:
+
+    * ``none``: the text is the content;
+    * ``auto``: the server's tool-call parser splits the text into content and calls;
+    * ``named``: the text is the named function's arguments (its schema constrained it);
+    * ``required``: the text is a JSON array of ``{"name", "parameters"}`` (``required_calls_schema``).
+
+    A text cut short (``max_tokens``) that does not parse is answered as content, without calls."""
+
+    def __init__(self, body: "ChatCompletionRequest", parser) -> None:
+        self.mode, self.function = body.tool_mode()
+        if self.mode == "auto" and parser is None:
+            raise ValueError('tool_choice "auto" (the default with tools) needs the server started with '
+                             '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "required", '
+                             '"none" or a named function')
+        self.parser = parser
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole choice's text."""
+        if self.mode == "auto":
+            return self.parser.extract(text)
+        if self.mode == "named":
+            arguments = compact_json(text)
+            return (text, []) if arguments is None else (None, [ToolCall(self.function.name, arguments)])
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+            except (ValueError, TypeError, KeyError):
+                return text, []
+        return text, []
+
+    def finish_reason(self, reason: str | None, has_calls: bool) -> str | None:
+        """"tool_calls" where the model chose to call (auto, required) and ended on its own, as OpenAI."""
+        if has_calls and reason == "stop" and self.mode in ("auto", "required"):
+            return "tool_calls"
+        return reason
+
+    def stream(self) -> "ToolStream":
+        return ToolStream(self)
+
+
+class ToolStream:
+    """One streamed choice's deltas under its request's tool mode: content as it comes (auto: what the
+    parser lets through; a call as one delta once whole); named: the arguments as they come, in a call
+    delta; required: the calls at the end."""
+
+    def __init__(self, tools: ChatTools) -> None:
+        self.tools = tools
+        self.parser_stream = tools.parser.streamer() if tools.mode == "auto" else None
+        self.text = ""  # required: the whole text, parsed at the end
+        self.num_calls = 0
+        self.call_id: str | None = None  # named: the call's id, sent with its first delta
+
+    @property
+    def saw_calls(self) -> bool:
+        return self.num_calls > 0
+
+    def feed(self, text: str, finished: bool) -> dict[str, Any]:
+        """The delta for this much more text (``finished``: the choice's last)."""
+        mode = self.tools.mode
+        if mode == "none":
+            return {"content": text} if text else {}
+        if mode == "named":
+            if not text:
+                return {}
+            call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+            if self.call_id is None:
+                self.call_id = ToolCall(self.tools.function.name, "").id
+                call = {"index": 0, "id": self.call_id, "type": "function",
+                        "function": {"name": self.tools.function.name, "arguments": text}}
+                self.num_calls = 1
+            return {"tool_calls": [call]}
+        if mode == "required":
+            self.text += text
+            if not finished:
+                return {}
+            content, calls = self.tools.parse(self.text)
+            events: list = [content] if content else []
+            events += calls
+        else:
+            events = self.parser_stream.feed(text)
+            if finished:
+                events += self.parser_stream.finish()
+        delta: dict[str, Any] = {}
+        content = "".join(e for e in events if isinstance(e, str))
+        if content:
+            delta["content"] = content
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        if calls:
+            delta["tool_calls"] = [call_json(c, self.num_calls + i) for i, c in enumerate(calls)]
+            self.num_calls += len(calls)
+        return delta

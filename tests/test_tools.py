@@ -4,7 +4,7 @@ import json
 import random
 import re
 
-from pageserve.serve.tool_parsers import TOOL_PARSERS, HermesToolParser, ToolCall, new_call_id
+from pageserve.serve.tools import TOOL_PARSERS, HermesToolParser, ToolCall, new_call_id
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
