@@ -258,7 +258,7 @@ class ToolStream:
                 return {}
             call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
             if self.call_id is None:
-                self.call_id = ToolCall(self.tools.function.name, "").id
+                self.call_id = new_call_id()
                 call = {"index": 0, "id": self.call_id, "type": "function",
                         "function": {"name": self.tools.function.name, "arguments": text}}
                 self.num_calls = 1
