@@ -494,6 +494,25 @@ def test_smollm2_chat_and_streaming_text_match_a_whole_decode(smol):
     assert texts[-1] == c.text
 
 
+def test_smollm2_chat_continues_a_prefilled_reply_and_hands_tools_to_the_template(smol):
+    llm = smol_llm(smol)
+    prefill = [{"role": "user", "content": "What is the capital of France?"},
+               {"role": "assistant", "content": "The capital of France is"}]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    (out,) = llm.chat(prefill, greedy, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out.outputs[0].text == " Paris."
+    assert out.prompt_token_ids == smol.tokenizer.encode(
+        smol.tokenizer.hf.apply_chat_template(prefill, tokenize=False, continue_final_message=True),
+        add_special_tokens=False)
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        llm.chat(prefill, greedy, continue_final_message=True)
+    template = "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ flag }}|{{ messages[-1].content }}"
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    (out,) = llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False, tools=[tool], chat_template=template,
+                      chat_template_kwargs={"flag": "F"})
+    assert smol.tokenizer.decode(out.prompt_token_ids) == "get_weather;F|hi"
+
+
 def test_auto_max_num_seqs_is_the_power_of_two_that_gives_each_sequence_512_tokens_within_32_to_512():
     from pageserve.engine.config import auto_max_num_seqs
 

@@ -89,14 +89,32 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them."""
+        """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them.
+
+        As vLLM's ``LLM.chat``: ``continue_final_message`` continues the last (assistant) message instead of
+        starting a new one (with ``add_generation_prompt=False``); ``tools`` (OpenAI-style definitions),
+        ``chat_template`` (in place of the tokenizer's) and ``chat_template_kwargs`` go to the template. The
+        replies are text: tool calls in them are not parsed (the server does that, ``serve/tools.py``)."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer, so no chat template")
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a list of {{'role', 'content'}} dicts or a list of those; got {type(messages).__name__}")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
+        tok = self.tokenizer
+        prompts = [tok.encode(tok.render_chat(c, add_generation_prompt, chat_template=chat_template, **kwargs),
+                              add_special_tokens=False) for c in convs]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
