@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, ...)`` returns a FastAPI app.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/version``,
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (``responses.py``), ``/v1/models``, ``/health``, ``/version``,
 ``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's; ``/tokenizer_info`` when enabled),
 ``/v1/engine_stats`` (debug: where the engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
 "code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
@@ -35,6 +35,7 @@ from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
                        check_continuation, error_body, template_kwargs)
+from .responses import ResponseEvents, ResponsesRequest, output_items
 from .tools import TOOL_PARSERS, ChatTools, call_json
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,10 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await server.respond(body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -354,7 +359,8 @@ class _Server:
         return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
     # ---------------------------------------------------------------- chat
-    async def chat(self, body: ChatCompletionRequest, request: Request):
+    async def _start_chat(self, body: ChatCompletionRequest, rid: str):
+        """Queue a chat request: (the model name, its SamplingParams, its ChatTools, its streams)."""
         model = self._check_model(body.model)
         tok = self.engine.tokenizer
         if tok is None:
@@ -368,9 +374,12 @@ class _Server:
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                               body.template_tools(), body.continue_final_message),
                             add_special_tokens=False)
-        echo = _echoed(body)
+        return model, params, tools, await self._submit(rid, [prompt], params)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, [prompt], params)
+        model, params, tools, streams = await self._start_chat(body, rid)
+        echo = _echoed(body)
         created = int(time.time())
         k = params.logprobs
         if body.stream:
@@ -435,6 +444,47 @@ class _Server:
         self._finish([last] if last is not None else [])
         if include_usage and last is not None:
             yield {**base, "choices": [], "usage": self._usage([last], n)}
+
+    # ---------------------------------------------------------------- responses
+    async def respond(self, body: ResponsesRequest, request: Request):
+        """``/v1/responses``: the request run as a chat request, answered as a response (``responses.py``)."""
+        try:
+            chat = body.to_chat_request()
+        except ValueError as e:
+            raise OpenAIError(400, str(e)) from None
+        rid = f"resp_{uuid.uuid4().hex}"
+        model, params, tools, streams = await self._start_chat(chat, rid)
+        created = int(time.time())
+        if body.stream:
+            return _sse_named(self._response_events(streams, tools, ResponseEvents(body, rid, created, model)))
+        outs = await self._collect(streams, request)
+        self._finish(outs)
+        c = outs[0].outputs[0]
+        content, calls = tools.parse(c.text)
+        return JSONResponse(body.response(rid, created, model, output_items(content, calls), c.finish_reason,
+                                          self._usage(outs, 1)))
+
+    async def _response_events(self, streams, tools: ChatTools, writer: ResponseEvents) -> AsyncIterator[dict]:
+        for event in writer.start():
+            yield event
+        st, stream, last = _Choice(0), tools.stream(), None
+        try:
+            async for _, out in _merge(streams):
+                last = out
+                c = out.outputs[0]
+                new = self._delta(st, c)
+                if new is not None:
+                    for event in writer.delta(stream.feed(new[0], c.finish_reason is not None)):
+                        yield event
+            self._finish([last] if last is not None else [])
+        except OpenAIError as e:
+            yield writer.error(e.message, e.code)
+            return
+        except (EngineStepError, EngineDeadError) as e:
+            yield writer.error(str(e), "server_error")
+            return
+        for event in writer.finish(last.outputs[0].finish_reason, self._usage([last], 1)):
+            yield event
 
     def _delta(self, st: _Choice, c: CompletionOutput) -> tuple[str, list[int]] | None:
         """New text and token ids of a choice since the last chunk (None: nothing to send)."""
@@ -631,6 +681,20 @@ def _sse(events: AsyncIterator[dict]) -> StreamingResponse:
         finally:
             await events.aclose()
         yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _sse_named(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events named by their ``type`` (``event: <type>`` then ``data: <json>``), as the
+    Responses API streams them: no ``[DONE]``; its errors are events of the stream itself."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n".encode()
+        finally:
+            await events.aclose()
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
