@@ -40,6 +40,30 @@ def test_api_key_is_required_except_on_health(start_server):
         srv.stop()
 
 
+def test_a_browser_page_may_call_a_keyed_server_from_another_origin_unless_origins_are_restricted(start_server):
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    srv = start_server(api_key="s3cret", num_blocks=32)
+    try:
+        # the preflight carries no key: it is answered before the key is asked for
+        r = httpx.options(srv.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1},
+                       headers={"Origin": "https://ui.example", "Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi"}, headers={"Origin": "https://ui.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"  # the page can read why
+    finally:
+        srv.stop()
+    srv = start_server(api_key="s3cret", num_blocks=32, allowed_origins=["https://ok.example"])
+    try:
+        assert httpx.options(srv.url + "/v1/completions", headers=preflight).status_code == 400
+        r = httpx.options(srv.url + "/v1/completions", headers={**preflight, "Origin": "https://ok.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ok.example"
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def small(start_server):
     """One running slot and one waiting slot: the third concurrent request is refused."""
@@ -180,6 +204,17 @@ def test_every_engine_config_field_is_a_serve_flag():
         assert "--" + name.replace("_", "-") in help_text
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--triton-options", "[1]"])
+
+
+def test_serve_server_flags_parse_and_a_bad_one_stops_before_the_model_loads(capsys):
+    from pageserve.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["https://a.example"]', "--enable-auto-tool-choice",
+                                      "--tool-call-parser", "hermes"])
+    assert args.allowed_origins == ["https://a.example"] and args.tool_call_parser == "hermes"
+    for bad, why in ((["--allowed-origins", '"*"'], "JSON list"), (["--enable-auto-tool-choice"], "tool_call_parser")):
+        assert main(["serve", "--model", "no-such-model", *bad]) == 2
+        assert why in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------ no tokenizer

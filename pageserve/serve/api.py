@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,6 +55,7 @@ def build_app(
     enable_tokenizer_info: bool = False,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An app serving ``engine``. The engine thread starts and stops with the app's lifespan.
     ``chat_template``: a Jinja chat template (its text, or a file holding it) used instead of the
@@ -64,9 +66,14 @@ def build_app(
     ``--enable-tokenizer-info-endpoint``, since it hands out the template. ``enable_auto_tool_choice``
     with ``tool_call_parser`` (a name in ``tools.TOOL_PARSERS``): requests may leave the choice of
     tools to the model (``tool_choice`` "auto", the default when a request has tools), whose text that
-    parser reads calls from, as vLLM's flags of the same names."""
+    parser reads calls from, as vLLM's flags of the same names. ``allowed_origins``: the origins a browser
+    page may call this server from (CORS; default every origin, as vLLM's ``--allowed-origins``: the API key,
+    not the origin, is what guards it; ``[]`` turns cross-origin calls off)."""
     template = load_chat_template(chat_template)
     parser = tool_parser(enable_auto_tool_choice, tool_call_parser)
+    if allowed_origins is not None and not (isinstance(allowed_origins, list)
+                                            and all(isinstance(o, str) for o in allowed_origins)):
+        raise ValueError(f"allowed_origins must be a list of origins, got {allowed_origins!r}")
     aengine = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine, max_waiting_requests)
     llm = aengine.engine
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
@@ -88,6 +95,9 @@ def build_app(
     app.state.engine = aengine
     app.add_middleware(_AuthMiddleware, api_key=api_key)
     app.add_middleware(_BodyLimitMiddleware, max_bytes=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    # added last, so outermost: a preflight is answered before the key is asked for, and a 401 carries CORS headers
+    app.add_middleware(CORSMiddleware, allow_origins=["*"] if allowed_origins is None else list(allowed_origins),
+                       allow_methods=["*"], allow_headers=["*"], allow_credentials=False)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):

@@ -95,6 +95,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="a Jinja chat template, or a file holding one, used instead of the tokenizer's own")
     p.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                    help="serve GET /tokenizer_info (special tokens, chat template), as vLLM's flag")
+    p.add_argument("--allowed-origins", default=None, type=json.loads,
+                   help='origins a browser page may call the server from, as a JSON list (default \'["*"]\', as '
+                        "vLLM; '[]' turns CORS off)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let requests leave the choice of tools to the model (tool_choice "auto"); needs '
                         "--tool-call-parser")
@@ -129,6 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         chat_template = load_chat_template(args.chat_template)  # before the model loads: a typo fails fast
         tool_parser(args.enable_auto_tool_choice, args.tool_call_parser)
+        if args.allowed_origins is not None and not isinstance(args.allowed_origins, list):
+            raise ValueError(f"--allowed-origins takes a JSON list, got {args.allowed_origins!r}")
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -146,7 +151,8 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
                     max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                     chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    allowed_origins=args.allowed_origins)
     server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
     if args.tunnel:
