@@ -266,6 +266,31 @@ def test_async_scheduling_overlaps_one_step(tiny, tiny_prompts):
     assert pool_is_free(engine) and not engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("penalised", [False, True], ids=["plain", "penalised"])
+def test_a_step_that_samples_from_host_state_lands_the_previous_one_after_its_forward_launch(
+        tiny, tiny_prompts, monkeypatch, penalised):
+    """Penalties read every output token, so a penalised row's sampling waits for the previous step's
+    tokens; its forward does not: within a call the forward is launched, then the previous step lands,
+    then the sampling. A plain step lands the previous one after its whole launch."""
+    engine = tiny_engine(tiny)
+    runner, log = engine.runner, []
+
+    def spy(obj, name):
+        real = getattr(obj, name)
+        monkeypatch.setattr(obj, name, lambda *a, **k: (log.append(name), real(*a, **k))[1])
+
+    spy(runner, "run_step")
+    spy(runner.sampler, "sample")
+    spy(engine, "_postprocess")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3 if penalised else 1.0)
+    engine.add_request("a", tiny_prompts[2], params)
+    for _ in range(3):
+        log.append("|")
+        engine.step()
+    overlap = ["run_step", "_postprocess", "sample"] if penalised else ["run_step", "sample", "_postprocess"]
+    assert log == ["|", "run_step", "sample"] + ["|", *overlap] * 2
+
+
 def test_failing_request_finishes_with_error_and_others_complete(tiny, tiny_prompts, tiny_expected, monkeypatch):
     engine = tiny_engine(tiny)
     original = engine._append_token

@@ -44,7 +44,6 @@ class _Inflight:
 
     seqs: list[Sequence]
     out: Any  # SamplerOutput
-    needs_landing: bool = False  # a row has penalties: land it before the next schedule
     has_prefill: bool = False  # the step computed prompt tokens (a chunk or a recomputation)
 
 
@@ -312,16 +311,15 @@ class LLMEngine:
         With ``async_scheduling`` (the default) the step launched here is postprocessed by
         the next call: this call first launches step N+1, then waits for step N's tokens
         and appends them, so the host's scheduling and input preparation overlap the
-        device's forward. Returned outputs are those of the step postprocessed here."""
+        device's forward. Where a row of step N+1 samples from host state that step N's
+        tokens change (penalties count the output tokens; a grammar's mask follows them),
+        step N is landed between N+1's forward launch and its sampling's: the forward still
+        overlaps the host's work. Returned outputs are those of the step postprocessed here."""
         t0, c0 = time.perf_counter(), time.thread_time()
         timing = self.last_step = StepTiming()
         landed_prefill: bool | None = None  # None: no step landed in this call
         sched = self.scheduler
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and self._inflight.needs_landing:
-            # penalties read every output token id: land the step before planning the next
-            landed_prefill = self._inflight.has_prefill
-            outputs = self._postprocess(self._take_inflight())
         ts = time.perf_counter()
         batch = sched.schedule()
         timing.sched_s = time.perf_counter() - ts
@@ -342,9 +340,22 @@ class LLMEngine:
                 )
             return []
         prev = self._inflight
+        landed: list[RequestOutput] | None = None  # step N's outputs, when landed before N+1's sampling
+        land_s = land_cpu_s = 0.0
+
+        def land_prev() -> None:
+            nonlocal landed, land_s, land_cpu_s
+            t, c = time.perf_counter(), time.thread_time()
+            landed = self._postprocess(prev)
+            land_s, land_cpu_s = time.perf_counter() - t, time.thread_time() - c
+
+        hook = None
+        if prev is not None and any(s.params.has_penalties or s.matcher is not None for s in batch.sampling_seqs):
+            hook = land_prev
         tl, cl = time.perf_counter(), time.thread_time()
-        out = self.runner.execute(batch, None if prev is None else prev.out.token_ids_gpu)
-        timing.launch_s, timing.launch_cpu_s = time.perf_counter() - tl, time.thread_time() - cl
+        out = self.runner.execute(batch, None if prev is None else prev.out.token_ids_gpu, before_sampling=hook)
+        timing.launch_s = time.perf_counter() - tl - land_s
+        timing.launch_cpu_s = time.thread_time() - cl - land_cpu_s
         sched.update_after_step(batch)
         timing.num_seqs, timing.num_tokens = len(batch), batch.num_batched_tokens
 
@@ -358,8 +369,6 @@ class LLMEngine:
             launched = _Inflight(batch.sampling_seqs, out, has_prefill=batch.num_prefill_tokens > 0)
             max_len = self.max_model_len
             for row, seq in enumerate(launched.seqs):
-                # penalties and grammars read every output token: land this step before planning the next
-                launched.needs_landing |= seq.params.has_penalties or seq.matcher is not None
                 seq.num_pending += 1
                 seq.pending_row = row
                 mt = seq.params.max_tokens
@@ -368,7 +377,7 @@ class LLMEngine:
         self._inflight = launched
         if prev is not None:
             landed_prefill = bool(landed_prefill) | prev.has_prefill
-            outputs += self._postprocess(prev)
+            outputs += landed if landed is not None else self._postprocess(prev)
         if not self.config.async_scheduling and launched is not None:
             landed_prefill = bool(landed_prefill) | launched.has_prefill
             outputs += self._postprocess(self._take_inflight())

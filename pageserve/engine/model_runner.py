@@ -14,6 +14,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -442,10 +443,14 @@ class ModelRunner:
         return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x, fill_rows, fill_src)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None):
+    def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
+                before_sampling: Callable[[], None] | None = None):
         """Run the model once over every scheduled token; sample for the sequences whose
         chunk reaches their last token. Returns a ``SamplerOutput`` (rows in batch order of
         the sampling sequences), or None when no sequence samples this step.
+        ``before_sampling``: called once the forward is launched and before the sampling is
+        (not at all when nothing samples): the engine lands the previous step there when a
+        row's sampling reads what that step's tokens change (penalties, a grammar).
 
         ``prev_tokens``: the previous step's sampled tokens on the device, when that step's
         values have not reached the host yet (async scheduling); a sequence decoding from
@@ -461,6 +466,9 @@ class ModelRunner:
         if logits is None:
             return None
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        num_outputs = [s.num_output_tokens for s in seqs]
+        if before_sampling is not None:
+            before_sampling()
         # guided rows' masks: built on the host while the device runs the forward launched above
         masks = None if self.grammar is None else self.grammar.step_masks([s.matcher for s in seqs])
         return self.sampler.sample(
@@ -469,7 +477,7 @@ class ModelRunner:
             [s.prompt_token_ids for s in seqs],
             [s.output_token_ids for s in seqs],
             [s.seed for s in seqs],
-            [s.num_output_tokens for s in seqs],
+            num_outputs,
             masks,
         )
 

@@ -11,9 +11,10 @@ the tokens that may come next as a bitmask, one bit a token. What pageserve does
 * **How it applies.** The sampler unpacks it on the device and bans every token it leaves
   out, at the stage of ``logit_bias`` and the ``min_tokens`` bans: before penalties,
   temperature and truncation. Logprobs are those of the masked distribution.
-* **Async scheduling.** A guided sequence's next mask needs its last token on the host, so a
-  step holding one is landed before the next step is planned, as for penalties. Steps
-  without guided sequences keep overlapping.
+* **Async scheduling.** A guided sequence's next mask needs its last token on the host: when
+  a step holds one, the previous step is landed after this step's forward is launched and
+  before its sampling is (``LLMEngine.step``), as for penalties; the forward still overlaps
+  the host's work.
 * **The end of the grammar.** A sequence whose grammar is complete, so that no token can
   follow, finishes with ``"stop"`` at once, without a step to sample eos; the grammar's end
   wins over ``min_tokens`` and ``ignore_eos``. Until then, eos is allowed where the grammar
@@ -167,6 +168,9 @@ class GrammarCompiler:
             self._executor = llg.LLExecutor()
         bits = np.zeros((len(rows), (self.tokenizer.vocab_size + 31) // 32), dtype=np.int32)
         llg.numpy.fill_next_token_bitmask_par(self._executor, [(matchers[r], i) for i, r in enumerate(rows)], bits)
+        for i, r in enumerate(rows):
+            if matchers[r].is_error():  # its sequence has failed (its row is dropped): leave the row samplable
+                bits[i] = -1
         return TokenMasks(rows, bits)
 
 
