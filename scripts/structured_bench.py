@@ -1,5 +1,6 @@
-"""What structured outputs cost: the same requests through one engine with no constraint, with a JSON
-schema on 1 request in ``--every``, and with it on all of them; each mode run ``--rounds`` times in
+"""What sampling from host state costs: the same requests through one engine with no constraint, with a
+JSON schema on 1 request in ``--every``, with it on all of them, and with a repetition penalty on all (as
+Qwen2.5-Instruct's generation_config gives every server request); each mode run ``--rounds`` times in
 alternation, in one process.
 
     python scripts/structured_bench.py --out DIR [--model smollm2-135m-instruct | qwen2.5-3b]
@@ -9,8 +10,9 @@ Every request yields exactly ``--max-tokens`` tokens whatever its mode, so the m
 steps at the same batch sizes: the plain requests ignore eos, and the schema (an array of at least
 ``10 * max_tokens`` short strings) can neither end nor allow eos that soon. The difference is then
 the masks (built on the host while the forward runs, applied on the device) and the lost overlap of
-async scheduling (a step holding a guided sequence is landed before the next is planned); the mode
-``plain_sync`` (async scheduling off, no constraint) shows that second part alone.
+async scheduling's overlap, if any (a step holding a guided or penalised row lands the previous step
+between its forward launch and its sampling); ``plain_sync`` (async scheduling off, no constraint) is
+the engine with no overlap at all, which is what penalised and guided steps ran as before d324af6.
 
 A random-weight shape (``qwen2.5-3b``) has no tokenizer: ``--tokenizer-from`` lends it one (default:
 the default model's), whose ids all lie inside the shape's vocabulary.
@@ -31,7 +33,7 @@ from pageserve.engine.sampling_params import SamplingParams
 from pageserve.lab.results import provenance
 from pageserve.model.loader import load_model
 
-MODES = ("plain", "plain_sync", "guided_some", "guided_all")
+MODES = ("plain", "plain_sync", "penalised", "guided_some", "guided_all")
 
 
 def endless_schema(max_tokens: int) -> dict:
@@ -40,11 +42,13 @@ def endless_schema(max_tokens: int) -> dict:
 
 
 def requests(llm: LLM, n: int, max_tokens: int, every: int | None) -> tuple[list[str], list[SamplingParams]]:
-    """``n`` chat prompts, and their params: every ``every``-th guided (None: none; 1: all)."""
+    """``n`` chat prompts, and their params: every ``every``-th guided (None: none; 1: all; 0: none, all
+    with a repetition penalty of 1.05)."""
     hf = llm.tokenizer.hf
     prompts = [hf.apply_chat_template([{"role": "user", "content": f"List {i % 50 + 3} fruits as JSON."}],
                                       tokenize=False, add_generation_prompt=True) for i in range(n)]
-    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                           repetition_penalty=1.05 if every == 0 else 1.0)
     guided = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs={"json": endless_schema(max_tokens)})
     params = [guided if every and i % every == 0 else plain for i in range(n)]
     return prompts, params
@@ -89,7 +93,7 @@ def main() -> None:
         for mode in (MODES if rnd % 2 else MODES[::-1]):
             # the engine reads async_scheduling at every step: off for this mode's run only
             llm.engine.config.async_scheduling = mode != "plain_sync"
-            every = {"guided_some": args.every, "guided_all": 1}.get(mode)
+            every = {"guided_some": args.every, "guided_all": 1, "penalised": 0}.get(mode)
             row = {"mode": mode, "round": rnd, **run(llm, *requests(llm, args.requests, args.max_tokens, every))}
             if rnd:
                 rows.append(row)

@@ -116,7 +116,7 @@ def test_the_cost_benchmark_runs_every_mode_to_the_same_length(tmp_path):
                     "--dtype", "float32", "--requests", "3", "--max-tokens", "5", "--rounds", "1", "--every", "2",
                     "--num-blocks", "64"], check=True, cwd=root, capture_output=True)
     record = json.loads((tmp_path / "structured_bench.json").read_text())
-    assert {r["mode"] for r in record["runs"]} == {"plain", "plain_sync", "guided_some", "guided_all"}
+    assert {r["mode"] for r in record["runs"]} == {"plain", "plain_sync", "penalised", "guided_some", "guided_all"}
     for r in record["runs"]:
         assert r["lengths"] == [5] and r["not_length_capped"] == 0 and r["output_tokens"] == 15, r
         assert r["first_text"].startswith("[") or not r["mode"].startswith("guided"), r
