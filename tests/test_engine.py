@@ -291,6 +291,27 @@ def test_a_step_that_samples_from_host_state_lands_the_previous_one_after_its_fo
     assert log == ["|", "run_step", "sample"] + ["|", *overlap] * 2
 
 
+def test_a_penalised_sequence_that_stops_while_its_next_step_is_in_flight_with_prefix_caching(tiny, tiny_prompts):
+    """A penalised step lands the previous one before it is recorded as run (``update_after_step``): a
+    sequence that stopped there is already freed when its in-flight row is recorded."""
+    params = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.2, ignore_eos=True)
+    probe = tiny_engine(tiny, async_scheduling=False)
+    probe.add_request("p", tiny_prompts[3], params)
+    while probe.has_unfinished_requests():
+        (out,) = probe.step() or [None]
+    stop_at = out.outputs[0].token_ids[20]  # long enough to fill a block of 16
+    stopping = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.2, ignore_eos=True,
+                              stop_token_ids=[stop_at])
+    results = {}
+    for async_scheduling in (False, True):
+        engine = tiny_engine(tiny, async_scheduling=async_scheduling, enable_prefix_caching=True, num_blocks=32)
+        results[async_scheduling] = _run_collect(engine, [(tiny_prompts[3], stopping), (tiny_prompts[4], params)])
+        assert pool_is_free(engine)
+    assert results[True] == results[False]
+    (tokens, reason, stop_reason, _), = results[True]["r0"]
+    assert reason == "stop" and stop_reason == stop_at and len(tokens) > 16
+
+
 def test_failing_request_finishes_with_error_and_others_complete(tiny, tiny_prompts, tiny_expected, monkeypatch):
     engine = tiny_engine(tiny)
     original = engine._append_token

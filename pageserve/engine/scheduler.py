@@ -143,12 +143,13 @@ class Scheduler:
         self.waiting.appendleft(seq)  # preempted newest-first, so older ones end up in front
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
-        """The step ran: the scheduled tokens are in the cache; publish newly full blocks."""
+        """The step ran: the scheduled tokens are in the cache; publish newly full blocks. (A sequence
+        that finished since it was scheduled, its blocks freed, is skipped: the engine may land the
+        previous step in between, ``LLMEngine.step``.)"""
         bm = self.block_manager
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-        if bm.enable_prefix_caching:
-            for seq in batch.seqs:
+            if not seq.is_finished:
+                seq.num_computed_tokens += n
                 bm.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
