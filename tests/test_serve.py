@@ -96,6 +96,20 @@ def test_chat_stream_chunks_and_final_usage_chunk(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = list(client.chat.completions.create(messages=HI, **kw))
+    counts = [c.usage.completion_tokens for c in chunks[1:-1]]  # the role chunk comes before any output
+    assert counts == sorted(counts) and counts[-1] == 5 == chunks[-1].usage.completion_tokens
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks[1:])
+    chunks = list(client.completions.create(prompt=["The sky is", "Paged attention"], **kw))
+    per_prompt = {}
+    for c in chunks[:-1]:
+        per_prompt.setdefault(c.choices[0].index, []).append(c.usage.completion_tokens)
+    assert {i: v[-1] for i, v in per_prompt.items()} == {0: 5, 1: 5} and chunks[-1].usage.completion_tokens == 10
+
+
 def test_completion_stream_is_sse_ending_in_done(server):
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "stream": True})

@@ -393,8 +393,7 @@ class _Server:
         created = int(time.time())
         k = params.logprobs
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(self._chat_events(streams, rid, created, model, params.n, k, include_usage, tools, echo))
+            return _sse(self._chat_events(streams, rid, created, model, params.n, k, _usage_mode(body), tools, echo))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
@@ -418,10 +417,10 @@ class _Server:
             "choices": choices, "usage": self._usage(outs, params.n),
         })
 
-    async def _chat_events(self, streams, rid, created, model, n, k, include_usage,
+    async def _chat_events(self, streams, rid, created, model, n, k, usage: str | None,
                            tools: ChatTools, echo: str = "") -> AsyncIterator[dict]:
         base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        usage_none = {"usage": None} if include_usage else {}
+        usage_none = {"usage": None} if usage else {}
         choices = [_Choice(i) for i in range(n)]
         calls = [tools.stream() for _ in range(n)]
         yield {**base, "choices": [
@@ -450,9 +449,10 @@ class _Server:
                     entry["stop_reason"] = c.stop_reason
                 delta_choices.append(entry)
             if delta_choices:
-                yield {**base, "choices": delta_choices, **usage_none}
+                yield {**base, "choices": delta_choices,
+                       **({"usage": self._usage([out], n)} if usage == "continuous" else usage_none)}
         self._finish([last] if last is not None else [])
-        if include_usage and last is not None:
+        if usage and last is not None:
             yield {**base, "choices": [], "usage": self._usage([last], n)}
 
     # ---------------------------------------------------------------- responses
@@ -530,8 +530,7 @@ class _Server:
         k = params.logprobs
         extras = _CompletionExtras(body.echo, body.prompt_logprobs is not None, raw)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(self._completion_events(streams, rid, created, model, params.n, k, include_usage, extras))
+            return _sse(self._completion_events(streams, rid, created, model, params.n, k, _usage_mode(body), extras))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
@@ -579,10 +578,10 @@ class _Server:
                 for e in (out.prompt_logprobs or [])]
         return choice
 
-    async def _completion_events(self, streams, rid, created, model, n, k, include_usage,
+    async def _completion_events(self, streams, rid, created, model, n, k, usage: str | None,
                                  extras: "_CompletionExtras") -> AsyncIterator[dict]:
         base = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        usage_none = {"usage": None} if include_usage else {}
+        usage_none = {"usage": None} if usage else {}
         choices: dict[int, _Choice] = {}
         finals: dict[int, RequestOutput] = {}
         async for i, out in _merge(streams):
@@ -605,11 +604,21 @@ class _Server:
                     choice = self._with_prompt(choice, out, extras.prompt_text(i, self.table), extras, k)
                 delta_choices.append(choice)
             if delta_choices:
-                yield {**base, "choices": delta_choices, **usage_none}
+                yield {**base, "choices": delta_choices,
+                       **({"usage": self._usage([out], n)} if usage == "continuous" else usage_none)}
         outs = [finals[i] for i in sorted(finals)]
         self._finish(outs)
-        if include_usage:
+        if usage:
             yield {**base, "choices": [], "usage": self._usage(outs, n)}
+
+
+def _usage_mode(body) -> str | None:
+    """A stream's usage reports: None, "final" (a last chunk with the usage: include_usage) or "continuous"
+    (also the usage so far in every chunk: vLLM's continuous_usage_stats; a completion request's per prompt)."""
+    options = body.stream_options
+    if not (options and options.include_usage):
+        return None
+    return "continuous" if options.continuous_usage_stats else "final"
 
 
 def _echoed(body: ChatCompletionRequest) -> str:
