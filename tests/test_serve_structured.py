@@ -86,6 +86,11 @@ def test_named_tool_choice_gives_that_call_with_arguments_of_its_schema(servers)
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert set(json.loads(call.function.arguments)) == {"city"}
     assert r.choices[0].finish_reason == "stop"  # OpenAI's reason for a named choice
+    cut = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
+                                    max_tokens=3, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None
+    partial = cut.choices[0].message.tool_calls[0].function.arguments  # the text as far as it got, uncompacted
+    assert partial.startswith("{") and json.dumps(json.loads(call.function.arguments)) != partial
     chunks = list(c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
                                             max_tokens=30, temperature=0, stream=True))
     deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]

@@ -194,10 +194,10 @@ class ChatTools:
 
     * ``none``: the text is the content;
     * ``auto``: the server's tool-call parser splits the text into content and calls;
-    * ``named``: the text is the named function's arguments (its schema constrained it);
-    * ``required``: the text is a JSON array of ``{"name", "parameters"}`` (``required_calls_schema``).
-
-    A text cut short (``max_tokens``) that does not parse is answered as content, without calls."""
+    * ``named``: the text is the named function's arguments (its schema constrained it), compacted when
+      whole; cut short by ``max_tokens``, the call still comes, with the text as it stands (as vLLM);
+    * ``required``: the text is a JSON array of ``{"name", "parameters"}`` (``required_calls_schema``);
+      cut short, it does not parse and is answered as content, without calls."""
 
     def __init__(self, body: "ChatCompletionRequest", parser) -> None:
         self.mode, self.function = body.tool_mode()
@@ -212,8 +212,7 @@ class ChatTools:
         if self.mode == "auto":
             return self.parser.extract(text)
         if self.mode == "named":
-            arguments = compact_json(text)
-            return (text, []) if arguments is None else (None, [ToolCall(self.function.name, arguments)])
+            return None, [ToolCall(self.function.name, compact_json(text) or text)]
         if self.mode == "required":
             try:
                 items = json.loads(text)
