@@ -559,6 +559,26 @@ def test_smollm2_chat_continues_a_prefilled_reply_and_hands_tools_to_the_templat
     assert smol.tokenizer.decode(out.prompt_token_ids) == "get_weather;F|hi"
 
 
+def test_smollm2_bad_words_allowed_token_ids_and_prompt_truncation(smol):
+    llm = smol_llm(smol)
+    tok = smol.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    greedy = dict(temperature=0, max_tokens=12)
+    (plain,) = llm.generate([prompt], SamplingParams(**greedy), use_tqdm=False)
+    assert "Paris" in plain.outputs[0].text
+    (banned,) = llm.generate([prompt], SamplingParams(bad_words=["Paris"], **greedy), use_tqdm=False)
+    assert "Paris" not in banned.outputs[0].text and banned.outputs[0].text != plain.outputs[0].text
+    allowed = sorted(set(plain.outputs[0].token_ids[:3]))
+    (kept,) = llm.generate([prompt], SamplingParams(allowed_token_ids=allowed, temperature=0.9, seed=1, max_tokens=6,
+                                                    ignore_eos=True), use_tqdm=False)
+    assert set(kept.outputs[0].token_ids) <= set(allowed)
+    (cut,) = llm.generate([prompt], SamplingParams(truncate_prompt_tokens=9, **greedy), use_tqdm=False)
+    (tail,) = llm.generate([prompt[-9:]], SamplingParams(**greedy), use_tqdm=False)
+    assert cut.prompt_token_ids == prompt[-9:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([prompt], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+
+
 def test_auto_max_num_seqs_is_the_power_of_two_that_gives_each_sequence_512_tokens_within_32_to_512():
     from pageserve.engine.config import auto_max_num_seqs
 

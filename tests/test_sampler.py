@@ -473,3 +473,22 @@ def test_min_tokens_bans_go_into_the_mask_unless_the_grammar_may_only_end(device
     params = [SamplingParams(temperature=0, min_tokens=5)] * 2
     out = sampler.sample(logits, params, [[1]] * 2, [[]] * 2, [None] * 2, [0, 0], TokenMasks([0, 1], both)).token_ids
     assert out == [3, 7]
+
+
+# --------------------------------------------------------------- vLLM's allowed_token_ids and bad_words
+@pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_and_bad_words_ban_what_they_should_and_nothing_else(device):
+    sampler = Sampler(V, device, seed=0)
+    logits = rand_logits(4, seed=9).to(device)
+    order = logits.cpu().argsort(dim=-1, descending=True).tolist()  # each row's tokens, likeliest first
+    allowed = SamplingParams(temperature=0, allowed_token_ids=[order[0][5], order[0][9]])
+    one_token = SamplingParams(temperature=0, bad_words=["x"])
+    one_token._bad_words_ids = [[order[1][0]]]  # a one-token word: always banned
+    two_token = SamplingParams(temperature=0, bad_words=["x y"])
+    two_token._bad_words_ids = [[42, order[2][0]]]  # banned only right after 42
+    params = [allowed, one_token, two_token, two_token]
+    outputs = [[1], [1], [7, 42], [42, 7]]
+    out = sampler.sample(logits, params, [[1]] * 4, outputs, [None] * 4).token_ids
+    assert out == [order[0][5], order[1][1], order[2][1], order[3][0]]
+    for p in params:
+        assert not sampler._all_plain_greedy([p], [0])

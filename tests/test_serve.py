@@ -110,6 +110,15 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     assert {i: v[-1] for i, v in per_prompt.items()} == {0: 5, 1: 5} and chunks[-1].usage.completion_tokens == 10
 
 
+def test_vllm_sampling_extras_reach_the_engine(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert "Paris" in client.completions.create(**kw).choices[0].text
+    assert "Paris" not in client.completions.create(**kw, extra_body={"bad_words": ["Paris"]}).choices[0].text
+    assert client.completions.create(**kw, extra_body={"truncate_prompt_tokens": 2}).usage.prompt_tokens == 2
+    r = client.completions.create(**kw, extra_body={"allowed_token_ids": [504, 3170]}, logprobs=0)  # "The", " ir"
+    assert len(r.choices[0].logprobs.tokens) == 4 and set(r.choices[0].logprobs.tokens) <= {"The", " ir"}
+
+
 def test_completion_stream_is_sse_ending_in_done(server):
     r = httpx.post(server.url + "/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "The sky is", "max_tokens": 3, "stream": True})

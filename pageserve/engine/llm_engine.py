@@ -202,15 +202,23 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens:]
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError(f"request {request_id!r}: prompt_logprobs is not supported with tensor parallelism")
         vocab = self.model_config.vocab_size
-        outside = [t for t in (params.logit_bias or ()) if t >= vocab]
-        if outside:
-            raise ValueError(f"request {request_id!r}: logit_bias names token ids {outside[:5]} outside the "
-                             f"vocabulary [0, {vocab})")
+        for name, given in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            outside = [t for t in (given or ()) if t >= vocab]
+            if outside:
+                raise ValueError(f"request {request_id!r}: {name} names token ids {outside[:5]} outside the "
+                                 f"vocabulary [0, {vocab})")
+        if params.bad_words and params._bad_words_ids is None:
+            if self.tokenizer is None:
+                raise ValueError(f"request {request_id!r}: bad_words need the model's tokenizer, and this model "
+                                 f"({self.config.model}) has none")
+            params._bad_words_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         matcher = None
         if params.structured_outputs is not None:
             matcher = self._matcher(request_id, params)
@@ -350,7 +358,7 @@ class LLMEngine:
             land_s, land_cpu_s = time.perf_counter() - t, time.thread_time() - c
 
         hook = None
-        if prev is not None and any(s.params.has_penalties or s.matcher is not None for s in batch.sampling_seqs):
+        if prev is not None and any(s.params.reads_outputs or s.matcher is not None for s in batch.sampling_seqs):
             hook = land_prev
         tl, cl = time.perf_counter(), time.thread_time()
         out = self.runner.execute(batch, None if prev is None else prev.out.token_ids_gpu, before_sampling=hook)
@@ -586,6 +594,18 @@ class LLMEngine:
             "num_mixed_steps": st.num_mixed_steps,
             "num_decode_steps": st.num_decode_steps,
         }
+
+
+def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as it would appear in text: alone (at the start of the output) and after
+    a space (inside it), each spelling once."""
+    seqs: list[list[int]] = []
+    for word in words:
+        for text in (word.strip(), " " + word.strip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in seqs:
+                seqs.append(ids)
+    return seqs
 
 
 def _gaps(times: list[float]) -> list[float]:

@@ -253,6 +253,8 @@ class Sampler:
                 or p.presence_penalty != 0.0
                 or p.frequency_penalty != 0.0
                 or n_out < p.min_tokens
+                or p.bad_words
+                or p.allowed_token_ids
             ):
                 return False
         return True
@@ -262,12 +264,18 @@ class Sampler:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t.to(self.device)
 
-    def _banned_tokens(self, p: SamplingParams, n_out: int) -> list[int]:
-        if n_out >= p.min_tokens:
-            return []
-        banned = list(p.stop_token_ids)
-        if not p.ignore_eos:
-            banned += self.eos_token_ids
+    def _banned_tokens(self, p: SamplingParams, n_out: int, output_ids: list[int]) -> list[int]:
+        """The row's bans: eos and stop ids while under ``min_tokens``; each bad word's last token where
+        the output ends with the tokens before it (a one-token word: always)."""
+        banned = []
+        if n_out < p.min_tokens:
+            banned += p.stop_token_ids
+            if not p.ignore_eos:
+                banned += self.eos_token_ids
+        for word in p._bad_words_ids or ():
+            lead = word[:-1]
+            if not lead or output_ids[len(output_ids) - len(lead):] == lead:
+                banned.append(word[-1])
         return [t for t in banned if t < self.vocab_size]
 
     def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None, masks=None):
@@ -308,23 +316,32 @@ class Sampler:
 
         if num_outputs is None:
             num_outputs = [len(o) for o in output_token_ids]
+        # allowed_token_ids: every other token banned
+        allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        if allow_rows:
+            logits, owned = logits if owned else logits.clone(), True
+            keep = torch.zeros(len(allow_rows), V, dtype=torch.bool)
+            for j, i in enumerate(allow_rows):
+                keep[j, [t for t in params[i].allowed_token_ids if t < V]] = True
+            rows = self._to_device(torch.tensor(allow_rows, dtype=torch.int64))
+            logits[rows] = logits[rows].masked_fill(~self._to_device(keep), float("-inf"))
+        banned = [self._banned_tokens(p, n, o) for p, n, o in zip(params, num_outputs, output_token_ids)]
         guided = set()
         if masks is not None:  # structured outputs: ban what each guided row's grammar does not allow
             logits, owned = logits if owned else logits.clone(), True
-            bits = self._with_min_tokens_bans(masks, params, num_outputs)
+            bits = self._with_bans(masks, banned)
             rows = self._to_device(torch.tensor(masks.rows, dtype=torch.int64))
             allowed = unpack_token_bits(self._to_device(torch.from_numpy(bits)), V)
             logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
             guided = set(masks.rows)
 
-        # min_tokens: ban eos / stop tokens (a guided row's bans are in its mask)
+        # min_tokens and bad words (a guided row's bans are in its mask)
         ban_rows, ban_ids = [], []
-        for i, (p, n_out) in enumerate(zip(params, num_outputs)):
+        for i, row_bans in enumerate(banned):
             if i in guided:
                 continue
-            banned = self._banned_tokens(p, n_out)
-            ban_rows += [i] * len(banned)
-            ban_ids += banned
+            ban_rows += [i] * len(row_bans)
+            ban_ids += row_bans
         if ban_rows:
             logits, owned = logits if owned else logits.clone(), True
             idx = self._to_device(torch.tensor([ban_rows, ban_ids], dtype=torch.int64))
@@ -359,16 +376,15 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         return logits, probs, greedy_rows
 
-    def _with_min_tokens_bans(self, masks: TokenMasks, params, num_outputs) -> np.ndarray:
-        """``masks.bits`` with the ``min_tokens`` bans cleared from them, except where that would
-        leave a row nothing to sample (its grammar may only end there: the grammar wins)."""
+    def _with_bans(self, masks: TokenMasks, banned: list[list[int]]) -> np.ndarray:
+        """``masks.bits`` with each guided row's bans (``_banned_tokens``) cleared from them, except where
+        that would leave a row nothing to sample (its grammar may only end there: the grammar wins)."""
         bits = masks.bits
         for j, row in enumerate(masks.rows):
-            banned = self._banned_tokens(params[row], num_outputs[row])
-            if not banned:
+            if not banned[row]:
                 continue
             cleared = bits[j].copy()
-            ids = np.asarray(banned)
+            ids = np.asarray(banned[row])
             np.bitwise_and.at(cleared, ids // 32, ~(np.int32(1) << (ids % 32).astype(np.int32)))
             if cleared.any():
                 if bits is masks.bits:

@@ -53,6 +53,10 @@ class SamplingParams:
     to their logits before penalties, temperature and truncation, as OpenAI's parameter does
     (-100 in effect bans a token, 100 all but forces it). ``structured_outputs`` keeps the output to a JSON
     schema, a regex, a choice or a grammar (``structured_output.py``; a dict of its fields is taken too).
+    As in vLLM: ``allowed_token_ids`` bans every other token; ``bad_words`` never lets the output
+    spell one of these words (each tokenized alone and after a space: a word's last token is banned
+    where the output already ends with the tokens before it); ``truncate_prompt_tokens=k`` keeps the
+    prompt's last k tokens.
     """
 
     n: int = 1
@@ -75,6 +79,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    # bad_words as token-id sequences, set by the engine that tokenized them (LLMEngine.add_request)
+    _bad_words_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -138,10 +147,26 @@ class SamplingParams:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()} or None
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                fail("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                fail("bad_words", "must be a list of non-empty words")
+        if self.truncate_prompt_tokens is not None and (not is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens < 1):
+            fail("truncate_prompt_tokens", "must be an integer >= 1 or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Its sampling reads the output tokens so far (penalties count them; bad words match their end)."""
+        return self.has_penalties or bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:

@@ -4,7 +4,8 @@ from a request onto ``SamplingParams``.
 Requests are parsed leniently where OpenAI is lenient (``stop`` as a string or a list,
 ``max_completion_tokens`` beside the older ``max_tokens``) and carry the usual extensions of
 open servers: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``. A sampling field the
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``,
+``bad_words``, ``truncate_prompt_tokens``. A sampling field the
 request leaves unset takes the model's generation_config.json default when the engine has one
 (``EngineConfig.generation_config``), as vLLM's server does.
 
@@ -80,6 +81,9 @@ class _Request(BaseModel):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension, and its older names below
@@ -145,7 +149,8 @@ class _Request(BaseModel):
                               "seed": self.seed}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                     "skip_special_tokens", "include_stop_str_in_output"):
+                     "skip_special_tokens", "include_stop_str_in_output", "allowed_token_ids", "bad_words",
+                     "truncate_prompt_tokens"):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
