@@ -24,6 +24,8 @@ def tiny_hf_model(arch: str, tie: bool = False, seed: int = 0):
                   bos_token_id=1, eos_token_id=2)
     if arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(rope_theta=1e6, **common))
+    elif arch == "qwen3":  # head_dim 32, not hidden / heads = 16, as Qwen3-0.6B's is not either
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(rope_theta=1e6, head_dim=32, **common))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(rope_theta=1e4, **common))
     with torch.no_grad():
@@ -43,7 +45,8 @@ def hf_logits_of(model, ids):
 IDS = [5, 17, 42, 99, 7, 250, 3, 3, 64, 12]
 
 
-@pytest.mark.parametrize("arch,tie,shard", [("qwen2", False, None), ("llama", True, None), ("llama", False, "60KB")])
+@pytest.mark.parametrize("arch,tie,shard", [("qwen2", False, None), ("llama", True, None), ("llama", False, "60KB"),
+                                            ("qwen3", True, None)])
 def test_save_pretrained_directory_loads_and_matches(tmp_path, arch, tie, shard):
     hf = tiny_hf_model(arch, tie)
     kwargs = {"max_shard_size": shard} if shard else {}
@@ -119,6 +122,9 @@ def write_gguf(path: Path, hf, arch: str = "llama") -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_theta if hasattr(cfg, "rope_theta") else cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
@@ -144,7 +150,7 @@ def write_gguf(path: Path, hf, arch: str = "llama") -> None:
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_roundtrip_matches_the_hf_model(tmp_path, arch):
     hf = tiny_hf_model(arch)
     path = tmp_path / "tiny.gguf"

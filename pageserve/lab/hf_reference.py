@@ -1,6 +1,6 @@
 """The transformers twin of a pageserve Decoder, for tests and notebooks.
 
-``build_hf_model`` makes a LlamaForCausalLM / Qwen2ForCausalLM holding exactly the same
+``build_hf_model`` makes a LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM holding exactly the same
 weights (the fused qkv / gate_up matrices split back out); ``hf_generate`` is transformers'
 greedy ``generate`` with every generation_config default neutralized; ``compare_logits``
 and ``greedy_parity`` measure how far pageserve is from it.
@@ -20,7 +20,7 @@ from .naive import naive_generate, prompt_logits
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """An HF ``config.json`` dict describing the same model as ``cfg``."""
-    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[cfg.architecture]
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[cfg.architecture]
     d: dict[str, Any] = {
         "architectures": [arch],
         "model_type": cfg.architecture,
@@ -40,8 +40,9 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
         "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else (cfg.eos_token_ids or None),
         "torch_dtype": cfg.torch_dtype,
     }
-    if cfg.architecture == "llama":
+    if cfg.architecture in ("llama", "qwen3"):
         d["attention_bias"] = cfg.attention_bias
+    if cfg.architecture == "llama":
         d["mlp_bias"] = False
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)
@@ -79,8 +80,10 @@ def build_hf_model(model: Decoder, device: torch.device | str | None = None,
     device = torch.device(device) if device is not None else w.device
     dtype = dtype or w.dtype
     d = hf_config_dict(model.cfg)
-    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[model.cfg.architecture]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM}[model.cfg.architecture]
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "qwen3": transformers.Qwen3Config}[model.cfg.architecture]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "qwen3": transformers.Qwen3ForCausalLM}[model.cfg.architecture]
     hf_cfg = config_cls(**{k: v for k, v in d.items() if k not in ("architectures", "model_type", "torch_dtype")})
     hf_cfg._attn_implementation = "sdpa"
     prev = torch.get_default_dtype()

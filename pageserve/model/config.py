@@ -14,15 +14,16 @@ import torch
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
 
 
 @dataclass
 class ModelConfig:
-    """The shape of a Llama- or Qwen2-family decoder, read from an HF ``config.json``."""
+    """The shape of a Llama-, Qwen2- or Qwen3-family decoder, read from an HF ``config.json``."""
 
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,6 +36,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2 always has it)
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3)
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -63,7 +65,7 @@ class ModelConfig:
         archs = d.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            arch = {"llama": "llama", "qwen2": "qwen2"}.get(d.get("model_type", ""))
+            arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(d.get("model_type", ""))
         if arch is None:
             raise ValueError(
                 f"{source}: unsupported architecture {archs or d.get('model_type')!r}; "
@@ -87,6 +89,7 @@ class ModelConfig:
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=True if arch == "qwen2" else bool(d.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),

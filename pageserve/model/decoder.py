@@ -1,4 +1,5 @@
-"""The decoder, from scratch: Llama and Qwen2 families (RMSNorm, RoPE, GQA, SwiGLU).
+"""The decoder, from scratch: Llama, Qwen2 and Qwen3 families (RMSNorm, RoPE, GQA, SwiGLU; Qwen3's
+RMSNorm over each head's q and k).
 
 ``forward(input_ids, positions, attn)`` takes a flat batch of T tokens and an attention
 context; it never changes shape between prefill and decode. The attention context decides
@@ -58,11 +59,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.ops = ops
+        if cfg.qk_norm:  # one [D] weight each, shared by every head (so replicated under tensor parallelism)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
         # qkv: [T, (Hq + 2 Hkv) D], the qkv_proj output (the layer fuses that projection with its norm)
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # each head's row normalised: [T * H, D]
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0]
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
