@@ -169,3 +169,31 @@ def test_bad_tool_requests_are_refused(servers, server_index, extra, why):
     r = client(servers[0]).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
                                                    max_tokens=3, temperature=0)
     assert isinstance(r.choices[0].message.content, str) and not r.choices[0].message.tool_calls
+
+
+THINKING = "<think>\nThe user asks about Paris.\n</think>\n\n"
+
+
+def test_a_reasoning_parser_splits_the_think_part_off_streamed_or_not_and_before_the_tool_parser(start_server):
+    srv = start_server(reasoning_parser="qwen3", enable_auto_tool_choice=True, tool_call_parser="hermes")
+    try:
+        c = client(srv)
+        force = {"structured_outputs": {"regex": re.escape(THINKING + "It is sunny.")}}
+        r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body=force)
+        msg = r.choices[0].message
+        assert (msg.reasoning_content, msg.content) == ("The user asks about Paris.", "It is sunny.")
+        chunks = [ch.choices[0].delta for ch in c.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=40, extra_body=force, stream=True) if ch.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in chunks).strip() == msg.reasoning_content
+        assert "".join(d.content or "" for d in chunks) == "It is sunny."
+        # the think part first, then the hermes call in the answer
+        force = {"structured_outputs": {"regex": re.escape(THINKING + HERMES_CALL)}}
+        r = c.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=80, extra_body=force)
+        msg = r.choices[0].message
+        assert msg.reasoning_content == "The user asks about Paris." and msg.content == "Sure."
+        assert [t.function.name for t in msg.tool_calls] == ["get_weather"] and r.choices[0].finish_reason == "tool_calls"
+        # a reply without a think part is all content
+        r = c.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, extra_body={"guided_choice": ["Sunny."]})
+        assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (None, "Sunny.")
+    finally:
+        srv.stop()

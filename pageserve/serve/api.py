@@ -36,6 +36,7 @@ from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
                        check_continuation, error_body, template_kwargs)
+from .reasoning import REASONING_PARSERS
 from .responses import ResponseEvents, ResponsesRequest, output_items
 from .tools import TOOL_PARSERS, ChatTools, call_json
 
@@ -56,6 +57,7 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     allowed_origins: list[str] | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving ``engine``. The engine thread starts and stops with the app's lifespan.
     ``chat_template``: a Jinja chat template (its text, or a file holding it) used instead of the
@@ -68,9 +70,14 @@ def build_app(
     tools to the model (``tool_choice`` "auto", the default when a request has tools), whose text that
     parser reads calls from, as vLLM's flags of the same names. ``allowed_origins``: the origins a browser
     page may call this server from (CORS; default every origin, as vLLM's ``--allowed-origins``: the API key,
-    not the origin, is what guards it; ``[]`` turns cross-origin calls off)."""
+    not the origin, is what guards it; ``[]`` turns cross-origin calls off). ``reasoning_parser`` (a name in
+    ``reasoning.REASONING_PARSERS``): chat replies split a thinking model's ``<think>`` part into
+    ``reasoning_content``, as vLLM's ``--reasoning-parser``."""
     template = load_chat_template(chat_template)
     parser = tool_parser(enable_auto_tool_choice, tool_call_parser)
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {reasoning_parser!r}; known: {sorted(REASONING_PARSERS)}")
+    thinking = None if reasoning_parser is None else REASONING_PARSERS[reasoning_parser]()
     if allowed_origins is not None and not (isinstance(allowed_origins, list)
                                             and all(isinstance(o, str) for o in allowed_origins)):
         raise ValueError(f"allowed_origins must be a list of origins, got {allowed_origins!r}")
@@ -80,7 +87,7 @@ def build_app(
     names = names or [llm.config.model]
     metrics = ServerMetrics(lambda: aengine.stats, names[0], aengine.step_stats)
     table = TokenTable(llm.tokenizer.hf if llm.tokenizer is not None else None, llm.model_config.vocab_size)
-    server = _Server(aengine, names, metrics, table, template, parser)
+    server = _Server(aengine, names, metrics, table, template, parser, thinking)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -220,10 +227,11 @@ class _Choice:
 
 class _Server:
     def __init__(self, engine: AsyncEngine, names: list[str], metrics: ServerMetrics, table: TokenTable,
-                 chat_template: str | None = None, tool_parser=None) -> None:
+                 chat_template: str | None = None, tool_parser=None, reasoning=None) -> None:
         self.engine = engine
         self.chat_template = chat_template  # None: the tokenizer's own
         self.tool_parser = tool_parser  # reads "auto" tool choice's calls; None: auto is off
+        self.reasoning = reasoning  # splits a reply's <think> part off (reasoning.ThinkParser); None: off
         self.names = names
         self.metrics = metrics
         self.table = table
@@ -398,10 +406,13 @@ class _Server:
         self._finish(outs)
         choices = []
         for c in outs[0].outputs:
-            content, calls = tools.parse(c.text)
+            reasoning, text = (None, c.text) if self.reasoning is None else self.reasoning.split(c.text)
+            content, calls = (None, []) if text is None else tools.parse(text)
             if echo:
                 content = echo + (content or "")
             message: dict[str, Any] = {"role": "assistant", "content": content}
+            if self.reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message["tool_calls"] = [call_json(call) for call in calls]
             choice: dict[str, Any] = {
@@ -423,6 +434,7 @@ class _Server:
         usage_none = {"usage": None} if usage else {}
         choices = [_Choice(i) for i in range(n)]
         calls = [tools.stream() for _ in range(n)]
+        thinks = [None if self.reasoning is None else self.reasoning.streamer() for _ in range(n)]
         yield {**base, "choices": [
             {"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None, "finish_reason": None}
             for i in range(n)
@@ -437,7 +449,14 @@ class _Server:
                 if new is None:
                     continue
                 text, ids = new
+                reasoning, think = "", thinks[c.index]
+                if think is not None:
+                    reasoning, text = think.feed(text)
+                    if c.finish_reason is not None:
+                        reasoning, text = (a + b for a, b in zip((reasoning, text), think.finish()))
                 delta = calls[c.index].feed(text, c.finish_reason is not None)
+                if reasoning:
+                    delta = {"reasoning_content": reasoning, **delta}
                 if not (delta or c.finish_reason is not None or (k is not None and ids)):
                     continue  # text a tool call holds back
                 finish = tools.finish_reason(c.finish_reason, calls[c.index].saw_calls)

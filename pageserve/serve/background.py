@@ -59,6 +59,7 @@ def start_server_in_background(
     chat_template: str | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     startup_timeout_s: float = 300.0,
     log_level: str = "warning",
     **engine_config: Any,
@@ -74,7 +75,8 @@ def start_server_in_background(
     if app is None:
         app = build_app(build_engine(**engine_config), served_model_name=served_model_name, api_key=api_key,
                         max_waiting_requests=max_waiting_requests, chat_template=chat_template,
-                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))

@@ -16,6 +16,7 @@ import typing
 
 from pageserve.engine.config import EngineConfig
 
+from .reasoning import REASONING_PARSERS
 from .tools import TOOL_PARSERS
 from .tunnel import TunnelError, close_tunnel, open_tunnel, resolve_api_key
 
@@ -103,6 +104,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "--tool-call-parser")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="how tool calls are read from the model's text (hermes: Qwen2.5, Hermes)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a thinking model's <think> part into reasoning_content (qwen3, deepseek_r1)")
     p.add_argument("--tunnel", action="store_true",
                    help="also open a public Cloudflare quick tunnel (needs --api-key)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -152,7 +155,7 @@ def run_serve(args: argparse.Namespace) -> int:
                     max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                     chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    allowed_origins=args.allowed_origins)
+                    allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser)
     server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
     if args.tunnel:
