@@ -2,6 +2,7 @@
 SmolLM2's real weights: the same text as the chat route for the same conversation, the streamed event
 sequence, function calls, ``text.format``, and what it refuses."""
 import json
+import re
 
 import pytest
 from openai import BadRequestError, OpenAI
@@ -97,13 +98,36 @@ def test_function_call_items_become_the_chat_history():
     assert [m.role for m in chat.messages] == ["system", "user", "assistant", "tool", "tool"]
 
 
+def test_a_reasoning_parser_gives_a_reasoning_item_before_the_message(start_server):
+    srv = start_server(reasoning_parser="qwen3")
+    try:
+        c = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        force = {"structured_outputs": {"regex": re.escape("<think>\nParis, in June.\n</think>\n\nIt is sunny.")}}
+        kw = dict(model=MODEL, input="What is the weather in Paris?", max_output_tokens=40, extra_body=force)
+        r = c.responses.create(**kw)
+        assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "It is sunny."
+        assert r.output[0].content[0].text == "Paris, in June."
+        events = list(c.responses.create(stream=True, **kw))
+        thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert thought.strip() == "Paris, in June." and events[-1].type == "response.completed"
+        assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
+        assert events[-1].response.output_text == "It is sunny."
+        # an earlier turn's reasoning item, handed back, is dropped
+        again = c.responses.create(model=MODEL, max_output_tokens=5, temperature=0, input=[
+            {"role": "user", "content": "Hi"}, r.output[0].model_dump(exclude_none=True),
+            {"role": "assistant", "content": "It is sunny."}, {"role": "user", "content": "Thanks"}])
+        assert again.status in ("completed", "incomplete")
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("extra,why", [
     ({"previous_response_id": "resp_1"}, "stores no responses"),
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "only text"),
     ({"truncation": "auto"}, "truncation"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "not supported"),
+    ({"input": [{"type": "image_generation_call", "id": "x"}]}, "not supported"),
     ({"tool_choice": "required"}, "needs tools"),
 ])
 def test_what_it_cannot_do_is_refused(client, extra, why):

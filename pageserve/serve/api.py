@@ -406,7 +406,7 @@ class _Server:
         self._finish(outs)
         choices = []
         for c in outs[0].outputs:
-            reasoning, text = (None, c.text) if self.reasoning is None else self.reasoning.split(c.text)
+            reasoning, text = self._split_reasoning(c.text)
             content, calls = (None, []) if text is None else tools.parse(text)
             if echo:
                 content = echo + (content or "")
@@ -449,14 +449,7 @@ class _Server:
                 if new is None:
                     continue
                 text, ids = new
-                reasoning, think = "", thinks[c.index]
-                if think is not None:
-                    reasoning, text = think.feed(text)
-                    if c.finish_reason is not None:
-                        reasoning, text = (a + b for a, b in zip((reasoning, text), think.finish()))
-                delta = calls[c.index].feed(text, c.finish_reason is not None)
-                if reasoning:
-                    delta = {"reasoning_content": reasoning, **delta}
+                delta = _chat_delta(thinks[c.index], calls[c.index], text, c.finish_reason is not None)
                 if not (delta or c.finish_reason is not None or (k is not None and ids)):
                     continue  # text a tool call holds back
                 finish = tools.finish_reason(c.finish_reason, calls[c.index].saw_calls)
@@ -489,21 +482,23 @@ class _Server:
         outs = await self._collect(streams, request)
         self._finish(outs)
         c = outs[0].outputs[0]
-        content, calls = tools.parse(c.text)
-        return JSONResponse(body.response(rid, created, model, output_items(content, calls), c.finish_reason,
-                                          self._usage(outs, 1)))
+        reasoning, text = self._split_reasoning(c.text)
+        content, calls = (None, []) if text is None else tools.parse(text)
+        return JSONResponse(body.response(rid, created, model, output_items(content, calls, reasoning),
+                                          c.finish_reason, self._usage(outs, 1)))
 
     async def _response_events(self, streams, tools: ChatTools, writer: ResponseEvents) -> AsyncIterator[dict]:
         for event in writer.start():
             yield event
         st, stream, last = _Choice(0), tools.stream(), None
+        think = None if self.reasoning is None else self.reasoning.streamer()
         try:
             async for _, out in _merge(streams):
                 last = out
                 c = out.outputs[0]
                 new = self._delta(st, c)
                 if new is not None:
-                    for event in writer.delta(stream.feed(new[0], c.finish_reason is not None)):
+                    for event in writer.delta(_chat_delta(think, stream, new[0], c.finish_reason is not None)):
                         yield event
             self._finish([last] if last is not None else [])
         except OpenAIError as e:
@@ -514,6 +509,10 @@ class _Server:
             return
         for event in writer.finish(last.outputs[0].finish_reason, self._usage([last], 1)):
             yield event
+
+    def _split_reasoning(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, answer) of a whole reply: the reasoning parser's split, or (None, the text) without one."""
+        return (None, text) if self.reasoning is None else self.reasoning.split(text)
 
     def _delta(self, st: _Choice, c: CompletionOutput) -> tuple[str, list[int]] | None:
         """New text and token ids of a choice since the last chunk (None: nothing to send)."""
@@ -629,6 +628,19 @@ class _Server:
         self._finish(outs)
         if usage:
             yield {**base, "choices": [], "usage": self._usage(outs, n)}
+
+
+def _chat_delta(think, calls, text: str, finished: bool) -> dict[str, Any]:
+    """A streamed choice's delta for this much more text: the think part split off first (``reasoning_content``,
+    when the server has a reasoning parser: ``think`` its stream), the answer through the tool stream ``calls``."""
+    reasoning = ""
+    if think is not None:
+        reasoning, text = think.feed(text)
+        if finished:
+            more_reasoning, more_text = think.finish()
+            reasoning, text = reasoning + more_reasoning, text + more_text
+    delta = calls.feed(text, finished)
+    return {"reasoning_content": reasoning, **delta} if reasoning else delta
 
 
 def _usage_mode(body) -> str | None:

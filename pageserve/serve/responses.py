@@ -12,6 +12,10 @@ Streamed, the response is OpenAI's event sequence (``ResponseEvents``): ``respon
 text deltas (``response.output_text.delta``) or the call's arguments (``response.function_call_arguments.delta``)
 between, and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it short).
 
+With the server's ``--reasoning-parser``, a thinking model's ``<think>`` part comes out as a ``reasoning``
+item before the message (streamed as ``response.reasoning_text.delta``); ``reasoning`` items in the input
+(an earlier turn's, handed back) are dropped, as chat templates drop earlier reasoning.
+
 Nothing is stored: ``previous_response_id`` and ``background`` are refused with a 400, as are built-in
 tools (web search, file search, ...), non-text input parts, ``truncation="auto"`` and ``top_logprobs``.
 """
@@ -58,6 +62,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension, as on the chat route
     metadata: dict[str, Any] | None = None
     user: str | None = None
     store: bool | None = None  # accepted; nothing is stored (the response says store false)
@@ -99,6 +104,8 @@ class ResponsesRequest(BaseModel):
                     last["tool_calls"].append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "reasoning":
+                continue  # an earlier turn's reasoning, handed back by the client: templates drop it
             elif kind == "function_call_output":
                 output = item.get("output")
                 messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
@@ -140,7 +147,8 @@ class ResponsesRequest(BaseModel):
         tools, choice = self.chat_tools()
         body = {"model": self.model, "messages": self.messages(), "stream": self.stream,
                 "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "tools": tools, "tool_choice": choice, "response_format": self.response_format(), "user": self.user}
+                "tools": tools, "tool_choice": choice, "response_format": self.response_format(), "user": self.user,
+                "structured_outputs": self.structured_outputs}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
@@ -183,21 +191,34 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
             "arguments": arguments, "status": status}
 
 
-def output_items(content: str | None, calls: list) -> list[dict[str, Any]]:
-    """A finished text's output: its message (when there is text, or nothing else), then its calls."""
-    items = [message_item(content or "")] if content or not calls else []
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or _new_id("rs"), "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def output_items(content: str | None, calls: list, reasoning: str | None = None) -> list[dict[str, Any]]:
+    """A finished text's output: its reasoning (the server's ``--reasoning-parser``), its message (when there
+    is text, or nothing else), then its calls."""
+    items = [reasoning_item(reasoning)] if reasoning else []
+    if content or not (calls or reasoning):
+        items.append(message_item(content or ""))
     return items + [call_item(c.id, c.name, c.arguments) for c in calls]
 
 
+# per text item kind: its events' names (OpenAI's) and how an item of it starts
+_TEXT_ITEMS = {"content": ("output_text", message_item), "reasoning_content": ("reasoning_text", reasoning_item)}
+
+
 class ResponseEvents:
-    """A streamed response's events from the chat route's deltas (``tools.ToolStream.feed``): the message
-    item opens with the first text, a call item with its call's first delta (the one with its id)."""
+    """A streamed response's events from the chat route's deltas (``tools.ToolStream.feed``, with the
+    reasoning parser's ``reasoning_content``): a reasoning or message item opens with its first text, a call
+    item with its call's first delta (the one with its id)."""
 
     def __init__(self, request: ResponsesRequest, rid: str, created: int, model: str) -> None:
         self.request, self.rid, self.created, self.model = request, rid, created, model
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # in output order, filled as they stream
-        self.message: dict[str, Any] | None = None
+        self.texts: dict[str, dict[str, Any]] = {}  # the open reasoning / message item, by its delta key
         self.calls: dict[int, dict[str, Any]] = {}  # by the chat delta's call index
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
@@ -210,20 +231,23 @@ class ResponseEvents:
 
     def delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
         events = []
-        text = delta.get("content")
-        if text:
-            if self.message is None:
-                self.message = message_item("", status="in_progress")
-                part = self.message["content"][0]
-                self.items.append(self.message)
+        for key, (kind, make) in _TEXT_ITEMS.items():
+            text = delta.get(key)
+            if not text:
+                continue
+            item = self.texts.get(key)
+            if item is None:
+                item = self.texts[key] = make("", status="in_progress")
+                self.items.append(item)
                 events.append(self._event("response.output_item.added", output_index=len(self.items) - 1,
-                                          item=dict(self.message, content=[])))
-                events.append(self._event("response.content_part.added", item_id=self.message["id"],
-                                          output_index=len(self.items) - 1, content_index=0, part=dict(part)))
-            self.message["content"][0]["text"] += text
-            events.append(self._event("response.output_text.delta", item_id=self.message["id"],
-                                      output_index=self.items.index(self.message), content_index=0, delta=text,
-                                      logprobs=[]))
+                                          item=dict(item, content=[])))
+                events.append(self._event("response.content_part.added", item_id=item["id"],
+                                          output_index=len(self.items) - 1, content_index=0,
+                                          part=dict(item["content"][0])))
+            item["content"][0]["text"] += text
+            extra = {"logprobs": []} if kind == "output_text" else {}
+            events.append(self._event(f"response.{kind}.delta", item_id=item["id"],
+                                      output_index=self.items.index(item), content_index=0, delta=text, **extra))
         for tc in delta.get("tool_calls") or []:
             item = self.calls.get(tc["index"])
             if item is None:
@@ -243,17 +267,18 @@ class ResponseEvents:
         status = "incomplete" if finish_reason == "length" else "completed"
         for index, item in enumerate(self.items):
             item["status"] = status
-            if item["type"] == "message":
+            if item["type"] in ("message", "reasoning"):
                 part = item["content"][0]
-                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"], logprobs=[]))
+                extra = {"logprobs": []} if part["type"] == "output_text" else {}
+                events.append(self._event(f"response.{part['type']}.done", item_id=item["id"], output_index=index,
+                                          content_index=0, text=part["text"], **extra))
                 events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                           content_index=0, part=dict(part)))
             else:
                 events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
                                           output_index=index, name=item["name"], arguments=item["arguments"]))
             events.append(self._event("response.output_item.done", output_index=index, item=dict(item)))
-        if not self.items:  # no text at all: the response still has its (empty) message
+        if not self.items:  # no text at all: the response still has its (empty) message, as output_items gives
             self.items.append(message_item("", status=status))
         final = self.request.response(self.rid, self.created, self.model, self.items, finish_reason, usage)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
