@@ -171,6 +171,22 @@ def test_bad_tool_requests_are_refused(servers, server_index, extra, why):
     assert isinstance(r.choices[0].message.content, str) and not r.choices[0].message.tool_calls
 
 
+def test_auto_tool_choice_with_the_llama3_json_parser(start_server):
+    srv = start_server(enable_auto_tool_choice=True, tool_call_parser="llama3_json")
+    try:
+        force = {"structured_outputs": {"regex": re.escape('{"name": "get_weather", "parameters": {"city": "Paris"}}')}}
+        kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=40, extra_body=force)
+        r = client(srv).chat.completions.create(**kw)
+        assert r.choices[0].message.content is None and r.choices[0].finish_reason == "tool_calls"
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in r.choices[0].message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})]
+        chunks = [ch.choices[0].delta for ch in client(srv).chat.completions.create(stream=True, **kw) if ch.choices]
+        calls = [tc for d in chunks for tc in d.tool_calls or []]
+        assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+    finally:
+        srv.stop()
+
+
 THINKING = "<think>\nThe user asks about Paris.\n</think>\n\n"
 
 

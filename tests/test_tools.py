@@ -1,10 +1,10 @@
-"""The hermes tool-call parser: whole-text extraction, and streaming that agrees with it under
-any splitting of the text into deltas."""
+"""The tool-call parsers (hermes, llama3_json): whole-text extraction, and streaming that agrees with
+it under any splitting of the text into deltas."""
 import json
 import random
 import re
 
-from pageserve.serve.tools import TOOL_PARSERS, HermesToolParser, ToolCall, new_call_id
+from pageserve.serve.tools import TOOL_PARSERS, HermesToolParser, Llama3JsonToolParser, ToolCall, new_call_id
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
@@ -14,9 +14,9 @@ def extract(text):
     return HermesToolParser().extract(text)
 
 
-def stream(text, sizes=None):
+def stream(text, sizes=None, parser=HermesToolParser):
     """All events of ``text`` fed in deltas of the given sizes (cycled), then finish()."""
-    s = HermesToolParser().streamer()
+    s = parser().streamer()
     events, pos, k = [], 0, 0
     while pos < len(text):
         n = sizes[k % len(sizes)] if sizes else len(text)
@@ -207,4 +207,139 @@ def test_streaming_finish_turns_an_open_block_into_a_call_or_raw_text():
     s = HermesToolParser().streamer()
     assert s.feed('ok <tool_call>{"name": "f", "argu') == ["ok "]
     assert s.finish() == ['<tool_call>{"name": "f", "argu']
+    assert not s.saw_calls
+
+
+# llama3_json: the whole reply is calls, or it is content
+
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TIME = '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}'
+
+
+def llama_extract(text):
+    return Llama3JsonToolParser().extract(text)
+
+
+def names_and_args(calls):
+    return [(c.name, c.arguments) for c in calls]
+
+
+def test_llama3_single_call():
+    content, calls = llama_extract(LLAMA_WEATHER)
+    assert content is None
+    assert names_and_args(calls) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_llama3_python_tag_and_surrounding_whitespace_are_dropped():
+    for text in ("<|python_tag|>" + LLAMA_WEATHER, "\n <|python_tag|>" + LLAMA_WEATHER + "\n", "<|python_tag|>\n" + LLAMA_WEATHER):
+        content, calls = llama_extract(text)
+        assert content is None, text
+        assert names_and_args(calls) == [("get_weather", '{"city": "Paris"}')]
+
+
+def test_llama3_calls_separated_by_semicolons_keep_their_order():
+    for sep in (";", "; ", " ;\n", "\n;\n\n"):
+        content, calls = llama_extract("<|python_tag|>" + LLAMA_WEATHER + sep + LLAMA_TIME + sep + '{"name": "now"}')
+        assert content is None, sep
+        assert names_and_args(calls) == [("get_weather", '{"city": "Paris"}'),
+                                         ("get_time", '{"tz": "Europe/Paris"}'), ("now", "{}")]
+    calls = llama_extract(LLAMA_WEATHER + ";" + LLAMA_WEATHER)[1]
+    assert calls[0].id != calls[1].id
+
+
+def test_llama3_arguments_key_is_accepted_as_parameters():
+    _, calls = llama_extract('{"name": "f", "arguments": {"x": [1, 2]}}')
+    assert names_and_args(calls) == [("f", '{"x": [1, 2]}')]
+
+
+def test_llama3_semicolon_and_braces_inside_a_string_argument():
+    args = {"sql": "SELECT 1; DROP TABLE t; -- } {", "city": "Zürich 東京"}
+    text = json.dumps({"name": "query", "parameters": args}, ensure_ascii=False) + "; " + LLAMA_TIME
+    content, calls = llama_extract(text)
+    assert content is None
+    assert [c.name for c in calls] == ["query", "get_time"]
+    assert calls[0].arguments == json.dumps(args, ensure_ascii=False)
+
+
+def test_llama3_plain_text_is_content_unchanged():
+    for text in ("The weather in Paris is sunny.", "  Hi there\n", "", "  \n", "<|python", "; {}"):
+        assert llama_extract(text) == (text, []), text
+
+
+def test_llama3_text_starting_with_a_brace_that_is_not_calls_is_content_whole():
+    for text in ("{not json", '{"a": 1}', '{"name": 3, "parameters": {}}', '{"name": "f", "parameters": [1]}',
+                 LLAMA_WEATHER + " and that is the call.", LLAMA_WEATHER + ";", LLAMA_WEATHER + ";;" + LLAMA_TIME,
+                 LLAMA_WEATHER + " " + LLAMA_TIME, LLAMA_WEATHER + ", " + LLAMA_TIME,
+                 LLAMA_WEATHER + "; {oops}", "<|python_tag|>print(1)"):
+        assert llama_extract(text) == (text, []), text
+
+
+def test_llama3_prose_that_mentions_a_call_object_later_is_content():
+    text = "To call it, send " + LLAMA_WEATHER + "; then " + LLAMA_TIME
+    assert llama_extract(text) == (text, [])
+
+
+def test_llama3_reply_cut_short_is_content_whole():
+    """A reply cut by max_tokens does not parse, so all of it (a finished first call too) is content."""
+    for text in (LLAMA_WEATHER[:-3], LLAMA_WEATHER + "; " + LLAMA_TIME[:20], "<|python_tag|>" + LLAMA_WEATHER + ";"):
+        assert llama_extract(text) == (text, []), text
+        assert stream(text, [1], Llama3JsonToolParser) == [text]
+
+
+def test_llama3_registry_has_both_parsers_by_name():
+    assert TOOL_PARSERS["hermes"] is HermesToolParser
+    assert TOOL_PARSERS["llama3_json"] is Llama3JsonToolParser
+    assert all(TOOL_PARSERS[name]().name == name for name in ("hermes", "llama3_json"))
+
+
+LLAMA_CASES = [
+    LLAMA_WEATHER,
+    "<|python_tag|>" + LLAMA_WEATHER,
+    "\n  <|python_tag|>" + LLAMA_WEATHER + ";\n" + LLAMA_TIME + "\n",
+    '{"name": "f", "arguments": {"s": "a; b } ; {\\"c\\": 1}"}} ; {"name": "g"}',
+    "The answer is 42.",
+    "  \n Indented answer with { braces } and <|python_tag|> later",
+    " <|pyth",
+    "<|python!",
+    "{not json",
+    LLAMA_WEATHER + " and prose after it",
+    "To call it, send " + LLAMA_WEATHER,
+    "",
+    "   ",
+]
+
+
+def test_llama3_streaming_agrees_with_extract_under_random_splits():
+    for seed, text in enumerate(LLAMA_CASES):
+        want_content, want_calls = llama_extract(text)
+        want = ("" if want_calls else want_content, [(c.name, json.loads(c.arguments)) for c in want_calls])
+        for sizes in [None, [1], *random_splits(text, 100 + seed)]:
+            events = stream(text, sizes, Llama3JsonToolParser)
+            assert content_and_calls(events) == want, (text, sizes)
+            if want_calls:
+                assert all(isinstance(e, ToolCall) for e in events)
+
+
+def test_llama3_streaming_passes_content_through_once_decided():
+    s = Llama3JsonToolParser().streamer()
+    assert s.feed("\n ") == []  # leading whitespace is held until the reply shows what it is
+    assert s.feed("<|py") == []  # could still be <|python_tag|>
+    assert s.feed("x") == ["\n <|pyx"]
+    assert s.feed(" {") == [" {"]
+    assert s.feed('"name": "f"}') == ['"name": "f"}']
+    assert s.finish() == []
+    assert not s.saw_calls
+
+
+def test_llama3_streaming_holds_a_possible_call_until_finish():
+    s = Llama3JsonToolParser().streamer()
+    for delta in ("<|python", "_tag|>", '{"name": "f", ', '"parameters": {"a": 1}}', "; ", '{"name": "g"}'):
+        assert s.feed(delta) == []
+    assert not s.saw_calls
+    events = s.finish()
+    assert names_and_args(events) == [("f", '{"a": 1}'), ("g", "{}")]
+    assert s.saw_calls
+    s = Llama3JsonToolParser().streamer()
+    assert s.feed("{not") == [] and s.feed(" json") == []
+    assert s.finish() == ["{not json"]
     assert not s.saw_calls

@@ -1,6 +1,6 @@
 """Tool calls: how a chat request's calls come out of the text its model generates (``ChatTools``,
-by the request's ``tool_choice``), and the parser that reads them from free text for the server's
-``--enable-auto-tool-choice --tool-call-parser hermes``.
+by the request's ``tool_choice``), and the parsers that read them from free text for the server's
+``--enable-auto-tool-choice --tool-call-parser hermes | llama3_json``.
 
 The "hermes" format is the one the Qwen2.5 and NousResearch Hermes chat templates teach: the
 model writes ordinary content, then zero or more blocks of one JSON object each::
@@ -13,6 +13,9 @@ model writes ordinary content, then zero or more blocks of one JSON object each:
 A block that does not parse is not a call: the non-streaming parser then answers the whole text
 as content, and the streaming one sends that block's raw text as content. A final block left
 open (the model stopped on EOS before ``</tool_call>``) counts as a call when its JSON parses.
+
+The "llama3_json" format (``Llama3JsonToolParser``) is Llama 3.1-3.3's JSON tool calling: a reply made only of
+``{"name": ..., "parameters": {...}}`` objects, optionally after ``<|python_tag|>``, separated by ``;``.
 """
 from __future__ import annotations
 
@@ -173,7 +176,96 @@ class HermesStream:
             events.append(text)
 
 
-TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser}
+class Llama3JsonToolParser:
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """``(None, calls)`` when the whole generation is calls, else ``(text, [])``: the text unchanged.
+
+        It is calls when, past leading whitespace and an optional ``<|python_tag|>``, it is one or
+        more call objects (``_parse_call``) and nothing else, separated by ``;`` and whitespace. A
+        ``;`` left at the end, or any text after an object that is not ``;``, makes it all content.
+        """
+        calls = _llama3_calls(text)
+        return (text, []) if calls is None else (None, calls)
+
+    def streamer(self) -> Llama3JsonStream:
+        return Llama3JsonStream()
+
+
+def _llama3_calls(text: str) -> list[ToolCall] | None:
+    """The calls a whole llama3_json reply is made of, or None when it is not calls only."""
+    body = text.lstrip()
+    if body.startswith(Llama3JsonToolParser.TAG):
+        body = body[len(Llama3JsonToolParser.TAG):].lstrip()
+    if not body.startswith("{"):
+        return None
+    decoder = json.JSONDecoder()
+    calls: list[ToolCall] = []
+    pos = 0
+    while True:
+        try:
+            _, end = decoder.raw_decode(body, pos)  # walks past a ";" inside a string
+        except ValueError:
+            return None
+        call = _parse_call(body[pos:end])
+        if call is None:
+            return None
+        calls.append(call)
+        rest = body[end:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            return None
+        pos = len(body) - len(rest[1:].lstrip())  # raw_decode takes no leading whitespace
+
+
+class Llama3JsonStream:
+    """Incremental parsing of one generation's text deltas, with ``HermesStream``'s events.
+
+    The first non-whitespace text decides: a reply that starts with ``{`` or ``<|python_tag|>`` (or
+    could still be the start of the tag) is held whole, and ``finish()`` answers it as its calls, or
+    as one content string when it does not parse; any other reply is content, sent as it comes (the
+    leading whitespace held before the decision goes with it). So the events always agree with
+    ``Llama3JsonToolParser.extract`` on the whole text, and a call reply streams nothing until the end.
+    """
+
+    TAG = Llama3JsonToolParser.TAG
+
+    def __init__(self) -> None:
+        self._buf = ""            # everything so far, while the reply may be calls
+        self._is_content = False  # decided: plain content, passed straight through
+        self._saw_calls = False
+
+    @property
+    def saw_calls(self) -> bool:
+        return self._saw_calls
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        if self._is_content:
+            return [delta] if delta else []
+        self._buf += delta
+        head = self._buf.lstrip()
+        if not head or head.startswith("{") or head.startswith(self.TAG) or self.TAG.startswith(head):
+            return []
+        self._is_content = True
+        text, self._buf = self._buf, ""
+        return [text]
+
+    def finish(self) -> list[str | ToolCall]:
+        """The events left at the end: a held reply's calls, or its whole text as content."""
+        text, self._buf, self._is_content = self._buf, "", False
+        if not text:
+            return []
+        calls = _llama3_calls(text)
+        if calls is None:
+            return [text]
+        self._saw_calls = True
+        return calls
+
+
+TOOL_PARSERS: dict[str, type] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
 def call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
