@@ -10,15 +10,9 @@ A reply cut short inside its reasoning (no ``</think>`` yet) is all reasoning, w
 """
 from __future__ import annotations
 
+from .tools import held_tag_prefix
+
 START, END = "<think>", "</think>"
-
-
-def _held(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper prefix of ``tag``."""
-    for k in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class ThinkParser:
@@ -73,7 +67,7 @@ class ThinkStream:
             if end:
                 reasoning, self.mode, self.buf = head, "answer", rest
             else:
-                keep = _held(self.buf, END)
+                keep = held_tag_prefix(self.buf, END)
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return reasoning, ""
         if self.mode == "answer":

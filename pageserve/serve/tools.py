@@ -95,8 +95,9 @@ class HermesToolParser:
         return HermesStream()
 
 
-def _held_tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that is a proper prefix of ``tag``."""
+def held_tag_prefix(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of ``tag``: what a stream holds
+    back until the next delta shows whether a tag starts there (also ``reasoning.py``'s)."""
     for k in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:k]):
             return k
@@ -139,7 +140,7 @@ class HermesStream:
             else:
                 start = self._buf.find(self.START)
                 if start < 0:
-                    keep = _held_tag_prefix(self._buf, self.START)
+                    keep = held_tag_prefix(self._buf, self.START)
                     self._content(self._buf[:len(self._buf) - keep], events)
                     self._buf = self._buf[len(self._buf) - keep:]
                     return events
