@@ -36,12 +36,19 @@ from pageserve.model.loader import load_model
 MODES = ("plain", "plain_sync", "penalised", "guided_some", "guided_all")
 
 
-def endless_schema(max_tokens: int) -> dict:
-    """A JSON array that cannot end within ``max_tokens`` tokens (each item takes at least two)."""
-    return {"type": "array", "minItems": 10 * max_tokens, "items": {"type": "string", "maxLength": 8}}
+def endless_schema(max_tokens: int, items: str = "integer") -> dict:
+    """A JSON array that cannot end within ``max_tokens`` tokens (each item takes at least two).
+
+    ``items``: "integer" (the default since 525465c's run) or "string" (short strings: what that run used).
+    Inside a string llguidance's mask costs ~0.08-0.1 ms a row against ~0.004 ms for integers (measured on
+    the 2-core CPU box, SmolLM2's tokenizer padded to 151,936 ids), so "string" measures llguidance's mask
+    cost and "integer" the engine's own."""
+    item = {"type": "string", "maxLength": 8} if items == "string" else {"type": "integer"}
+    return {"type": "array", "minItems": 10 * max_tokens, "items": item}
 
 
-def requests(llm: LLM, n: int, max_tokens: int, every: int | None) -> tuple[list[str], list[SamplingParams]]:
+def requests(llm: LLM, n: int, max_tokens: int, every: int | None,
+             items: str = "integer") -> tuple[list[str], list[SamplingParams]]:
     """``n`` chat prompts, and their params: every ``every``-th guided (None: none; 1: all; 0: none, all
     with a repetition penalty of 1.05)."""
     hf = llm.tokenizer.hf
@@ -49,7 +56,8 @@ def requests(llm: LLM, n: int, max_tokens: int, every: int | None) -> tuple[list
                                       tokenize=False, add_generation_prompt=True) for i in range(n)]
     plain = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                            repetition_penalty=1.05 if every == 0 else 1.0)
-    guided = SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs={"json": endless_schema(max_tokens)})
+    guided = SamplingParams(temperature=0, max_tokens=max_tokens,
+                            structured_outputs={"json": endless_schema(max_tokens, items)})
     params = [guided if every and i % every == 0 else plain for i in range(n)]
     return prompts, params
 
@@ -81,6 +89,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=8, help="guided_some: one request in this many is guided")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-blocks", type=int, default=None)
+    ap.add_argument("--items", choices=("integer", "string"), default="integer",
+                    help="the guided array's items (string: llguidance's costly in-string masks)")
     args = ap.parse_args()
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -94,7 +104,8 @@ def main() -> None:
             # the engine reads async_scheduling at every step: off for this mode's run only
             llm.engine.config.async_scheduling = mode != "plain_sync"
             every = {"guided_some": args.every, "guided_all": 1, "penalised": 0}.get(mode)
-            row = {"mode": mode, "round": rnd, **run(llm, *requests(llm, args.requests, args.max_tokens, every))}
+            row = {"mode": mode, "round": rnd,
+                   **run(llm, *requests(llm, args.requests, args.max_tokens, every, args.items))}
             if rnd:
                 rows.append(row)
             print(json.dumps(row), flush=True)
