@@ -112,9 +112,8 @@ class LLM:
         if continue_final_message:
             kwargs["continue_final_message"] = True
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.tokenizer
-        prompts = [tok.encode(tok.render_chat(c, add_generation_prompt, chat_template=chat_template, **kwargs),
-                              add_special_tokens=False) for c in convs]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template=chat_template, **kwargs)
+                   for c in convs]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:

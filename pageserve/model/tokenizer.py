@@ -59,10 +59,12 @@ class Tokenizer:
         return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                            chat_template=chat_template, **template_kwargs)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the rendered chat. The template already writes any BOS it wants,
-        so the text is encoded without adding special tokens (as transformers does)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **template_kwargs) -> list[int]:
+        """Token ids of the rendered chat (``render_chat``'s arguments). The template already writes any
+        BOS it wants, so the text is encoded without adding special tokens (as transformers does)."""
+        text = self.render_chat(messages, add_generation_prompt, chat_template=chat_template, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     def __repr__(self) -> str:
         return f"Tokenizer({type(self.hf).__name__}, vocab={self.vocab_size}, eos={self._eos})"
