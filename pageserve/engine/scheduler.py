@@ -147,10 +147,12 @@ class Scheduler:
         that finished since it was scheduled, its blocks freed, is skipped: the engine may land the
         previous step in between, ``LLMEngine.step``.)"""
         bm = self.block_manager
+        caching = bm.enable_prefix_caching  # checked once a step, not once a sequence
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if not seq.is_finished:
                 seq.num_computed_tokens += n
-                bm.cache_full_blocks(seq)
+                if caching:
+                    bm.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark ``seq`` finished and free its blocks; it leaves ``running`` at the next
