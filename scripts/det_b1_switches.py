@@ -134,7 +134,10 @@ VARIANTS = {
     "det_silu_epilogue_pdl_top": (True, {"gate_up_pdl_release": "top"}),
     # session 40: the attention's split programs at 1-4 rows walk a split's four key tiles in phases (K loads, score
     # products, maxes, V loads, p @ V products, then the folds in key order: paged_attention_invariant(phased=...))
-    # instead of one tile after the other; built without a GPU, so not the default until this A/B has run
+    # instead of one tile after the other. The A/B at ac249bd (det_attn_phased against det, then the loop) gained
+    # 0.033-0.052 ms at b1 and 0.05-0.06 at b4 (diagnostics/det_b1_switches_ac249bd.*): the default since, so
+    # "det_attn_unphased" (the loop everywhere) is now the A/B's other side
+    "det_attn_unphased": (True, {"_patch": "attn_unphased"}),
     "det_attn_phased": (True, {"_patch": "attn_phased_small_decodes"}),
     "det_attn_phased_all": (True, {"_patch": "attn_phased_all_decodes"}),  # every decode launch (b64: 4 warps)
     # session 27 ran "det_merge_kernel" ({"attention_launch": {"fused_merge": False}}) at 9f472ab, where decode

@@ -209,8 +209,9 @@ def test_programs_walking_several_splits_give_the_one_program_per_split_bits(tal
         paged_attention_invariant(q, kc, vc, meta, D**-0.5, phased=True, kv_split=8 * KS, block_n=KS)
 
 
-def test_the_phased_policy_takes_small_decode_launches_only_when_switched_on_and_keeps_their_bits(monkeypatch):
-    # PHASED_MAX_TILES is 0 until the H200 A/B; lab.profiling's patch turns it on for the 8-warp decode launches
+def test_the_phased_policy_takes_small_decode_launches_only_and_keeps_their_bits(monkeypatch):
+    # PHASED_MAX_TILES: on for the 8-warp decode launches (adopted after the H200 A/B at ac249bd);
+    # lab.profiling's attn_unphased patch turns it off for A/Bs
     from pageserve.kernels import paged_invariant
     from pageserve.lab.profiling import PATCHES
 
@@ -226,18 +227,23 @@ def test_the_phased_policy_takes_small_decode_launches_only_when_switched_on_and
             calls.append(1)
             return phased_split.fn(*args, **kwargs)
         monkeypatch.setattr(paged_invariant, "_phased_split", spy)
-    assert paged_invariant.PHASED_MAX_TILES == 0
-    loop = paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=TALL, **LAUNCH)
+    assert paged_invariant.PHASED_MAX_TILES == paged_invariant.WIDE_WARPS_MAX_TILES
+    auto = paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=TALL, **LAUNCH)
+    assert CUDA or calls
+    calls.clear()  # no MMA row sums (a T4): the launch keeps the loop
+    paged_attention_invariant(q, kc, vc, meta, D**-0.5, **LAUNCH)
     assert not calls
-    with PATCHES["attn_phased_small_decodes"]():
-        assert paged_invariant.PHASED_MAX_TILES == paged_invariant.WIDE_WARPS_MAX_TILES
-        auto = paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=TALL, **LAUNCH)
-        assert CUDA or calls
-        calls.clear()  # no MMA row sums (a T4): the launch keeps the loop
-        paged_attention_invariant(q, kc, vc, meta, D**-0.5, **LAUNCH)
+    with PATCHES["attn_unphased"]():
+        assert paged_invariant.PHASED_MAX_TILES == 0
+        loop = paged_attention_invariant(q, kc, vc, meta, D**-0.5, prefill_block_m=TALL, **LAUNCH)
         assert not calls
-    assert paged_invariant.PHASED_MAX_TILES == 0
+    assert paged_invariant.PHASED_MAX_TILES == paged_invariant.WIDE_WARPS_MAX_TILES
     assert torch.equal(loop, auto)
+    # a launch of more tiles than the bound keeps the loop
+    q9, _, _, kc9, vc9, meta9 = checks.random_paged_batch([1] * 5, [3 * KS + 5] * 5, Hq, Hkv, D, bs, torch.bfloat16,
+                                                          DEVICE, gen)
+    paged_attention_invariant(q9, kc9, vc9, meta9, D**-0.5, prefill_block_m=TALL, **LAUNCH)
+    assert not calls
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if CUDA else [torch.float32, torch.bfloat16])

@@ -84,11 +84,14 @@ FMA_BLOCK_N = 32  # keys per tile where a dot runs on FMAs (_util.mma_dot_for): 
 # equal in every walk of the sweeps); a tl.sum tree (ROWSUM_DOT off) follows the layout, so there 4 always
 WIDE_WARPS_MAX_TILES = 8
 # paged_attention_invariant(phased=None) walks a split's key tiles in phases on decode launches of at most this
-# many small tiles with MMA row sums (Hopper). 0: nowhere yet. Built in session 40 for batch 1, where the split
-# kernel's chain of four tiles is the det step's largest excess (9.96 us a layer against the default's 5.27 for
-# RoPE + split, diagnostics/profile_steps_chain_ce246be.*); no GPU was lent after it was built, so the policy stays
-# off until the H200 A/B (det_b1_switches.py's det_attn_phased, which sets it to WIDE_WARPS_MAX_TILES) has run
-PHASED_MAX_TILES = 0
+# many small tiles with MMA row sums (Hopper): the 8-warp launches, batches 1-4 at 2 KV heads. Built in session 40
+# for batch 1, where the split kernel's chain of four tiles was the det step's largest excess (9.96 us a layer
+# against the default's 5.27 for RoPE + split, diagnostics/profile_steps_chain_ce246be.*). H200 A/B at ac249bd
+# (diagnostics/det_b1_switches_ac249bd.*, graphed 3B det step, two pairs): batch 1 2.517 -> 2.484 and 2.523 ->
+# 2.471 ms, batch 4 2.681 -> 2.618 and 2.672 -> 2.623, batch 64 level (its launches have more tiles). On every
+# launch (det_attn_phased_all) batch 64 took 4.15 ms against 3.33: hence the bound. lab.profiling's
+# attn_unphased patch sets 0 (the loop everywhere) for A/Bs
+PHASED_MAX_TILES = WIDE_WARPS_MAX_TILES
 # paged_attention_invariant's keywords that choose a launch, never a bit (DeterministicOps' attention_launch)
 LAUNCH_OPTIONS = ("split_programs", "flat", "split_stages", "split_warps", "phased")
 

@@ -141,6 +141,7 @@ def attn_phased(max_tiles: int | None = None):
 
 
 PATCHES = {"fp32_logits": fp32_logits, "attn_phased_small_decodes": attn_phased,
+           "attn_unphased": lambda: attn_phased(0),
            "attn_phased_all_decodes": lambda: attn_phased(1 << 30)}
 
 
