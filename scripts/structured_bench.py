@@ -18,7 +18,9 @@ A random-weight shape (``qwen2.5-3b``) has no tokenizer: ``--tokenizer-from`` le
 the default model's), whose ids all lie inside the shape's vocabulary.
 
 Writes DIR/structured_bench.json (with the commit): per mode and round the output tok/s, steps and
-seconds, and each mode's median ratio to plain; prints one line per run.
+seconds, and each mode's median ratio to plain; then the masks alone on the host (``mask_timing``: the
+thread pool's fill against one matcher after another, integer and string items, 1 / 32 / 256 rows);
+prints one line per run.
 """
 from __future__ import annotations
 
@@ -76,6 +78,44 @@ def run(llm: LLM, prompts, params) -> dict:
             "first_text": outs[0].outputs[0].text[:60]}
 
 
+def mask_timing(llm: LLM, items: str, max_tokens: int, row_counts=(1, 32, 256), repeats: int = 20) -> dict:
+    """The masks alone, on the host: ``GrammarCompiler.step_masks`` (llguidance's thread pool) and one
+    matcher after another (``fill_next_token_bitmask`` in a loop), for ``row_counts`` matchers of the
+    benchmark's schema each inside the array (after "[1, 2, 3, " or '["ab", "cd", "'), ms per step (median
+    of ``repeats``)."""
+    import os
+
+    import numpy as np
+
+    from pageserve.engine.structured_output import GrammarCompiler, StructuredOutputsParams, _import_llguidance
+
+    llg = _import_llguidance()
+    engine = llm.engine
+    compiler = engine.grammar or GrammarCompiler(engine.tokenizer.hf, engine.model_config.vocab_size,
+                                                 sorted(engine.eos_token_ids))
+    params = StructuredOutputsParams(json=endless_schema(max_tokens, items))
+    prefix = engine.tokenizer.hf.encode("[1, 2, 3, " if items == "integer" else '["ab", "cd", "',
+                                        add_special_tokens=False)
+    out = {"cpu_count": os.cpu_count(), "items": items, "prefix_tokens": len(prefix), "ms_per_step": {}}
+    for n in row_counts:
+        matchers = [compiler.matcher(params) for _ in range(n)]
+        for m in matchers:
+            m.consume_tokens(prefix)
+            assert not m.is_error(), m.get_error()
+        par, seq = [], []
+        bits = np.zeros((n, (compiler.tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            compiler.step_masks(matchers)
+            par.append(1e3 * (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for i, m in enumerate(matchers):
+                llg.numpy.fill_next_token_bitmask(m, bits, i)
+            seq.append(1e3 * (time.perf_counter() - t0))
+        out["ms_per_step"][n] = {"step_masks": statistics.median(par), "one_after_another": statistics.median(seq)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -110,7 +150,9 @@ def main() -> None:
                 rows.append(row)
             print(json.dumps(row), flush=True)
     median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in MODES}
-    record = {**provenance(), "args": vars(args), "runs": rows,
+    masks = {items: mask_timing(llm, items, args.max_tokens) for items in ("integer", "string")}
+    print(json.dumps(masks), flush=True)
+    record = {**provenance(), "args": vars(args), "runs": rows, "mask_timing": masks,
               "median_output_tok_s": median,
               "ratio_to_plain": {m: median[m] / median["plain"] for m in MODES}}
     out = Path(args.out)

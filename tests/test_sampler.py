@@ -279,6 +279,51 @@ def test_presence_frequency_penalties_match_reference_in_mixed_batch():
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+def test_token_history_follows_its_lists_as_they_grow_past_the_buffer():
+    from pageserve.engine.sequence import TokenHistory
+
+    prompt, out = [5, 6, 7], []
+    h = TokenHistory(prompt, out)
+    assert h.prompt().tolist() == prompt and h.output().tolist() == []
+    rng = np.random.default_rng(3)
+    for n in (1, 1, 14, 1, 40, 0, 100):  # crosses the first buffer (16) and two doublings
+        out += rng.integers(0, V, n).tolist()
+        assert h.output().tolist() == out
+    del out[10:]  # not append-only: started over, not left stale
+    out.append(1)
+    assert h.output().tolist() == out
+
+
+def test_penalties_read_from_token_histories_equal_the_lists_path():
+    from pageserve.engine.sequence import TokenHistory
+
+    B = 5
+    logits = rand_logits(B, seed=31)
+    params = [SamplingParams(temperature=0.9, repetition_penalty=1.3, frequency_penalty=0.4),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.1, presence_penalty=-0.6),
+              SamplingParams(temperature=0.0, repetition_penalty=0.7, presence_penalty=0.9),
+              SamplingParams(temperature=0.6, top_k=10)]
+    prompts, outs = token_lists(B, 25, seed=32), [[], [1, 1], [2, 2, 3], list(range(40)), [4]]
+    histories = [TokenHistory(p, o) for p, o in zip(prompts, outs)]
+    seeds = [11 * i + 1 for i in range(B)]
+    sampler = Sampler(V, "cpu")
+    for step in range(3):
+        want = sampler.sample(logits, params, prompts, outs, seeds)
+        got = sampler.sample(logits, params, [[]] * B, [[]] * B, seeds, [len(o) for o in outs],
+                             histories=histories)
+        assert got.token_ids == want.token_ids
+        from_lists = sampler._process(logits, params, prompts, outs)[0]
+        from_histories = sampler._process(logits, params, [[]] * B, [[]] * B, histories=histories)[0]
+        assert torch.equal(from_histories, from_lists)
+        assert not torch.equal(from_histories, sampler._process(logits, params, [[]] * B, [[]] * B)[0])
+        torch.testing.assert_close(sampler_probs(sampler, logits, params, prompts, outs),
+                                   sample_reference(logits, params, prompts, outs, [None] * B).probs,
+                                   atol=1e-6, rtol=1e-5)
+        for o, t in zip(outs, want.token_ids):
+            o.append(t)
+
+
 def test_greedy_rows_with_penalties_take_argmax_of_penalised_logits():
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
     p = SamplingParams(temperature=0, presence_penalty=1.0)

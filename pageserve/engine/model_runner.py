@@ -479,6 +479,7 @@ class ModelRunner:
             [s.seed for s in seqs],
             num_outputs,
             masks,
+            [s.token_history() for s in seqs] if any(s.params.has_penalties for s in seqs) else None,
         )
 
     @staticmethod

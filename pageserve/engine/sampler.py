@@ -24,7 +24,7 @@ Logprobs (like vLLM's default) describe the model's distribution, not the sampli
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from torch import Tensor
 
 from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
 from pageserve.engine.structured_output import TokenMasks
+
+if TYPE_CHECKING:
+    from pageserve.engine.sequence import TokenHistory
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash
@@ -196,6 +199,7 @@ class Sampler:
         seeds: list[int | None],
         num_outputs: list[int] | None = None,
         masks: TokenMasks | None = None,
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: [B, >= vocab_size] on the device.
 
@@ -205,6 +209,8 @@ class Sampler:
         ``len(output_token_ids[i])`` (an async engine counts tokens still in flight; the
         ids themselves are only read for penalties, which need them all). ``masks``: the
         allowed tokens of the structured-output rows; every other token of such a row is banned.
+        ``histories``: each row's ids as arrays (``Sequence.token_history``), which the penalties read
+        in place of the two lists (the same ids, without converting them from Python ints every step).
         """
         logits = logits[:, : self.vocab_size]
         if num_outputs is None:
@@ -213,7 +219,7 @@ class Sampler:
             return SamplerOutput(self._argmax(logits))
 
         penalised, probs, greedy_rows = self._process(
-            logits, params, prompt_token_ids, output_token_ids, num_outputs, masks
+            logits, params, prompt_token_ids, output_token_ids, num_outputs, masks, histories
         )
         B = logits.shape[0]
         if probs is None:  # every row greedy
@@ -278,7 +284,8 @@ class Sampler:
                 banned.append(word[-1])
         return [t for t in banned if t < self.vocab_size]
 
-    def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None, masks=None):
+    def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None, masks=None,
+                 histories=None):
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows)."""
         B, V = logits.shape
         # the bias and bans below write in place: into a copy of the caller's logits, made once
@@ -349,9 +356,13 @@ class Sampler:
 
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
-            logits = self._apply_penalties(
-                logits, table, pen_rows, params, prompt_token_ids, output_token_ids
-            )
+            if histories is not None:
+                prompts = [histories[i].prompt() for i in pen_rows]
+                outputs = [histories[i].output() for i in pen_rows]
+            else:
+                prompts = [np.asarray(prompt_token_ids[i], dtype=np.int64) for i in pen_rows]
+                outputs = [np.asarray(output_token_ids[i], dtype=np.int64) for i in pen_rows]
+            logits = self._apply_penalties(logits, table, pen_rows, params, prompts, outputs)
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy_rows) == B:
@@ -392,25 +403,26 @@ class Sampler:
                 bits[j] = cleared
         return bits
 
-    def _apply_penalties(self, logits, table, rows, params, prompt_token_ids, output_token_ids):
+    def _apply_penalties(self, logits, table, rows, params, prompts, outputs):
+        """Penalise ``rows`` of ``logits``; ``prompts`` / ``outputs``: those rows' ids as int64 arrays."""
         V = logits.shape[1]
 
-        def padded(lists):  # pad with V: an extra column that is dropped after scatter
-            width = max(1, max(len(t) for t in lists))
-            return self._to_device(
-                torch.tensor([t + [V] * (width - len(t)) for t in lists], dtype=torch.int64)
-            )
+        def padded(arrays):  # one [P, width] array padded with V: an extra column dropped after the scatter
+            out = np.full((len(arrays), max(1, max(len(a) for a in arrays))), V, dtype=np.int64)
+            for j, a in enumerate(arrays):
+                out[j, : len(a)] = a
+            return self._to_device(torch.from_numpy(out))
 
         rows_t = self._to_device(torch.tensor(rows, dtype=torch.int64))
         sub = logits.index_select(0, rows_t)  # [P, V]
         t = table.index_select(1, rows_t)  # [7, P]
-        out_ids = padded([output_token_ids[i] for i in rows])
+        out_ids = padded(outputs)
         counts = torch.zeros(len(rows), V + 1, device=logits.device)
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
         counts = counts[:, :V]
         if any(params[i].repetition_penalty != 1.0 for i in rows):
             seen = torch.zeros(len(rows), V + 1, device=logits.device)
-            seen.scatter_(1, padded([prompt_token_ids[i] for i in rows]), 1.0)
+            seen.scatter_(1, padded(prompts), 1.0)
             seen = (seen[:, :V] > 0) | (counts > 0)
             rep = t[_REP][:, None]
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
