@@ -37,12 +37,18 @@ def test_two_point_sweep_of_notebook_02_writes_a_csv_row_per_point_and_a_plot(tm
 def test_w1_defaults_grid_leaves_max_num_seqs_to_the_engine_at_auto():
     import w1_defaults
 
+    off = {"enable_prefix_caching": False}
     points = w1_defaults.grid("auto,256", "8192,16384")
-    assert points == [{"max_num_batched_tokens": 8192}, {"max_num_batched_tokens": 16384},
-                      {"max_num_batched_tokens": 8192, "max_num_seqs": 256},
-                      {"max_num_batched_tokens": 16384, "max_num_seqs": 256}]
+    assert points == [{"max_num_batched_tokens": 8192, **off}, {"max_num_batched_tokens": 16384, **off},
+                      {"max_num_batched_tokens": 8192, "max_num_seqs": 256, **off},
+                      {"max_num_batched_tokens": 16384, "max_num_seqs": 256, **off}]
     with pytest.raises(ValueError):
         w1_defaults.grid("many", "8192")
+    # the prefix cache's A/B: alternating points, the grid repeated
+    assert w1_defaults.grid("auto", "auto", "off,on", repeats=2) == [
+        {"enable_prefix_caching": False}, {"enable_prefix_caching": True}] * 2
+    with pytest.raises(ValueError):
+        w1_defaults.grid("auto", "auto", "yes")
 
 
 @pytest.mark.parametrize("notebook", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
