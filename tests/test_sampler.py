@@ -324,6 +324,38 @@ def test_penalties_read_from_token_histories_equal_the_lists_path():
             o.append(t)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_sparse_penalties_give_the_dense_references_bits(device):
+    # fresh random inputs: repeated ids in prompts and outputs, ids seen in both, banned (-inf) logits, rows
+    # with no output yet, each penalty alone and together, negative and > 1 factors
+    from pageserve.engine.sampler import _FREQ, _PRES, _REP
+
+    gen = torch.Generator().manual_seed(41)
+    for trial in range(4):
+        B, Vt = 7, 1000 + trial
+        logits = torch.randn(B, Vt, generator=gen) * 4
+        logits[torch.rand(B, Vt, generator=gen) < 0.02] = float("-inf")
+        rows = [0, 2, 3, 5, 6]
+        prompts = [torch.randint(0, Vt // (1 + 3 * (j % 2)), (int(n),), generator=gen).numpy()
+                   for j, n in enumerate(torch.randint(1, 60, (len(rows),), generator=gen))]
+        outputs = [torch.randint(0, Vt // 8, (int(n),), generator=gen).numpy()
+                   for n in torch.randint(0, 40, (len(rows),), generator=gen)]
+        outputs[1] = np.array([], dtype=np.int64)
+        outputs[2] = np.concatenate([outputs[2], prompts[2][:5]])  # ids in both
+        table = torch.zeros(7, B)
+        table[_REP] = torch.tensor([1.3, 1.0, 0.7, 1.0, 2.0, 1.0, 1.05])
+        table[_FREQ] = torch.tensor([0.0, 0.0, -0.5, 0.4, 1.5, 0.0, 0.0])
+        table[_PRES] = torch.tensor([0.0, 0.0, 0.8, 0.0, -1.2, 0.0, 0.3])
+        sampler = Sampler(Vt, device)
+        x, tab = logits.to(device), table.to(device)
+        want = sampler._penalties_dense(x, tab, rows, None, prompts, outputs)
+        got = sampler._apply_penalties(x.clone(), tab, rows, None, prompts, outputs)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, x)
+        # the rows not penalised, and the tokens no penalised row has seen, keep their bits
+        assert torch.equal(got[[1, 4]], x[[1, 4]])
+
+
 def test_greedy_rows_with_penalties_take_argmax_of_penalised_logits():
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
     p = SamplingParams(temperature=0, presence_penalty=1.0)
