@@ -9,7 +9,7 @@
 # or, better, run scripts/stamp_commit.sh here first and carry .run_stamp (no sha typed by hand),
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests structured cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
+# Stages: tests pytest structured cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -203,6 +203,9 @@ for st in $stages; do
     w1defaults) timeout "$t" python3 scripts/w1_defaults.py --out "$RES/diagnostics" ${W1_DEFAULTS_ARGS:-} > "$RES/w1_defaults.log" 2>&1
                 echo "w1defaults rc=$?"; tail -n 8 "$RES/w1_defaults.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
+    pytest) # any test files on the GPU (PYTEST_FILES, default the sampler's), log in diagnostics/
+             timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider ${PYTEST_FILES:-tests/test_sampler.py} \
+               > "$RES/diagnostics/gpu_pytest.log" 2>&1; echo "pytest rc=$?"; tail -n 3 "$RES/diagnostics/gpu_pytest.log" ;;
     dettests) { echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"  # as tests' log
              timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_det_tests.xml" \
              tests/test_matmul_invariant.py tests/test_attention_invariant.py tests/test_deterministic.py -s; } \
