@@ -11,7 +11,8 @@ pytest.importorskip("llguidance")
 from pageserve.engine.llm import LLM  # noqa: E402
 from pageserve.engine.sampler import Sampler  # noqa: E402
 from pageserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pageserve.engine.structured_output import StructuredOutputsParams  # noqa: E402
+from pageserve.engine.structured_output import (GrammarCompiler, StructuredOutputsParams,  # noqa: E402
+                                                is_byte_level_vocab, llguidance_tokenizer_json)
 
 
 def test_structured_outputs_params_are_checked():
@@ -102,6 +103,50 @@ def test_a_token_the_grammar_rejects_fails_that_request_alone(llm, monkeypatch):
     outs = llm.generate(prompts, [free, guided], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone and outs[0].outputs[0].finish_reason == "length"
     assert outs[1].outputs[0].finish_reason == "error"
+
+
+# texts whose tokens hold GPT-2's "Ġ" (a space) and "Ċ" (a newline), and a constraint each satisfies
+SPACED = ("[1, 2, 3, ", {"json": {"type": "array", "minItems": 1280, "items": {"type": "integer"}}})
+NEWLINED = ('{\n  "colour": "red",\n  "n": 1', {"json_object": True})
+
+
+def consumes(hf_tokenizer, vocab_size: int, eos: list[int], text: str, params: dict) -> None:
+    """A matcher built through ``GrammarCompiler`` takes the tokens of ``text`` without error."""
+    matcher = GrammarCompiler(hf_tokenizer, vocab_size, eos).matcher(StructuredOutputsParams.of(params))
+    ids = hf_tokenizer.encode(text, add_special_tokens=False)
+    assert matcher.consume_tokens(ids) and not matcher.is_error(), (text, matcher.get_error())
+
+
+def test_the_default_models_spaces_and_newlines_are_bytes_to_the_grammar(smollm2):
+    """SmolLM2's byte-level tokens map to their bytes ("Ġ" is a space, "Ċ" a newline): with
+    transformers 5.17's GGUF conversion llguidance read "Ġ" as the UTF-8 of "Ġ" ("byte 'Ä' fails
+    parse") and guided outputs held no space or newline."""
+    hf = smollm2.tokenizer.hf
+    assert is_byte_level_vocab(hf.backend_tokenizer.get_vocab(with_added_tokens=False))
+    for text, params in (SPACED, NEWLINED):
+        assert any({"Ġ", "Ċ"} & set(t) for t in hf.convert_ids_to_tokens(hf.encode(text, add_special_tokens=False)))
+        consumes(hf, smollm2.config.vocab_size, smollm2.tokenizer.eos_token_ids, text, params)
+
+
+def test_a_byte_level_vocab_behind_a_byte_fallback_decoder_is_read_as_bytes(smollm2):
+    """The shape transformers 5.17 gives SmolLM2's GGUF tokenizer: a byte-level vocabulary behind a
+    decoder with ByteFallback before ByteLevel, which llguidance alone reads as ByteFallback. The
+    compiler hands llguidance a plain ByteLevel decoder instead, on a copy."""
+    import copy
+
+    from tokenizers import decoders
+
+    hf = copy.deepcopy(smollm2.tokenizer.hf)
+    mixed = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(), decoders.Replace("▁", " "),
+                               decoders.ByteLevel()])
+    hf.backend_tokenizer.decoder = mixed
+    assert json.loads(llguidance_tokenizer_json(hf))["decoder"]["type"] == "ByteLevel"
+    for text, params in (SPACED, NEWLINED):
+        consumes(hf, smollm2.config.vocab_size, smollm2.tokenizer.eos_token_ids, text, params)
+    assert repr(hf.backend_tokenizer.decoder) == repr(mixed)  # the tokenizer itself is untouched
+    # a SentencePiece vocabulary ("▁" for a space, <0x..> byte tokens) is left to llguidance as it is
+    assert not is_byte_level_vocab({"▁the": 0, "a": 1, "<0x0A>": 2, "Ġ": 3})
+    assert not is_byte_level_vocab({"▁the": 0, "a": 1, "Ġ": 2})
 
 
 def test_the_cost_benchmark_runs_every_mode_to_the_same_length(tmp_path):

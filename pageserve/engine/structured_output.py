@@ -107,12 +107,59 @@ class StructuredOutputsParams:
 def _import_llguidance():
     try:
         import llguidance
-        import llguidance.hf
         import llguidance.numpy
     except ImportError:
         raise ValueError("structured outputs need llguidance: pip install llguidance "
                          "(it comes with pageserve's [server] extra)") from None
     return llguidance
+
+
+def _byte_alphabet() -> list[str]:
+    """GPT-2's byte-level alphabet: the character standing for each byte 0..255 in a byte-level
+    BPE vocabulary. Printable Latin-1 bytes stand for themselves; the other 68 (controls, space,
+    0x7f-0xa0, 0xad) take U+0100 onwards in byte order, so a space is "Ġ" and a newline "Ċ"."""
+    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
+    others = [b for b in range(256) if b not in printable]
+    char = {b: chr(b) for b in printable} | {b: chr(0x100 + i) for i, b in enumerate(others)}
+    return [char[b] for b in range(256)]
+
+
+BYTE_ALPHABET = _byte_alphabet()
+
+
+def is_byte_level_vocab(vocab: dict[str, int]) -> bool:
+    """Whether ``vocab`` (a model's tokens, added tokens aside) is a byte-level BPE's (GPT-2,
+    Llama 3, Qwen, SmolLM): every token is spelled in ``BYTE_ALPHABET``, a space ("Ġ") is a token,
+    and no token is a byte-fallback one like ``<0x0A>`` (SentencePiece's: those spell in ASCII)."""
+    alphabet = frozenset(BYTE_ALPHABET)
+    return BYTE_ALPHABET[0x20] in vocab and "<0x0A>" not in vocab and all(alphabet.issuperset(t) for t in vocab)
+
+
+def llguidance_tokenizer_json(hf_tokenizer: Any) -> str:
+    """The tokenizer's JSON as ``llguidance.hf.from_tokenizer`` hands it to ``LLTokenizer``
+    (padding and truncation off), but with a plain ``ByteLevel`` decoder when the vocabulary is
+    byte-level.
+
+    llguidance reads each token's bytes by the decoder's type: ``ByteLevel`` maps the byte
+    alphabet back to bytes, ``ByteFallback`` takes the token's text as its UTF-8 (``<0x..>`` aside),
+    and a decoder holding both is read as ``ByteFallback``. transformers 5.17's GGUF conversion of
+    a byte-level vocabulary (SmolLM2's) gives such a decoder, ``Sequence[ByteFallback, Fuse,
+    Replace, ByteLevel]``: "Ġ" was then the two bytes of "Ġ" instead of a space, and guided
+    output could hold no space or newline. The decoder is all llguidance takes from the JSON to
+    read tokens (it encodes with the rest), and the change is on a copy: the HF tokenizer is
+    untouched."""
+    from copy import copy
+
+    from tokenizers import decoders
+
+    if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
+        raise ValueError("structured outputs need a fast (Hugging Face tokenizers) tokenizer")
+    backend = copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    if is_byte_level_vocab(backend.get_vocab(with_added_tokens=False)):
+        backend.decoder = decoders.ByteLevel()
+    return backend.to_str()
 
 
 class GrammarCompiler:
@@ -137,7 +184,10 @@ class GrammarCompiler:
             n_vocab = max(self.vocab_size, len(self.hf_tokenizer))
             # eos ids the tokenizer has (a random-weight shape lent another model's tokenizer names others)
             eos = [t for t in self.eos_token_ids if t < len(self.hf_tokenizer)] or None
-            self._tokenizer = llg.hf.from_tokenizer(self.hf_tokenizer, n_vocab=n_vocab, eos_token=eos)
+            if eos is None:
+                eos = self.hf_tokenizer.eos_token_id
+            self._tokenizer = llg.LLTokenizer(llguidance_tokenizer_json(self.hf_tokenizer), n_vocab=n_vocab,
+                                              eos_token=eos)
         return self._tokenizer
 
     def matcher(self, params: StructuredOutputsParams):
