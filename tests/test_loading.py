@@ -211,6 +211,21 @@ def test_smollm2_tokenizer_and_chat_template(smollm2):
     assert tok.decode(tok.encode(s)) == s
 
 
+def test_a_conversions_swapped_bos_and_eos_are_set_back_to_the_ggufs(smollm2):
+    # transformers 5.17's converter named SmolLM2's <|im_start|> (1) eos and <|im_end|> (2) bos
+    import copy
+
+    from pageserve.model.gguf_loader import pin_special_tokens
+
+    hf = copy.deepcopy(smollm2.tokenizer.hf)
+    hf.eos_token, hf.bos_token = "<|im_start|>", "<|im_end|>"
+    assert (hf.eos_token_id, hf.bos_token_id) == (1, 2)
+    pin_special_tokens(hf, {"tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2})
+    assert (hf.eos_token_id, hf.bos_token_id) == (2, 1)
+    pin_special_tokens(hf, {"tokenizer.ggml.eos_token_id": 10**9})  # out of the vocabulary: left alone
+    assert hf.eos_token_id == 2
+
+
 @pytest.mark.slow
 def test_gguf_file_loads_directly_like_the_converted_default(smollm2):
     """The .gguf path (weights + tokenizer from metadata) agrees with the cached conversion."""
@@ -222,6 +237,7 @@ def test_gguf_file_loads_directly_like_the_converted_default(smollm2):
     for s in ["The quick brown fox", "  spaces\tand\nnewlines", "emoji 🙂 ok"]:
         assert direct.tokenizer.encode(s) == smollm2.tokenizer.encode(s)
     assert torch.equal(prompt_logits(direct.model, IDS), prompt_logits(smollm2.model, IDS))
+    assert direct.tokenizer.eos_token_ids == [2] and direct.tokenizer.bos_token_id == 1  # the GGUF's own
 
 
 # ----------------------------------------------------------------------------- default model fetch

@@ -209,7 +209,7 @@ def load_gguf_tokenizer(path: str | Path):
 
     path = Path(path)
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as e:
         import gguf
 
@@ -217,3 +217,17 @@ def load_gguf_tokenizer(path: str | Path):
         if "tokenizer.ggml.tokens" not in reader.fields:
             return None
         raise ValueError(f"{path}: could not build a tokenizer from the GGUF metadata ({e})") from e
+    pin_special_tokens(tok, read_metadata(_open(path), path))
+    return tok
+
+
+def pin_special_tokens(tok, meta: dict[str, Any]) -> None:
+    """Set the tokenizer's bos / eos to the GGUF's own ``tokenizer.ggml.{bos,eos}_token_id`` where the
+    conversion named others: transformers 5.17's Llama-3-mode converter swapped SmolLM2's (eos
+    ``<|im_start|>``, found on the H200 host in session 43), so generation would also stop at a turn's
+    start and the saved cache would keep the wrong pair."""
+    for name in ("bos", "eos"):
+        want = meta.get(f"tokenizer.ggml.{name}_token_id")
+        if want is None or not 0 <= int(want) < len(tok) or getattr(tok, f"{name}_token_id") == int(want):
+            continue
+        setattr(tok, f"{name}_token", tok.convert_ids_to_tokens(int(want)))
