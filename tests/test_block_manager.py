@@ -151,3 +151,16 @@ def test_reference_count_never_goes_negative():
     seq.block_table = table  # a buggy caller freeing twice
     with pytest.raises(RuntimeError, match="freed more often"):
         bm.free(seq)
+
+
+def test_reset_prefix_cache_forgets_every_hash_but_only_when_no_sequence_holds_a_block():
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    a = make_seq(range(12), "a")
+    admit(bm, a)
+    assert not bm.reset_prefix_cache()  # a holds its blocks: nothing forgotten
+    assert len(bm.get_computed_blocks(make_seq(range(12), "b"))) == 2
+    bm.free(a)
+    assert len(bm.get_computed_blocks(make_seq(range(12), "b"))) == 2  # freed blocks stay hittable
+    assert bm.reset_prefix_cache()
+    assert bm.get_computed_blocks(make_seq(range(12), "c")) == [] and not bm.cached
+    assert all(b.block_hash is None for b in bm.blocks) and bm.num_free_blocks == 8

@@ -226,7 +226,8 @@ def _run_collect(engine: LLMEngine, work) -> dict:
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"num_blocks": 9, "max_num_batched_tokens": 16}, {"enable_prefix_caching": True, "num_blocks": 14}],
+    [{"enable_prefix_caching": False}, {"enable_prefix_caching": False, "num_blocks": 9, "max_num_batched_tokens": 16},
+     {"enable_prefix_caching": True, "num_blocks": 14}],
     ids=["plain", "preempting-chunked", "prefix-cache"],
 )
 def test_async_scheduling_gives_the_same_results_as_sync(tiny, tiny_prompts, kw):
@@ -489,7 +490,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=GEN_LEN)
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"max_num_batched_tokens": 16}, {"num_blocks": 20}, {"enable_prefix_caching": True, "max_num_batched_tokens": 128}],
+    [{"enable_prefix_caching": False}, {"enable_prefix_caching": False, "max_num_batched_tokens": 16},
+     {"enable_prefix_caching": False, "num_blocks": 20}, {"enable_prefix_caching": True, "max_num_batched_tokens": 128}],
     ids=["normal-budget", "16-token-chunks", "preempting-pool", "prefix-caching"],
 )
 def test_smollm2_batched_greedy_matches_hf_one_at_a_time(smol, smol_prompts, hf_expected, kw):

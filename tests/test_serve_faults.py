@@ -194,10 +194,11 @@ def test_every_engine_config_field_is_a_serve_flag():
     from pageserve.serve.cli import engine_config_from_args
 
     parser = build_parser()
-    args = parser.parse_args(["serve", "--no-async-scheduling", "--enable-prefix-caching", "--num-blocks", "64",
+    assert engine_config_from_args(parser.parse_args(["serve"])).enable_prefix_caching is True  # on by default
+    args = parser.parse_args(["serve", "--no-async-scheduling", "--no-enable-prefix-caching", "--num-blocks", "64",
                               "--max-model-len", "none", "--triton-options", '{"fuse": true}', "--port", "0"])
     cfg = engine_config_from_args(args)
-    assert cfg.async_scheduling is False and cfg.enable_prefix_caching is True
+    assert cfg.async_scheduling is False and cfg.enable_prefix_caching is False
     assert cfg.num_blocks == 64 and cfg.max_model_len is None and cfg.triton_options == {"fuse": True}
     help_text = parser._subparsers._group_actions[0].choices["serve"].format_help()
     for name in EngineConfig.field_names():

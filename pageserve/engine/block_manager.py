@@ -172,6 +172,17 @@ class BlockManager:
                 self.cached[h] = b
         seq.num_registered_blocks = n_full
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every published block hash, so no later prompt hits what the pool holds now (e.g.
+        before writing blocks outside any sequence). Only while no sequence holds a block: False, and
+        nothing forgotten, otherwise."""
+        if self.num_free_blocks < self.num_blocks:
+            return False
+        for b in self.cached.values():
+            b.block_hash = None
+        self.cached.clear()
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references, tail first; blocks no one holds return to the free queue
         (hashed ones at the LRU's recent end, still hittable; unhashed ones at the front)."""

@@ -53,6 +53,11 @@ class LLM:
     def get_stats(self) -> dict[str, Any]:
         return self.engine.get_stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's ``LLM.reset_prefix_cache``; False (nothing done) while
+        requests are running."""
+        return self.engine.reset_prefix_cache()
+
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.engine.block_manager.hit_rate

@@ -308,6 +308,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (``BlockManager.reset_prefix_cache``); False while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.requests)

@@ -72,11 +72,16 @@ def _release(llm) -> None:
         pass
 
 
+# the engines the comparisons build other than ``prefix``'s: no prefix hits (the cache is on by default)
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+
+
 def invariance_suite(make_llm: Callable[..., Any], prompts: Sequence = DEFAULT_PROMPTS, max_tokens: int = 64,
                      logprobs: int = 5, chunk_budgets: Sequence[int] = (16, 33),
                      graphs: bool = True) -> dict[str, Any]:
     """Counts of prompts (of ``len(prompts)``) identical between the reference run — all prompts
-    in one batch, default engine settings — and each variant:
+    in one batch, default engine settings but the prefix cache off (``NO_PREFIX_CACHE``: so that the
+    prompts run alone after it do not hit what it cached) — and each variant:
 
     - ``alone``: each prompt generated on its own (a batch of one);
     - ``chunk_<n>``: ``max_num_batched_tokens = n`` (prompts prefilled in n-token chunks);
@@ -88,19 +93,19 @@ def invariance_suite(make_llm: Callable[..., Any], prompts: Sequence = DEFAULT_P
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     r: dict[str, Any] = {"num_prompts": len(prompts)}
 
-    llm = make_llm()
+    llm = make_llm(**NO_PREFIX_CACHE)
     ref = outputs_of(llm, prompts, params)
     r["alone"] = count_identical(ref, [outputs_of(llm, [p], params)[0] for p in prompts])
     r["outputs"] = [t for t, _ in ref]
     _release(llm)
 
     for n in chunk_budgets:
-        llm = make_llm(max_num_batched_tokens=n)
+        llm = make_llm(max_num_batched_tokens=n, **NO_PREFIX_CACHE)
         r[f"chunk_{n}"] = count_identical(ref, outputs_of(llm, prompts, params))
         _release(llm)
 
     if graphs:
-        llm = make_llm(enforce_eager=True)
+        llm = make_llm(enforce_eager=True, **NO_PREFIX_CACHE)
         r["eager"] = count_identical(ref, outputs_of(llm, prompts, params))
         _release(llm)
 
@@ -111,7 +116,7 @@ def invariance_suite(make_llm: Callable[..., Any], prompts: Sequence = DEFAULT_P
     r["prefix_hit_rate"] = llm.get_stats().get("prefix_cache_hit_rate")
     _release(llm)
 
-    llm = make_llm(async_scheduling=False)
+    llm = make_llm(async_scheduling=False, **NO_PREFIX_CACHE)
     r["sync"] = count_identical(ref, outputs_of(llm, prompts, params))
     _release(llm)
     return r
@@ -123,7 +128,7 @@ def seeded_sampling_identical(make_llm: Callable[..., Any], prompts: Sequence = 
     (each request has its own seed, ``seed + i``)."""
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=seed + i,
                              logprobs=1) for i in range(len(prompts))]
-    llm = make_llm()
+    llm = make_llm(**NO_PREFIX_CACHE)
     batched = outputs_of(llm, prompts, params)
     alone = [outputs_of(llm, [p], [sp])[0] for p, sp in zip(prompts, params)]
     _release(llm)

@@ -15,10 +15,11 @@ from ..engine.model_runner import StepInputs
 def prompt_logits(llm, prompts: list[list[int]]) -> torch.Tensor:
     """fp32 logits [sum(len(p)), V] of every position of ``prompts`` (one batch, laid end to
     end), computed by ``llm``'s runner into scratch KV blocks. The engine must be idle with
-    prefix caching off (the scratch blocks are the pool's first ones; no request owns them)."""
+    its prefix cache emptied first (the scratch blocks are the pool's first ones; no request owns
+    them, and no cached prefix may point at what they are about to hold)."""
     engine = llm.engine
-    if engine.has_unfinished_requests() or engine.config.enable_prefix_caching:
-        raise RuntimeError("prompt_logits needs an idle engine with prefix caching off")
+    if engine.has_unfinished_requests() or not engine.reset_prefix_cache():
+        raise RuntimeError("prompt_logits needs an idle engine")
     bs = engine.config.block_size
     lens = np.array([len(p) for p in prompts], dtype=np.int64)
     nblocks = -(-lens // bs)
