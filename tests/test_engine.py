@@ -173,6 +173,21 @@ def test_bad_requests_are_rejected_and_engine_goes_on(tiny, tiny_prompts, tiny_e
     assert pool_is_free(engine)
 
 
+def test_a_text_prompt_the_tokenizer_spells_outside_the_models_vocabulary_is_rejected(tiny, smollm2, tiny_prompts,
+                                                                                     tiny_expected):
+    # a tokenizer wider than the model (SmolLM2's 49k ids lent to a 256-id model): a clear error, not an
+    # embedding lookup out of range, and the engine goes on
+    engine = tiny_engine(tiny)
+    engine.tokenizer = smollm2.tokenizer
+    with pytest.raises(ValueError, match=r"outside the model's vocabulary \[0, 256\)"):
+        engine.add_request("text", "a sentence with ordinary words", GREEDY20)
+    engine.add_request("ok", tiny_prompts[2], GREEDY20)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == tiny_expected[2] and pool_is_free(engine)
+
+
 def test_prompt_longer_than_budget_rejected_without_chunked_prefill(tiny):
     engine = tiny_engine(tiny, enable_chunked_prefill=False, max_num_batched_tokens=32)
     with pytest.raises(ValueError, match="chunked prefill is off"):

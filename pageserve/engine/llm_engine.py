@@ -193,6 +193,10 @@ class LLMEngine:
                 )
             text = prompt
             ids = list(self.tokenizer.encode(prompt))
+            vocab = self.model_config.vocab_size
+            if ids and max(ids) >= vocab:  # a tokenizer wider than the model (a lent or mismatched one)
+                raise ValueError(f"request {request_id!r}: the tokenizer gave token ids {[t for t in ids if t >= vocab][:5]} "
+                                 f"outside the model's vocabulary [0, {vocab})")
         else:
             try:
                 ids = [int(t) for t in prompt]
