@@ -5,7 +5,7 @@ import torch
 
 from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor, unpack_token_bits
 from pageserve.engine.structured_output import TokenMasks
-from pageserve.lab.sampling_reference import sample_reference, sampler_probs
+from pageserve.lab.sampling_reference import penalties_dense, sample_reference, sampler_probs
 from pageserve.engine.sampling_params import SamplingParams, child_seed
 
 V = 96
@@ -348,8 +348,8 @@ def test_sparse_penalties_give_the_dense_references_bits(device):
         table[_PRES] = torch.tensor([0.0, 0.0, 0.8, 0.0, -1.2, 0.0, 0.3])
         sampler = Sampler(Vt, device)
         x, tab = logits.to(device), table.to(device)
-        want = sampler._penalties_dense(x, tab, rows, None, prompts, outputs)
-        got = sampler._apply_penalties(x.clone(), tab, rows, None, prompts, outputs)
+        want = penalties_dense(x, tab, rows, prompts, outputs)
+        got = sampler._apply_penalties(x.clone(), tab, rows, prompts, outputs)
         assert torch.equal(got, want)
         assert not torch.equal(got, x)
         # the rows not penalised, and the tokens no penalised row has seen, keep their bits

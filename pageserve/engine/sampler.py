@@ -363,7 +363,7 @@ class Sampler:
                 prompts = [np.asarray(prompt_token_ids[i], dtype=np.int64) for i in pen_rows]
                 outputs = [np.asarray(output_token_ids[i], dtype=np.int64) for i in pen_rows]
             logits, owned = logits if owned else logits.clone(), True
-            logits = self._apply_penalties(logits.contiguous(), table, pen_rows, params, prompts, outputs)
+            logits = self._apply_penalties(logits.contiguous(), table, pen_rows, prompts, outputs)
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy_rows) == B:
@@ -404,7 +404,7 @@ class Sampler:
                 bits[j] = cleared
         return bits
 
-    def _apply_penalties(self, logits, table, rows, params, prompts, outputs):
+    def _apply_penalties(self, logits, table, rows, prompts, outputs):
         """Penalise ``rows`` of ``logits`` (fp32 [B, V], written in place); ``prompts`` / ``outputs``: those rows'
         ids as int64 arrays.
 
@@ -412,7 +412,7 @@ class Sampler:
         gathered ([P, W], W = the longest prompt + output, not V), penalised, and scattered back. A token seen
         twice is gathered twice and written twice with the same value. Each output count comes from the row's
         sorted output ids (two ``searchsorted``). Every seen value goes through the same fp32 operations as
-        in the dense form (``_penalties_dense``, the reference: a row's whole [V] logits, a count per token), so
+        in the dense form (``lab.sampling_reference.penalties_dense``, the reference: a row's whole [V] logits, a count per token), so
         the bits are the same; an unseen token's is ``x - 0 - 0`` there, i.e. x, as here. At 256 rows of
         151,936 logits the dense form ran ~15 full passes over [256, V] fp32 (≈ 1.8 ms a step on the H200, the
         structured stage at 5ab430d); this one reads and writes 256 x (512 + 128) values."""
@@ -448,32 +448,6 @@ class Sampler:
         x = x - t[_FREQ][:, None] * counts - t[_PRES][:, None] * (counts > 0).float()
         logits.view(-1).index_put_((flat,), x.reshape(-1))
         return logits
-
-    def _penalties_dense(self, logits, table, rows, params, prompts, outputs):
-        """The reference for ``_apply_penalties``: the same penalties over each row's whole [V] logits (a
-        count and a seen flag per token), returned as a new tensor."""
-        V = logits.shape[1]
-
-        def padded(arrays):  # one [P, width] array padded with V: an extra column dropped after the scatter
-            out = np.full((len(arrays), max(1, max(len(a) for a in arrays))), V, dtype=np.int64)
-            for j, a in enumerate(arrays):
-                out[j, : len(a)] = a
-            return self._to_device(torch.from_numpy(out))
-
-        rows_t = self._to_device(torch.tensor(rows, dtype=torch.int64))
-        sub = logits.index_select(0, rows_t)  # [P, V]
-        t = table.index_select(1, rows_t)  # [7, P]
-        counts = torch.zeros(len(rows), V + 1, device=logits.device)
-        out_ids = padded(outputs)
-        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
-        counts = counts[:, :V]
-        seen = torch.zeros(len(rows), V + 1, device=logits.device)
-        seen.scatter_(1, padded(prompts), 1.0)
-        seen = (seen[:, :V] > 0) | (counts > 0)
-        rep = t[_REP][:, None]
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - t[_FREQ][:, None] * counts - t[_PRES][:, None] * (counts > 0).float()
-        return logits.index_copy(0, rows_t, sub)
 
     def _exponential_noise(self, probs, seeds, num_outputs) -> Tensor:
         """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest."""

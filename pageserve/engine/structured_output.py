@@ -114,25 +114,16 @@ def _import_llguidance():
     return llguidance
 
 
-def _byte_alphabet() -> list[str]:
-    """GPT-2's byte-level alphabet: the character standing for each byte 0..255 in a byte-level
-    BPE vocabulary. Printable Latin-1 bytes stand for themselves; the other 68 (controls, space,
-    0x7f-0xa0, 0xad) take U+0100 onwards in byte order, so a space is "Ġ" and a newline "Ċ"."""
-    printable = [b for b in range(256) if 0x21 <= b <= 0x7E or 0xA1 <= b <= 0xAC or 0xAE <= b <= 0xFF]
-    others = [b for b in range(256) if b not in printable]
-    char = {b: chr(b) for b in printable} | {b: chr(0x100 + i) for i, b in enumerate(others)}
-    return [char[b] for b in range(256)]
-
-
-BYTE_ALPHABET = _byte_alphabet()
-
-
 def is_byte_level_vocab(vocab: dict[str, int]) -> bool:
     """Whether ``vocab`` (a model's tokens, added tokens aside) is a byte-level BPE's (GPT-2,
-    Llama 3, Qwen, SmolLM): every token is spelled in ``BYTE_ALPHABET``, a space ("Ġ") is a token,
-    and no token is a byte-fallback one like ``<0x0A>`` (SentencePiece's: those spell in ASCII)."""
-    alphabet = frozenset(BYTE_ALPHABET)
-    return BYTE_ALPHABET[0x20] in vocab and "<0x0A>" not in vocab and all(alphabet.issuperset(t) for t in vocab)
+    Llama 3, Qwen, SmolLM): every token is spelled in the byte-level alphabet (``tokenizers``'
+    ``ByteLevel.alphabet()``: one character a byte, "Ġ" for a space, "Ċ" for a newline), a space is
+    a token, and no token is a byte-fallback one like ``<0x0A>`` (SentencePiece's: those spell in
+    ASCII)."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = frozenset(pre_tokenizers.ByteLevel.alphabet())
+    return "Ġ" in vocab and "<0x0A>" not in vocab and all(alphabet.issuperset(t) for t in vocab)
 
 
 def llguidance_tokenizer_json(hf_tokenizer: Any) -> str:

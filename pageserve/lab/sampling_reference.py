@@ -4,6 +4,8 @@
   time; seeded rows draw the same ``seeded_uniform`` noise, so they pick the same tokens.
 - ``sampler_probs``: the distribution a ``Sampler`` row draws from, read out of the
   sampler's own penalty/filter pipeline, to compare with ``sample_reference``'s.
+- ``penalties_dense``: ``Sampler._apply_penalties``'s bits, computed over each row's whole
+  vocabulary (a count and a seen flag per token), as the sampler did before session 43.
 """
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.sampler import Sampler, seeded_uniform
+from ..engine.sampler import _FREQ, _PRES, _REP, Sampler, seeded_uniform
 from ..engine.sampling_params import SamplingParams
 
 
@@ -127,3 +130,32 @@ def sample_reference(
         top_logprobs if any((p.logprobs or 0) > 0 for p in params) else None,
         torch.stack(all_probs),
     )
+
+
+def penalties_dense(logits: Tensor, table: Tensor, rows: list[int], prompts: list[np.ndarray],
+                    outputs: list[np.ndarray]) -> Tensor:
+    """The penalties of ``rows`` over each row's whole [V] logits, returned as a new tensor: the
+    reference for ``Sampler._apply_penalties`` (same arguments; ``table`` the sampler's [7, B]
+    parameter table), which touches only the seen tokens and must give these very bits."""
+    V = logits.shape[1]
+
+    def padded(arrays):  # one [P, width] array padded with V: an extra column dropped after the scatter
+        out = np.full((len(arrays), max(1, max(len(a) for a in arrays))), V, dtype=np.int64)
+        for j, a in enumerate(arrays):
+            out[j, : len(a)] = a
+        return torch.from_numpy(out).to(logits.device)
+
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    sub = logits.index_select(0, rows_t)  # [P, V]
+    t = table.index_select(1, rows_t)  # [7, P]
+    counts = torch.zeros(len(rows), V + 1, device=logits.device)
+    out_ids = padded(outputs)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=counts.dtype))
+    counts = counts[:, :V]
+    seen = torch.zeros(len(rows), V + 1, device=logits.device)
+    seen.scatter_(1, padded(prompts), 1.0)
+    seen = (seen[:, :V] > 0) | (counts > 0)
+    rep = t[_REP][:, None]
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    sub = sub - t[_FREQ][:, None] * counts - t[_PRES][:, None] * (counts > 0).float()
+    return logits.index_copy(0, rows_t, sub)
