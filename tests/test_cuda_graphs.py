@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pageserve.engine.cuda_graphs import bucket_sizes
+from pageserve.lab.bench import run_pageserve_online
 from pageserve.lab.decode_bench import capture_logits, graph_vs_eager, staggered_decode_workload
 from pageserve.engine.llm import LLM
 from pageserve.engine.sampling_params import SamplingParams
@@ -62,6 +63,19 @@ def test_graphed_decode_loop_matches_eager_token_for_token(tiny_llm):
     assert all(len(t) == r.max_tokens for t, r in zip(check.graph_tokens, w.requests))
     bm = tiny_llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_graph_vs_eager_computes_both_runs_prompts_with_the_prefix_cache_on(tiny_qwen2_config):
+    # prefix caching is on by default: without emptying it, the graphed run's prompts would hit the eager run's
+    # blocks and start from other chunk boundaries than the eager run's (their bits may differ in bf16)
+    _, llm = _staggered_llm(tiny_qwen2_config)
+    assert llm.engine.config.enable_prefix_caching
+    llm.engine.runner.enable_graphs(capture=DEVICE == "cuda")
+    bm = llm.engine.block_manager
+    check = graph_vs_eager(llm, staggered_decode_workload(8, vocab_size=256, seed=2))
+    assert check.identical and bm.num_queried_tokens > 0 and bm.num_hit_tokens == 0
+    run_pageserve_online(llm, staggered_decode_workload(8, vocab_size=256, seed=2))
+    assert bm.num_hit_tokens > 0  # the cache was on all along: a third run, not emptied, hits
 
 
 def test_capture_logits_sees_every_sampling_step_and_unwraps(tiny_llm):

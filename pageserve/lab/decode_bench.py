@@ -70,7 +70,8 @@ def _tokens(result) -> list[list[int]]:
 
 
 def graph_vs_eager(llm, workload: Workload, check_logits: bool = True) -> GraphCheck:
-    """Run ``workload`` online twice on one engine: eager, then from graphs."""
+    """Run ``workload`` online twice on one engine: eager, then from graphs. The prefix cache is emptied
+    before each run, so the graphed run's prompts are computed as the eager run's were, not hit."""
     runner = llm.engine.runner
     if runner.graphs is None:
         raise ValueError("this engine has no graph runner (enforce_eager, or no CUDA): call runner.enable_graphs()")
@@ -78,8 +79,10 @@ def graph_vs_eager(llm, workload: Workload, check_logits: bool = True) -> GraphC
     counter = _count_graph_runs(graphs)
     try:
         runner.graphs = None
+        _empty_prefix_cache(llm)
         eager = run_pageserve_online(llm, workload, name="eager")
         runner.graphs = graphs
+        _empty_prefix_cache(llm)
         check = _graph_logit_check(runner) if check_logits else None
         try:
             graphed = run_pageserve_online(llm, workload, name="graphs")
@@ -95,6 +98,11 @@ def graph_vs_eager(llm, workload: Workload, check_logits: bool = True) -> GraphC
     nan = float("nan")
     return GraphCheck(same, len(a), a, b, counter.count, max((e[0] for e in errs), default=nan),
                       max((e[1] for e in errs), default=nan), eager.wall_s, graphed.wall_s)
+
+
+def _empty_prefix_cache(llm) -> None:
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("graph_vs_eager needs an idle engine (requests are running: the prefix cache stays)")
 
 
 class _count_graph_runs:
