@@ -282,12 +282,18 @@ def test_async_scheduling_overlaps_one_step(tiny, tiny_prompts):
     assert pool_is_free(engine) and not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("penalised", [False, True], ids=["plain", "penalised"])
+def _land_before_sampling(monkeypatch) -> None:
+    """Every row's sampling reads its landed outputs on the host (as bad words do, or a grammar's mask)."""
+    monkeypatch.setattr(SamplingParams, "needs_landed_outputs", property(lambda self: True))
+
+
+@pytest.mark.parametrize("kind", ["plain", "penalised", "host_state"])
 def test_a_step_that_samples_from_host_state_lands_the_previous_one_after_its_forward_launch(
-        tiny, tiny_prompts, monkeypatch, penalised):
-    """Penalties read every output token, so a penalised row's sampling waits for the previous step's
-    tokens; its forward does not: within a call the forward is launched, then the previous step lands,
-    then the sampling. A plain step lands the previous one after its whole launch."""
+        tiny, tiny_prompts, monkeypatch, kind):
+    """Bad words and grammars read the newest output on the host, so such a row's sampling waits for the
+    previous step's tokens; its forward does not: within a call the forward is launched, then the previous step
+    lands, then the sampling. A plain step lands the previous one after its whole launch, and so does a penalised
+    one (the penalties read the newest token from the device)."""
     engine = tiny_engine(tiny)
     runner, log = engine.runner, []
 
@@ -298,18 +304,26 @@ def test_a_step_that_samples_from_host_state_lands_the_previous_one_after_its_fo
     spy(runner, "run_step")
     spy(runner.sampler, "sample")
     spy(engine, "_postprocess")
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3 if penalised else 1.0)
+    if kind == "host_state":
+        _land_before_sampling(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                            repetition_penalty=1.3 if kind == "penalised" else 1.0)
     engine.add_request("a", tiny_prompts[2], params)
     for _ in range(3):
         log.append("|")
         engine.step()
-    overlap = ["run_step", "_postprocess", "sample"] if penalised else ["run_step", "sample", "_postprocess"]
+    overlap = ["run_step", "_postprocess", "sample"] if kind == "host_state" else ["run_step", "sample", "_postprocess"]
     assert log == ["|", "run_step", "sample"] + ["|", *overlap] * 2
 
 
-def test_a_penalised_sequence_that_stops_while_its_next_step_is_in_flight_with_prefix_caching(tiny, tiny_prompts):
-    """A penalised step lands the previous one before it is recorded as run (``update_after_step``): a
-    sequence that stopped there is already freed when its in-flight row is recorded."""
+@pytest.mark.parametrize("landing", [False, True], ids=["penalties", "landing"])
+def test_a_penalised_sequence_that_stops_while_its_next_step_is_in_flight_with_prefix_caching(
+        tiny, tiny_prompts, monkeypatch, landing):
+    """A step landing the previous one before its sampling lands it before the step is recorded as run
+    (``update_after_step``): a sequence that stopped there is already freed when its in-flight row is recorded.
+    Without the landing, the penalties count the newest token from the device: the same tokens either way."""
+    if landing:
+        _land_before_sampling(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.2, ignore_eos=True)
     probe = tiny_engine(tiny, async_scheduling=False)
     probe.add_request("p", tiny_prompts[3], params)
@@ -326,6 +340,40 @@ def test_a_penalised_sequence_that_stops_while_its_next_step_is_in_flight_with_p
     assert results[True] == results[False]
     (tokens, reason, stop_reason, _), = results[True]["r0"]
     assert reason == "stop" and stop_reason == stop_at and len(tokens) > 16
+
+
+def test_async_penalties_count_the_token_still_on_the_device(tiny, tiny_prompts, monkeypatch):
+    """Async scheduling with penalties only: every penalised sampling after the first sees exactly one token
+    still pending, reads it from the device, and every row's tokens equal the synchronous engine's, which
+    penalises landed ids only. Strong penalties over a 256-token vocabulary make a missed or doubled count
+    change the greedy tokens."""
+    P = SamplingParams
+    kinds = [P(temperature=0, max_tokens=24, repetition_penalty=1.8, ignore_eos=True),
+             P(temperature=0, max_tokens=24, frequency_penalty=1.5, ignore_eos=True),
+             P(temperature=0, max_tokens=24, presence_penalty=2.0, ignore_eos=True),
+             P(temperature=0.9, seed=4, max_tokens=24, repetition_penalty=1.4, frequency_penalty=0.7,
+               ignore_eos=True),
+             P(temperature=0, max_tokens=24, ignore_eos=True)]
+    work = [(p, kinds[i % len(kinds)]) for i, p in enumerate(tiny_prompts)]
+    want = _run_collect(tiny_engine(tiny, async_scheduling=False), work)
+    engine = tiny_engine(tiny, async_scheduling=True)
+    pendings = []
+    real = engine.runner.sampler.sample
+
+    def spy(*a, **k):
+        pend = a[8] if len(a) > 8 else k.get("pending")
+        pendings.append(None if pend is None else sum(r >= 0 for r in pend[1]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine.runner.sampler, "sample", spy)
+    assert _run_collect(engine, work) == want
+    assert pool_is_free(engine)
+    # the first step prefills (nothing pending); in every later one each row decodes from a pending token
+    assert pendings[0] is None and set(pendings[1:]) == {len(work)}
+
+    # and the penalties really bite here: without the pending token the tokens differ
+    monkeypatch.setattr(engine.runner.sampler, "sample", lambda *a, **k: real(*a[:8]))
+    assert _run_collect(engine, [(p, sp) for p, sp in work]) != want
 
 
 def test_failing_request_finishes_with_error_and_others_complete(tiny, tiny_prompts, tiny_expected, monkeypatch):

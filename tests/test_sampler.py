@@ -356,6 +356,53 @@ def test_sparse_penalties_give_the_dense_references_bits(device):
         assert torch.equal(got[[1, 4]], x[[1, 4]])
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_penalties_with_the_newest_token_on_the_device_give_the_dense_bits_of_the_whole_history(device):
+    # async scheduling: a row's newest output is on the device only (an index into the previous step's sampled
+    # ids); sparse(prompt, outputs[:-1], that token) must be dense(prompt, outputs)'s bits. Rows with and
+    # without a pending token, a pending token also in the prompt or the outputs, a row whose only id is pending
+    from pageserve.engine.sampler import _FREQ, _PRES, _REP
+
+    gen = torch.Generator().manual_seed(43)
+    for trial in range(4):
+        B, Vt = 6, 900 + trial
+        logits = torch.randn(B, Vt, generator=gen) * 4
+        rows = [0, 1, 2, 4, 5]
+        prompts = [torch.randint(0, Vt // 4, (int(n),), generator=gen).numpy()
+                   for n in torch.randint(1, 50, (len(rows),), generator=gen)]
+        prompts[4] = np.array([], dtype=np.int64)
+        outputs = [torch.randint(0, Vt // 8, (int(n),), generator=gen).numpy()
+                   for n in torch.randint(1, 30, (len(rows),), generator=gen)]
+        outputs[4] = outputs[4][:1]  # with no prompt: its only id is the pending one
+        outputs[1] = np.concatenate([outputs[1], outputs[1][:1]])  # the newest already seen among the outputs
+        outputs[2] = np.concatenate([outputs[2], prompts[2][:1]])  # ... and in the prompt
+        has_pending = [True, True, True, False, True]
+        prev = torch.randint(0, Vt, (9,), generator=gen)  # the previous step's sampled ids, other rows' too
+        where = torch.randperm(9, generator=gen)[: len(rows)].tolist()
+        pend = []
+        landed = []
+        for j, o in enumerate(outputs):
+            if has_pending[j]:
+                prev[where[j]] = int(o[-1])
+                pend.append(where[j])
+                landed.append(o[:-1])
+            else:
+                pend.append(-1)
+                landed.append(o)
+        table = torch.zeros(7, B)
+        table[_REP] = torch.tensor([1.3, 0.8, 1.1, 1.0, 2.0, 1.5])
+        table[_FREQ] = torch.tensor([0.5, 0.0, -0.4, 0.0, 1.2, 0.3])
+        table[_PRES] = torch.tensor([0.0, 0.9, 0.4, 0.0, -0.7, 0.2])
+        sampler = Sampler(Vt, device)
+        x, tab = logits.to(device), table.to(device)
+        want = penalties_dense(x, tab, rows, prompts, outputs)
+        got = sampler._apply_penalties(x.clone(), tab, rows, prompts, landed, (prev.to(device), pend))
+        assert torch.equal(got, want)
+        # without the pending token the bits differ (the newest output matters), and rows not penalised keep theirs
+        assert not torch.equal(sampler._apply_penalties(x.clone(), tab, rows, prompts, landed), want)
+        assert torch.equal(got[3], x[3])
+
+
 def test_greedy_rows_with_penalties_take_argmax_of_penalised_logits():
     logits = torch.tensor([[3.0, 2.9, 0.0, 0.0]])
     p = SamplingParams(temperature=0, presence_penalty=1.0)

@@ -328,9 +328,10 @@ class LLMEngine:
         the next call: this call first launches step N+1, then waits for step N's tokens
         and appends them, so the host's scheduling and input preparation overlap the
         device's forward. Where a row of step N+1 samples from host state that step N's
-        tokens change (penalties count the output tokens; a grammar's mask follows them),
+        tokens change (bad words match the newest outputs; a grammar's mask follows them),
         step N is landed between N+1's forward launch and its sampling's: the forward still
-        overlaps the host's work. Returned outputs are those of the step postprocessed here."""
+        overlaps the host's work. Penalties need no landing: they read step N's tokens from
+        the device. Returned outputs are those of the step postprocessed here."""
         t0, c0 = time.perf_counter(), time.thread_time()
         timing = self.last_step = StepTiming()
         landed_prefill: bool | None = None  # None: no step landed in this call
@@ -366,7 +367,7 @@ class LLMEngine:
             land_s, land_cpu_s = time.perf_counter() - t, time.thread_time() - c
 
         hook = None
-        if prev is not None and any(s.params.reads_outputs or s.matcher is not None for s in batch.sampling_seqs):
+        if prev is not None and any(s.params.needs_landed_outputs or s.matcher is not None for s in batch.sampling_seqs):
             hook = land_prev
         tl, cl = time.perf_counter(), time.thread_time()
         out = self.runner.execute(batch, None if prev is None else prev.out.token_ids_gpu, before_sampling=hook)

@@ -450,7 +450,7 @@ class ModelRunner:
         the sampling sequences), or None when no sequence samples this step.
         ``before_sampling``: called once the forward is launched and before the sampling is
         (not at all when nothing samples): the engine lands the previous step there when a
-        row's sampling reads what that step's tokens change (penalties, a grammar).
+        row's sampling reads what that step's tokens change on the host (bad words, a grammar).
 
         ``prev_tokens``: the previous step's sampled tokens on the device, when that step's
         values have not reached the host yet (async scheduling); a sequence decoding from
@@ -471,6 +471,12 @@ class ModelRunner:
             before_sampling()
         # guided rows' masks: built on the host while the device runs the forward launched above
         masks = None if self.grammar is None else self.grammar.step_masks([s.matcher for s in seqs])
+        penalised = any(s.params.has_penalties for s in seqs)
+        # a penalised row's newest output may still be on the device only (async scheduling): the penalties
+        # read it from the previous step's sampled ids (a landed step leaves no sequence pending)
+        pending = None
+        if penalised and prev_tokens is not None and any(s.num_pending for s in seqs):
+            pending = (prev_tokens, [s.pending_row if s.num_pending else -1 for s in seqs])
         return self.sampler.sample(
             logits,
             [s.params for s in seqs],
@@ -479,7 +485,8 @@ class ModelRunner:
             [s.seed for s in seqs],
             num_outputs,
             masks,
-            [s.token_history() for s in seqs] if any(s.params.has_penalties for s in seqs) else None,
+            [s.token_history() for s in seqs] if penalised else None,
+            pending,
         )
 
     @staticmethod

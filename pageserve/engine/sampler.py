@@ -200,6 +200,7 @@ class Sampler:
         num_outputs: list[int] | None = None,
         masks: TokenMasks | None = None,
         histories: Sequence[TokenHistory] | None = None,
+        pending: tuple[Tensor, list[int]] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row. ``logits``: [B, >= vocab_size] on the device.
 
@@ -211,6 +212,9 @@ class Sampler:
         allowed tokens of the structured-output rows; every other token of such a row is banned.
         ``histories``: each row's ids as arrays (``Sequence.token_history``), which the penalties read
         in place of the two lists (the same ids, without converting them from Python ints every step).
+        ``pending``: (the previous step's sampled ids on the device [B'], each row's index into them or -1): a
+        token sampled for the row whose value has not reached the host, so is not in its output ids yet (async
+        scheduling); the penalties count it as the row's newest output without waiting for it.
         """
         logits = logits[:, : self.vocab_size]
         if num_outputs is None:
@@ -219,7 +223,7 @@ class Sampler:
             return SamplerOutput(self._argmax(logits))
 
         penalised, probs, greedy_rows = self._process(
-            logits, params, prompt_token_ids, output_token_ids, num_outputs, masks, histories
+            logits, params, prompt_token_ids, output_token_ids, num_outputs, masks, histories, pending
         )
         B = logits.shape[0]
         if probs is None:  # every row greedy
@@ -285,7 +289,7 @@ class Sampler:
         return [t for t in banned if t < self.vocab_size]
 
     def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None, masks=None,
-                 histories=None):
+                 histories=None, pending=None):
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows)."""
         B, V = logits.shape
         # the bias and bans below write in place: into a copy of the caller's logits, made once
@@ -363,7 +367,8 @@ class Sampler:
                 prompts = [np.asarray(prompt_token_ids[i], dtype=np.int64) for i in pen_rows]
                 outputs = [np.asarray(output_token_ids[i], dtype=np.int64) for i in pen_rows]
             logits, owned = logits if owned else logits.clone(), True
-            logits = self._apply_penalties(logits.contiguous(), table, pen_rows, prompts, outputs)
+            pend = None if pending is None else (pending[0], [pending[1][i] for i in pen_rows])
+            logits = self._apply_penalties(logits.contiguous(), table, pen_rows, prompts, outputs, pend)
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy_rows) == B:
@@ -404,9 +409,10 @@ class Sampler:
                 bits[j] = cleared
         return bits
 
-    def _apply_penalties(self, logits, table, rows, prompts, outputs):
+    def _apply_penalties(self, logits, table, rows, prompts, outputs, pending=None):
         """Penalise ``rows`` of ``logits`` (fp32 [B, V], written in place); ``prompts`` / ``outputs``: those rows'
-        ids as int64 arrays.
+        ids as int64 arrays; ``pending``: None, or (sampled ids on the device, each row's index into them or -1)
+        for a newest output token whose value is still on the device only (``sample``'s ``pending``).
 
         Only the tokens a row has seen change, so only they are touched: each row's prompt and output ids are
         gathered ([P, W], W = the longest prompt + output, not V), penalised, and scattered back. A token seen
@@ -415,27 +421,44 @@ class Sampler:
         in the dense form (``lab.sampling_reference.penalties_dense``, the reference: a row's whole [V] logits, a count per token), so
         the bits are the same; an unseen token's is ``x - 0 - 0`` there, i.e. x, as here. At 256 rows of
         151,936 logits the dense form ran ~15 full passes over [256, V] fp32 (≈ 1.8 ms a step on the H200, the
-        structured stage at 5ab430d); this one reads and writes 256 x (512 + 128) values."""
-        keep = [j for j in range(len(rows)) if len(prompts[j]) or len(outputs[j])]  # a row with no ids: nothing
-        if not keep:
+        structured stage at 5ab430d); this one reads and writes 256 x (512 + 128) values.
+
+        A pending token takes one more column of both arrays, the first of the ids (so it is also the row's
+        padding) and the last of the outputs, filled on the device from the sampled ids: so a penalised row
+        needs nothing landed from the step before, and async scheduling keeps its overlap."""
+        pend = [-1] * len(rows) if pending is None else list(pending[1])
+        keep = [j for j in range(len(rows)) if len(prompts[j]) or len(outputs[j]) or pend[j] >= 0]
+        if not keep:  # a row with no ids: nothing
             return logits
         rows = [rows[j] for j in keep]
-        prompts, outputs = [prompts[j] for j in keep], [outputs[j] for j in keep]
+        prompts, outputs, pend = [prompts[j] for j in keep], [outputs[j] for j in keep], [pend[j] for j in keep]
+        E = int(any(r >= 0 for r in pend))  # the pending column, if any row has a token there
         V = logits.shape[1]
         P = len(rows)
-        width = max(len(p) + len(o) for p, o in zip(prompts, outputs))
+        width = E + max(len(p) + len(o) for p, o in zip(prompts, outputs))
         ids = np.empty((P, width), dtype=np.int64)
-        out_width = max(1, max(len(o) for o in outputs))
+        out_width = max(1, max(len(o) for o in outputs) + E)
         outs = np.full((P, out_width), V, dtype=np.int64)  # V sorts after every id and matches none
         for j, (p, o) in enumerate(zip(prompts, outputs)):
-            n = len(p)
-            ids[j, :n] = p
+            n = E + len(p)
+            if E:  # a row without a pending token starts with its own first id (one more duplicate)
+                ids[j, 0] = -1 if pend[j] >= 0 else (p[0] if len(p) else o[0])
+            ids[j, E:n] = p
             ids[j, n : n + len(o)] = o
             ids[j, n + len(o) :] = ids[j, 0]  # padding: the row's first id again (the same value written twice)
             outs[j, : len(o)] = o
-        host = torch.from_numpy(np.concatenate([ids, outs], axis=1).reshape(-1))
-        dev = self._to_device(host).view(P, width + out_width)
-        ids_t, outs_t = dev[:, :width].contiguous(), dev[:, width:]
+        parts = [ids, outs] + ([np.asarray(pend, dtype=np.int64)[:, None]] if E else [])
+        host = torch.from_numpy(np.concatenate(parts, axis=1).reshape(-1))
+        dev = self._to_device(host).view(P, width + out_width + E)
+        ids_t, outs_t = dev[:, :width].contiguous(), dev[:, width : width + out_width]
+        if E:
+            src = dev[:, -1]
+            has = src >= 0
+            token = pending[0].index_select(0, src.clamp_min(0)).to(torch.int64)
+            first = torch.where(has, token, ids_t[:, 0])
+            ids_t = torch.where(ids_t < 0, first[:, None], ids_t)  # the pending column and its row's padding
+            outs_t = outs_t.clone()
+            outs_t[:, -1] = torch.where(has, token, torch.full_like(token, V))
         rows_t = self._to_device(torch.tensor(rows, dtype=torch.int64))
         flat = (rows_t[:, None] * V + ids_t).reshape(-1)
         x = logits.view(-1).index_select(0, flat).view(P, width)

@@ -164,9 +164,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def reads_outputs(self) -> bool:
-        """Its sampling reads the output tokens so far (penalties count them; bad words match their end)."""
-        return self.has_penalties or bool(self.bad_words)
+    def needs_landed_outputs(self) -> bool:
+        """Its sampling reads the values of all its output tokens on the host, the newest included (bad words
+        match their end), so under async scheduling the step before must land first. Penalties count them
+        too, but read the newest from the device (``Sampler.sample``'s ``pending``)."""
+        return bool(self.bad_words)
 
     @property
     def has_penalties(self) -> bool:
