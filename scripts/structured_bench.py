@@ -64,17 +64,58 @@ def requests(llm: LLM, n: int, max_tokens: int, every: int | None,
     return prompts, params
 
 
+class _timed:
+    """Adds the wall seconds of every call of ``obj.name`` to ``self.s`` (an instance attribute shadowing the
+    method while inside the ``with``): host time, as nothing in the engine's sampling or masks syncs."""
+
+    def __init__(self, obj, name: str) -> None:
+        self.obj, self.name, self.s = obj, name, 0.0
+
+    def __enter__(self) -> "_timed":
+        real = getattr(self.obj, self.name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return real(*a, **k)
+            finally:
+                self.s += time.perf_counter() - t
+
+        setattr(self.obj, self.name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        delattr(self.obj, self.name)
+
+
 def run(llm: LLM, prompts, params) -> dict:
+    """One mode's requests through ``llm.generate``: throughput, and where the host's time went (ms a step:
+    the engine's own split of ``step()``, plus the calls timed inside its launch: the sampler's and the masks')."""
+    engine = llm.engine
     stats0 = llm.get_stats()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with _timed(engine.runner.sampler, "sample") as sample, _timed(engine.runner, "run_step") as forward:
+        masks = _timed(engine.grammar, "step_masks") if engine.grammar is not None else None
+        if masks is not None:
+            masks.__enter__()
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            if masks is not None:
+                masks.__exit__()
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     lengths = {len(c.token_ids) for o in outs for c in o.outputs}
     bad = [c.finish_reason for o in outs for c in o.outputs if c.finish_reason != "length"]
-    steps = llm.get_stats()["num_steps"] - stats0["num_steps"]
+    stats = llm.get_stats()
+    steps = stats["num_steps"] - stats0["num_steps"]
+    per_step = {k: 1e3 * (stats[f"{k}_time_s"] - stats0[f"{k}_time_s"]) / max(steps, 1)
+                for k in ("step", "host", "wait", "postprocess")}
+    per_step.update({"forward_launch": 1e3 * forward.s / max(steps, 1), "sample_launch": 1e3 * sample.s / max(steps, 1),
+                     "step_masks": 1e3 * (masks.s if masks is not None else 0.0) / max(steps, 1)})
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds, "steps": steps,
-            "ms_per_step": 1e3 * seconds / max(steps, 1), "lengths": sorted(lengths), "not_length_capped": len(bad),
+            "ms_per_step": 1e3 * seconds / max(steps, 1), "host_ms_per_step": per_step,
+            "lengths": sorted(lengths), "not_length_capped": len(bad),
             "first_text": outs[0].outputs[0].text[:60]}
 
 
@@ -141,7 +182,9 @@ def main() -> None:
     if loaded.tokenizer is None:
         loaded.tokenizer = load_model(args.tokenizer_from, device="cpu", dtype="float32").tokenizer
     kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
-    llm = LLM(args.model, loaded=loaded, device=args.device, dtype=args.dtype, **kw)
+    # every mode sends the same prompts: with the prefix cache (on by default since 882fea3) every run after the
+    # first would skip its prefills, unlike the records before it
+    llm = LLM(args.model, loaded=loaded, device=args.device, dtype=args.dtype, enable_prefix_caching=False, **kw)
     rows = []
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for mode in (MODES if rnd % 2 else MODES[::-1]):
