@@ -19,7 +19,8 @@ the default model's), whose ids all lie inside the shape's vocabulary.
 
 Writes DIR/structured_bench.json (with the commit): per mode and round the output tok/s, steps and
 seconds, and each mode's median ratio to plain; then the masks alone on the host (``mask_timing``: the
-thread pool's fill against one matcher after another, integer and string items, 1 / 32 / 256 rows);
+thread pool's fill against one matcher after another, integer and string items, 1 / 32 / 256 rows) and their
+application on the device (``device_mask_timing``, CUDA only: the Triton kernel against the torch reference);
 prints one line per run.
 """
 from __future__ import annotations
@@ -161,6 +162,42 @@ def mask_timing(llm: LLM, items: str, max_tokens: int, row_counts=(1, 32, 256), 
     return out
 
 
+def device_mask_timing(llm: LLM, row_counts=(1, 32, 256), repeats: int = 50) -> dict:
+    """The masks' application on the device, on CUDA: the Triton kernel (``kernels/token_bitmask``, what the
+    sampler runs) against the torch reference (unpack, gather, fill, scatter: what it ran before), ms a call
+    (median of ``repeats`` timed by CUDA events) on [n, V] fp32 logits with random words, equal outputs checked."""
+    import torch
+
+    from pageserve.kernels.reference import apply_token_bitmask as reference
+    from pageserve.kernels.token_bitmask import apply_token_bitmask
+
+    dev = llm.engine.runner.sampler.device
+    if dev.type != "cuda":
+        return {"skipped": f"device {dev}"}
+    V = llm.engine.model_config.vocab_size
+    out = {"vocab_size": V, "ms": {}}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n in row_counts:
+        logits = torch.randn(n, V, device=dev, generator=gen)
+        bits = torch.randint(-2**31, 2**31 - 1, (n, (V + 31) // 32), device=dev, generator=gen,
+                             dtype=torch.int64).to(torch.int32)
+        rows = torch.arange(n, device=dev)
+        a, b = apply_token_bitmask(logits.clone(), rows, bits, V), reference(logits.clone(), rows, bits, V)
+        times = {}
+        for name, fn in (("kernel", apply_token_bitmask), ("reference", reference)):
+            xs, ms = [logits.clone() for _ in range(repeats)], []
+            for x in xs:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                fn(x, rows, bits, V)
+                e1.record()
+                e1.synchronize()
+                ms.append(e0.elapsed_time(e1))
+            times[name] = statistics.median(ms)
+        out["ms"][n] = {**times, "equal": bool(torch.equal(a, b))}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -204,7 +241,12 @@ def main() -> None:
         except Exception as e:  # the runs above stand; the record says why the masks alone are missing
             masks[items] = {"error": repr(e)[:300]}
     print(json.dumps(masks), flush=True)
-    record = {**provenance(), "args": vars(args), "runs": rows, "mask_timing": masks,
+    try:
+        device_masks = device_mask_timing(llm)
+    except Exception as e:
+        device_masks = {"error": repr(e)[:300]}
+    print(json.dumps(device_masks), flush=True)
+    record = {**provenance(), "args": vars(args), "runs": rows, "mask_timing": masks, "device_mask_timing": device_masks,
               "median_output_tok_s": median,
               "ratio_to_plain": {m: median[m] / median["plain"] for m in MODES}}
     out = Path(args.out)

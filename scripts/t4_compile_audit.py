@@ -19,7 +19,7 @@ compile that serves several launches is compiled once and listed with all of the
   "pipelined" being sm_90 only: ``pipelined_device``), with RoPE in the launch at 9-128 rows
   (``ROPE_ATTENTION_ROWS``), and its merge; the paged prefill kernel for chunks (``chunk_attention``,
   ``gate_up_silu_rows`` and ``paired_silu_rows`` are Hopper only); SiLU·mul above one row; the
-  sampler's argmax; the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with
+  sampler's argmax and its structured-output masks (``token_bitmask``); the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with
   ``fuse_rope_kv=False`` and are listed as such.
 - deterministic (``DeterministicOps``): ``matmul_invariant`` for every linear and the LM head at every
   row count (``invariant_config`` -> ``measured_config`` shrunk by ``fit_shared_memory`` to the T4's
@@ -352,6 +352,16 @@ def argmax_launches(mode: str, m: Model, B: int, dtype: str) -> list[Launch]:
                    dict(BLOCK_P=max(16, next_pow2(parts)), **_pdl_off()), 4, rows=[B])]
 
 
+def token_bitmask_launch(m: Model, B: int) -> Launch:
+    """Structured outputs' masks on the sampler's fp32 rows (any mode: the sampler is the same)."""
+    from pageserve.kernels.token_bitmask import BLOCK
+
+    words = (m.vocab + 31) // 32
+    return Launch("default", m.name, f"token bitmask V={m.vocab}", "pageserve.kernels.token_bitmask:_apply_token_bitmask_kernel",
+                  dict(x_ptr="*fp32", rows_ptr="*i64", bits_ptr="*i32", V=m.vocab, stride_x=m.vocab, stride_bits=words),
+                  dict(BLOCK=BLOCK), 4, rows=[B])
+
+
 def stage_inputs_launch(m: Model, B: int) -> Launch:
     args = dict(ids_src="*i64", pos_src="*i64", slot_src="*i64", lens_src="*i64", bt_src="*i64", ids_dst="*i64",
                 pos_dst="*i64", slot_dst="*i64", lens_dst="*i32", bt_dst="*i32", bs=None, nb=None, stride_src=None,
@@ -463,6 +473,7 @@ def launches() -> list[Launch]:
                 out.append(stage_inputs_launch(m, rows))
                 for dtype in (DTYPE, "fp32"):  # graphs' logits, or the sampler's processed fp32 rows
                     out += argmax_launches("default", m, rows, dtype)
+                out.append(token_bitmask_launch(m, rows))
             else:
                 out.append(prefill_attention_launch(m, rows))
             if not (decode and ROPE_ATTENTION_ROWS[0] <= rows <= ROPE_ATTENTION_ROWS[1]):

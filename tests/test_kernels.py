@@ -434,6 +434,36 @@ def test_argmax_rows_matches_torch_argmax_first_maximum_included(B, V, dtype, ge
     torch.testing.assert_close(argmax_rows(wide[:, :V]), wide[:, :V].argmax(dim=-1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,rows,V", [(6, [0, 2, 5], 151936 if CUDA else 4100), (3, [1], 33), (4, [3, 0], 2048),
+                                      (2, [0, 1], 1)])
+def test_apply_token_bitmask_matches_the_unpack_and_fill_reference(B, rows, V, dtype, gen):
+    # random words (the sign bit included), a row with every bit set and one with none, masks wider than V
+    # (their extra bits ignored), logits wider than V and strided (the columns past V untouched), NaN logits
+    # kept where allowed; the rows not guided keep their bits
+    from pageserve.kernels.reference import apply_token_bitmask as reference
+    from pageserve.kernels.token_bitmask import apply_token_bitmask
+
+    W = (V + 31) // 32 + 1
+    bits = torch.randint(-2**31, 2**31 - 1, (len(rows), W), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[0, : W // 2] = -1
+    if len(rows) > 1:
+        bits[1] = 0
+    wide = torch.randn(B, V + 40, generator=gen).to(dtype)
+    wide[0, :: 7] = float("nan")
+    x = wide[:, :V]
+    want = reference(x.clone(), torch.tensor(rows), bits, V)
+    got_wide = wide.clone().to(DEVICE)
+    got = apply_token_bitmask(got_wide[:, :V], torch.tensor(rows, device=DEVICE), bits.to(DEVICE), V)
+    assert got.data_ptr() == got_wide.data_ptr()  # in place
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got_wide[:, V:].cpu(), wide[:, V:], rtol=0, atol=0, equal_nan=True)
+    if len(rows) > 1:
+        assert torch.isneginf(got[rows[1]]).all()  # the row whose words are all clear: everything banned
+    with pytest.raises(ValueError, match="masks"):
+        apply_token_bitmask(got_wide[:, :V], torch.tensor(rows, device=DEVICE), bits[:, :0].to(DEVICE), V)
+
+
 @pytest.mark.parametrize("block", [16, 64, 8192])
 def test_argmax_rows_any_block_gives_torch_first_maximum(block, gen):
     # the first-stage width argmax_ab times: ties across and inside blocks, a block wider than the row

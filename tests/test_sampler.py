@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor, unpack_token_bits
+from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor
+from pageserve.kernels.reference import unpack_token_bits
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.lab.sampling_reference import penalties_dense, sample_reference, sampler_probs
 from pageserve.engine.sampling_params import SamplingParams, child_seed

@@ -14,6 +14,7 @@ One file per kernel family, each with its plain-PyTorch reference importable bes
                     also the down projection fused with SiLU(gate) * up
 - ``step_inputs``   a decode step's inputs into the CUDA graphs' static buffers in one launch
 - ``argmax``        each row's first maximal index over the vocabulary (the sampler's pick)
+- ``token_bitmask`` structured outputs' allowed-token masks applied to the logits in place (banned: -inf)
 - ``gate_up_silu``  the MLP's gate|up product with SiLU·mul in its epilogue for prefill-sized steps
                     (gate and up rows interleaved in one tile: one MMA chain; a persistent TMA walk on Hopper)
 - ``gemv_int8``     int8 weight-only (W8A16) linears: the decode GEMV (and its SiLU·mul form),

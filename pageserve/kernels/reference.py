@@ -195,3 +195,18 @@ def stage_decode_inputs(
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x: [B, V] -> [B] int64: each row's first maximal index (NaN counts as the largest)."""
     return x.argmax(dim=-1)
+
+
+def unpack_token_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[G, W] int32 words, token t at bit ``t % 32`` of word ``t // 32`` -> [G, vocab_size] bool."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """In place: row ``rows[i]``'s tokens whose bit is clear in ``bits[i]`` ([G, W] int32 words, token t at bit
+    ``t % 32`` of word ``t // 32``) become -inf, within the first ``vocab_size`` columns. Returns ``logits``."""
+    allowed = unpack_token_bits(bits, vocab_size)
+    sub = logits[:, :vocab_size]
+    sub[rows] = sub[rows].masked_fill(~allowed, float("-inf"))
+    return logits
