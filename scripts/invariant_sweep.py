@@ -48,13 +48,26 @@ DECODE_EXTRA = [(16, 16, 512, 4, 4), (16, 16, 512, 4, 3), (16, 16, 512, 2, 4), (
                 (16, 32, 512, 4, 3), (16, 16, 128, 2, 8)]
 
 
+# (session 44) the product transposed (``swap_ab``: the weight tile as the MMA's M side, wgmma's 64-row A operand
+# from 64 columns on; pointer loads), at up to 16 rows: fewer instructions a weight than 16-row x tiles with 15 rows
+# of padding, but N / BLOCK_N programs (32 for down and o at 64 columns): the sweep says which wins, and its
+# same_bits whether the MMA rounds the swapped k-steps alike
+DECODE_SWAP = [(16, 64, 128, 4, 4), (16, 64, 256, 4, 3), (16, 64, 64, 4, 6), (16, 128, 128, 4, 3),
+               (16, 128, 64, 4, 4), (16, 128, 128, 8, 3), (16, 256, 64, 8, 3), (16, 16, 256, 4, 6),
+               (16, 32, 256, 4, 4)]
+
+
+def swap_candidates() -> list[InvariantMatmulConfig]:
+    return [InvariantMatmulConfig(*c, swap_ab=True) for c in DECODE_SWAP]
+
+
 def candidates(M: int) -> list[InvariantMatmulConfig]:
     kind = "decode" if M <= 16 else "mid" if M <= 64 else "large" if M <= 1024 else "prefill"
     cfgs = [InvariantMatmulConfig(bm, bn, bk, w, s) for bm, bn, bk, w, s in CANDIDATES[kind]]
     if kind in ("large", "prefill"):  # the pointer loads lost every large-M case at 8df43651
         tma = [dataclasses.replace(c, tma=True) for c in cfgs]
         return tma + [dataclasses.replace(c, persistent=True) for c in tma]  # and one program per SM
-    return cfgs + [dataclasses.replace(c, tma=True) for c in cfgs]
+    return cfgs + [dataclasses.replace(c, tma=True) for c in cfgs] + (swap_candidates() if kind == "decode" else [])
 
 
 def cublas(x, w, bias, y):
@@ -100,6 +113,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(GEMV_SHAPES), help="which of the 3B linears (default: all)")
     ap.add_argument("--decode-extra", action="store_true",
                     help="time only DECODE_EXTRA (pointer loads) instead of the row count's candidates")
+    ap.add_argument("--swap-only", action="store_true",
+                    help="time only DECODE_SWAP (the transposed product) and the default config")
     ap.add_argument("--name", default="invariant_sweep", help="the JSON's file name (without .json)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -107,6 +122,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     path = Path(args.out) / f"{args.name}.json"
     extra = [InvariantMatmulConfig(*c) for c in DECODE_EXTRA] if args.decode_extra else None
+    if args.swap_only:
+        extra = swap_candidates()
     path.parent.mkdir(parents=True, exist_ok=True)
     rec = {**provenance(), "device": torch.cuda.get_device_name(), "by_m": {}}
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -132,10 +149,11 @@ def main() -> None:
               f"{tot['best_invariant_us']:.0f} ({time.time() - t0:.0f} s)", flush=True)
         for n, r in per.items():
             b = r["best_invariant"] or {}
-            bad = [f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'t' if c['tma'] else ''}" for c in r["rows"]
+            bad = [f"{c['block_m']}x{c['block_n']}x{c['block_k']}{'t' if c['tma'] else ''}{'s' if c.get('swap_ab') else ''}"
+                   for c in r["rows"]
                    if "us" in c and not (c["same_bits"] and c["row0_alone"])]
             print(f"  {n}: cublas {r['cublas_us']:.1f} default {r['default_us']:.1f} best {b.get('us', 0):.1f} "
-                  f"{ {k: b.get(k) for k in ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages', 'tma')} } "
+                  f"{ {k: b.get(k) for k in ('block_m', 'block_n', 'block_k', 'num_warps', 'num_stages', 'tma', 'swap_ab')} } "
                   f"not invariant: {bad}", flush=True)
 
 

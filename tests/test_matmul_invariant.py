@@ -350,3 +350,27 @@ def test_row_counts_of_one_config_share_one_compiled_kernel(gen):
             matmul_invariant(_rand(gen, M, 2048, dtype=torch.bfloat16), w, config=cfg)
         torch.cuda.synchronize()
     assert log.names == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 16, 17])
+def test_the_swapped_operand_order_gives_the_same_bits(dtype, M, gen):
+    # out^T = w @ x^T (the weight tile as the MMA's A side): each element the same products over the same K
+    # slices. With a bias, with SiLU·mul in the epilogue, a last partial column tile, 16- to 128-column tiles,
+    # row by row alone; a TMA tile cannot be swapped. On the GPU this is the question itself: does the MMA round
+    # a k-step alike whichever operand is A
+    K = 2056 if CUDA else 264
+    x, w = _rand(gen, M, K, dtype=dtype), _rand(gen, N_ODD, K, dtype=dtype, scale=K**-0.5)
+    bias = _rand(gen, N_ODD, dtype=dtype)
+    gu = _rand(gen, 2 * N_ODD, K, dtype=dtype, scale=K**-0.5)
+    block_m = 16 if dtype == torch.float32 or not CUDA else None
+    base = invariant_config(M, N_ODD, dtype, sms=132, K=K, block_m=block_m, block_n=16)
+    want, want_silu = matmul_invariant(x, w, bias, config=base), matmul_invariant(x, gu, silu_mul=True, config=base)
+    for bn in (16, 64, 128):
+        cfg = dataclasses.replace(base, block_n=bn, swap_ab=True)
+        assert torch.equal(matmul_invariant(x, w, bias, config=cfg), want), cfg
+        assert torch.equal(matmul_invariant(x, gu, silu_mul=True, config=cfg), want_silu), cfg
+    alone = dataclasses.replace(base, block_n=64, swap_ab=True)
+    assert all(torch.equal(matmul_invariant(x[i:i + 1].clone(), w, bias, config=alone)[0], want[i]) for i in range(M))
+    with pytest.raises(ValueError, match="swap_ab"):
+        dataclasses.replace(base, tma=True, swap_ab=True)

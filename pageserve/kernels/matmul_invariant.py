@@ -31,9 +31,10 @@ fp32 inputs take ``input_precision="ieee"``: Triton lowers that dot to FMAs on t
 one fma per k in order, so it is invariant for any BLOCK_M; fp32 uses BLOCK_M 16 throughout.
 ``block_m=`` overrides the policy (tests, the lab's ``invariance_report``).
 
-An alternative left for later: swap the operands at small M (w as the MMA's M side, the batch
-as its N side, 16..256 wide) so decode wastes 15/16 of a 16-wide MMA instead of 63/64 of the
-x tile's shared memory; it would have to be used at every M to stay invariant.
+``InvariantMatmulConfig.swap_ab`` swaps the operands (w as the MMA's M side, the rows as its N side), so a
+one-row tile feeds the MMA weight rows instead of 15 padding rows of x. The same products over the same K
+slices: on the interpreter's ordered dot the same bits by construction; on the GPU the sweep's ``same_bits``
+and the GPU tests say whether the MMA rounds them alike (no policy takes it before they have).
 
 Defaults: ``measured_config`` (the H200 sweeps' bests by row count; over the decoder's four
 linears x 36 (+ the LM head up to M = 1024) 0.99x cuBLAS's time at M = 1, 0.98x at M = 8192 and
@@ -89,6 +90,14 @@ class InvariantMatmulConfig:
     group_m: int = 8  # launch order only (L2 reuse of weight tiles across row tiles): no effect on the bits
     tma: bool = False  # tiles loaded by the Hopper tensor-memory accelerator (``_tma_ok``); same MMAs, same K order
     persistent: bool = False  # with tma: one program per SM walking the tiles (the same tiles, the same K loop)
+    # the product taken transposed, out^T = w @ x^T (pointer loads only): the weight tile is the MMA's M side
+    # (wgmma's 64-row A operand from BLOCK_N 64 on) and the rows its N side; each output element is the same
+    # products over the same K slices in the same order (``_swapped_k_loop``)
+    swap_ab: bool = False
+
+    def __post_init__(self) -> None:
+        if self.swap_ab and self.tma:
+            raise ValueError("swap_ab: the pointer kernel only (no TMA tiles)")
 
 
 def invariant_config(M: int, N: int, dtype: torch.dtype, sms: int, block_m: int | None = None,
@@ -246,19 +255,11 @@ def _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ty: tl.constexpr, HAS_BIAS: t
     return acc.to(out_ty)
 
 
-def _matmul_invariant_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr,
-):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask, nmask = m < M, n < N
-    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    _pdl_top(USE_PDL, LATE_RELEASE)
+@triton.jit
+def _k_loop(x_rows, w_rows, up_offset, K, mmask, nmask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The pointer kernel's K loop: (acc, acc_up) [BLOCK_M, BLOCK_N] fp32, x tile as the MMA's A side.
+    ``up_offset``: N * stride_wn, where SILU_MUL's up rows start."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up columns, rows N.. of w
     # the same K slices in the same order for every tile, the whole of K in one program
@@ -269,8 +270,52 @@ def _matmul_invariant_kernel(
         b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         acc = _acc_dot(a, b, acc, PREC, UPCAST)
         if SILU_MUL:
-            b_up = tl.load(w_rows + N * stride_wn + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            b_up = tl.load(w_rows + up_offset + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc_up = _acc_dot(a, b_up, acc_up, PREC, UPCAST)
+    return acc, acc_up
+
+
+@triton.jit
+def _swapped_k_loop(x_rows, w_rows, up_offset, K, mmask, nmask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
+    """``_k_loop`` with the product transposed: acc^T [BLOCK_N, BLOCK_M] += w_tile @ x_tile^T, the weight tile as
+    the MMA's A side (at one row the MMA's M side is then weights, not 15 padding rows of x), returned transposed.
+    Element (m, n) is still x[m, k] * w[n, k] summed over the same K slices in K order; that the MMA rounds such
+    a sum alike whichever operand is A is what the GPU tests and the sweep's ``same_bits`` check (on the
+    interpreter's ordered dot it is the same sum by construction)."""
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    up_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        acc_t = _acc_dot(b, a, acc_t, PREC, UPCAST)
+        if SILU_MUL:
+            b_up = tl.load(w_rows + up_offset + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            up_t = _acc_dot(b_up, a, up_t, PREC, UPCAST)
+    return tl.trans(acc_t), tl.trans(up_t)
+
+
+def _matmul_invariant_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr, SWAP_AB: tl.constexpr = False,
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    _pdl_top(USE_PDL, LATE_RELEASE)
+    if SWAP_AB:
+        acc, acc_up = _swapped_k_loop(x_rows, w_rows, N * stride_wn, K, mmask, nmask, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      PREC, UPCAST, SILU_MUL)
+    else:
+        acc, acc_up = _k_loop(x_rows, w_rows, N * stride_wn, K, mmask, nmask, BLOCK_M, BLOCK_N, BLOCK_K,
+                              PREC, UPCAST, SILU_MUL)
     if LATE_RELEASE:
         pdl_release(USE_PDL)
     y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
@@ -432,4 +477,5 @@ def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: to
             programs = min(grid[0], sm_count_for(x))
             return _PERSISTENT_KERNELS[pick][(programs,)](*descs, b, out, M, N, K, out.stride(0), programs, **consts)
         return _TMA_KERNELS[pick][grid](*descs, b, out, M, N, K, out.stride(0), **consts)
-    return _POINTER_KERNELS[pick][grid](x, w, b, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), **consts)
+    return _POINTER_KERNELS[pick][grid](x, w, b, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+                                        SWAP_AB=cfg.swap_ab, **consts)
