@@ -23,6 +23,7 @@ Logprobs (like vLLM's default) describe the model's distribution, not the sampli
 """
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import TYPE_CHECKING, Sequence
 
@@ -78,31 +79,28 @@ def seeded_uniform_tensor(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tens
     return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
 
 
+def _triton_or(device: torch.device, module: str, name: str, fallback):
+    """``pageserve.kernels.<module>.<name>`` on CUDA, else (and if Triton fails to import) ``fallback``: a
+    missing or broken Triton costs speed, never the sampler."""
+    if device.type == "cuda":
+        try:
+            return getattr(importlib.import_module(f"pageserve.kernels.{module}"), name)
+        except Exception as e:
+            warnings.warn(f"Triton {module} unavailable ({type(e).__name__}: {e}); using the torch reference")
+    return fallback
+
+
 def _token_bitmask(device: torch.device):
     """``apply_token_bitmask(logits, rows, bits, V)``, in place: the Triton kernel on CUDA (one pass over the
     words and the banned logits; the reference's unpack, gather, fill and scatter moved ~1.6 GB a step at 256
     guided rows of 151,936 tokens), else the torch reference."""
-    if device.type == "cuda":
-        try:
-            from ..kernels.token_bitmask import apply_token_bitmask
-
-            return apply_token_bitmask
-        except Exception as e:  # a missing or broken Triton costs speed, never the sampler
-            warnings.warn(f"Triton token bitmask unavailable ({type(e).__name__}: {e}); using the torch reference")
-    return apply_token_bitmask_reference
+    return _triton_or(device, "token_bitmask", "apply_token_bitmask", apply_token_bitmask_reference)
 
 
 def _row_argmax(device: torch.device):
     """Each row's first maximal index: the Triton kernel on CUDA (``torch.argmax`` over one
     151,936-wide row cost ~13-15 µs of every batch-1 decode step on the H200), else torch."""
-    if device.type == "cuda":
-        try:
-            from ..kernels.argmax import argmax_rows
-
-            return argmax_rows
-        except Exception as e:  # a missing or broken Triton costs speed, never the sampler
-            warnings.warn(f"Triton argmax unavailable ({type(e).__name__}: {e}); using torch.argmax")
-    return _torch_argmax
+    return _triton_or(device, "argmax", "argmax_rows", _torch_argmax)
 
 
 def _torch_argmax(x: Tensor) -> Tensor:
