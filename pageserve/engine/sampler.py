@@ -421,62 +421,50 @@ class Sampler:
         ids as int64 arrays; ``pending``: None, or (sampled ids on the device, each row's index into them or -1)
         for a newest output token whose value is still on the device only (``sample``'s ``pending``).
 
-        Only the tokens a row has seen change, so only they are touched: each row's prompt and output ids are
-        gathered ([P, W], W = the longest prompt + output, not V), penalised, and scattered back. A token seen
-        twice is gathered twice and written twice with the same value. Each output count comes from the row's
-        sorted output ids (two ``searchsorted``). Every seen value goes through the same fp32 operations as
-        in the dense form (``lab.sampling_reference.penalties_dense``, the reference: a row's whole [V] logits, a count per token), so
-        the bits are the same; an unseen token's is ``x - 0 - 0`` there, i.e. x, as here. At 256 rows of
-        151,936 logits the dense form ran ~15 full passes over [256, V] fp32 (≈ 1.8 ms a step on the H200, the
-        structured stage at 5ab430d); this one reads and writes 256 x (512 + 128) values.
+        Only the tokens a row has seen change, so only they are touched: every row's prompt and output ids, laid
+        end to end in one flat array with each id's row beside it, are gathered, penalised and scattered back. A
+        token seen twice is gathered twice and written twice with the same value. Each output count is found
+        by key (row * V + id) in the sorted keys of every row's outputs (two ``searchsorted``). Every seen value
+        goes through the same fp32 operations as in the dense form (``lab.sampling_reference.penalties_dense``,
+        the reference: a row's whole [V] logits, a count per token), so the bits are the same; an unseen token's is
+        ``x - 0 - 0`` there, i.e. x, as here. At 256 rows of 151,936 logits the dense form ran ~15 full passes over
+        [256, V] fp32 (≈ 1.8 ms a step on the H200, the structured stage at 5ab430d); this one reads and writes
+        256 x (512 + 128) values, and its host side is a few whole-array calls whatever the row count (a padded
+        [rows, longest] layout filled row by row took ~1.3 ms of host time at 256 rows on the CPU box).
 
-        A pending token takes one more column of both arrays, the first of the ids (so it is also the row's
-        padding) and the last of the outputs, filled on the device from the sampled ids: so a penalised row
-        needs nothing landed from the step before, and async scheduling keeps its overlap."""
-        pend = [-1] * len(rows) if pending is None else list(pending[1])
-        keep = [j for j in range(len(rows)) if len(prompts[j]) or len(outputs[j]) or pend[j] >= 0]
-        if not keep:  # a row with no ids: nothing
+        A pending token joins its row's ids and outputs on the device, read from the sampled ids: so a penalised
+        row needs nothing landed from the step before, and async scheduling keeps its overlap."""
+        P, V = len(rows), logits.shape[1]
+        pend = [-1] * P if pending is None else list(pending[1])
+        pend_rows = [j for j in range(P) if pend[j] >= 0]
+        seen_len = np.fromiter((len(p) + len(o) for p, o in zip(prompts, outputs)), np.int64, P)
+        out_len = np.fromiter((len(o) for o in outputs), np.int64, P)
+        if not seen_len.any() and not pend_rows:
             return logits
-        rows = [rows[j] for j in keep]
-        prompts, outputs, pend = [prompts[j] for j in keep], [outputs[j] for j in keep], [pend[j] for j in keep]
-        E = int(any(r >= 0 for r in pend))  # the pending column, if any row has a token there
-        V = logits.shape[1]
-        P = len(rows)
-        width = E + max(len(p) + len(o) for p, o in zip(prompts, outputs))
-        ids = np.empty((P, width), dtype=np.int64)
-        out_width = max(1, max(len(o) for o in outputs) + E)
-        outs = np.full((P, out_width), V, dtype=np.int64)  # V sorts after every id and matches none
-        for j, (p, o) in enumerate(zip(prompts, outputs)):
-            n = E + len(p)
-            if E:  # a row without a pending token starts with its own first id (one more duplicate)
-                ids[j, 0] = -1 if pend[j] >= 0 else (p[0] if len(p) else o[0])
-            ids[j, E:n] = p
-            ids[j, n : n + len(o)] = o
-            ids[j, n + len(o) :] = ids[j, 0]  # padding: the row's first id again (the same value written twice)
-            outs[j, : len(o)] = o
-        parts = [ids, outs] + ([np.asarray(pend, dtype=np.int64)[:, None]] if E else [])
-        host = torch.from_numpy(np.concatenate(parts, axis=1).reshape(-1))
-        dev = self._to_device(host).view(P, width + out_width + E)
-        ids_t, outs_t = dev[:, :width].contiguous(), dev[:, width : width + out_width]
+        parts = [np.asarray(rows), *(a for p, o in zip(prompts, outputs) for a in (p, o)),  # each row's prompt, outputs
+                 *outputs, seen_len, out_len,  # the outputs again (for the counts); the rows' lengths
+                 np.asarray(pend_rows, dtype=np.int64), np.asarray([pend[r] for r in pend_rows], dtype=np.int64)]
+        S, O, E = int(seen_len.sum()), int(out_len.sum()), len(pend_rows)
+        # one int32 copy to the device (ids < 2**31), widened there; each id's row expanded there from the lengths
+        dev = self._to_device(torch.from_numpy(np.concatenate(parts, dtype=np.int32))).long()
+        rows_t, ids, outs, seen_n, out_n, pend_row, pend_src = dev.split([P, S, O, P, P, E, E])
+        j = torch.arange(P, device=dev.device)
+        id_row = torch.repeat_interleave(j, seen_n, output_size=S)  # output_size: no sync to learn it
+        out_row = torch.repeat_interleave(j, out_n, output_size=O)
         if E:
-            src = dev[:, -1]
-            has = src >= 0
-            token = pending[0].index_select(0, src.clamp_min(0)).to(torch.int64)
-            first = torch.where(has, token, ids_t[:, 0])
-            ids_t = torch.where(ids_t < 0, first[:, None], ids_t)  # the pending column and its row's padding
-            outs_t = outs_t.clone()
-            outs_t[:, -1] = torch.where(has, token, torch.full_like(token, V))
-        rows_t = self._to_device(torch.tensor(rows, dtype=torch.int64))
-        flat = (rows_t[:, None] * V + ids_t).reshape(-1)
-        x = logits.view(-1).index_select(0, flat).view(P, width)
-        sorted_outs = outs_t.sort(dim=1).values
-        counts = (torch.searchsorted(sorted_outs, ids_t, right=True)
-                  - torch.searchsorted(sorted_outs, ids_t)).float()
-        t = table.index_select(1, rows_t)  # [7, P]
-        rep = t[_REP][:, None]
+            token = pending[0].index_select(0, pend_src).to(torch.int64)
+            ids, outs = torch.cat([ids, token]), torch.cat([outs, token])
+            id_row, out_row = torch.cat([id_row, pend_row]), torch.cat([out_row, pend_row])
+        keys = (out_row * V + outs).sort().values
+        key = id_row * V + ids
+        counts = (torch.searchsorted(keys, key, right=True) - torch.searchsorted(keys, key)).float()
+        flat = rows_t.index_select(0, id_row) * V + ids
+        x = logits.view(-1).index_select(0, flat)
+        t = table.index_select(1, rows_t).index_select(1, id_row)  # [7, S + E]: each id's row's parameters
+        rep = t[_REP]
         x = torch.where(x > 0, x / rep, x * rep)  # every gathered token is seen (rep 1: x / 1 = x exactly)
-        x = x - t[_FREQ][:, None] * counts - t[_PRES][:, None] * (counts > 0).float()
-        logits.view(-1).index_put_((flat,), x.reshape(-1))
+        x = x - t[_FREQ] * counts - t[_PRES] * (counts > 0).float()
+        logits.view(-1).index_put_((flat,), x)
         return logits
 
     def _exponential_noise(self, probs, seeds, num_outputs) -> Tensor:
