@@ -117,6 +117,30 @@ def consumes(hf_tokenizer, vocab_size: int, eos: list[int], text: str, params: d
     assert matcher.consume_tokens(ids) and not matcher.is_error(), (text, matcher.get_error())
 
 
+def test_step_masks_writes_every_word_so_its_buffer_needs_no_zeroing(smollm2):
+    # GrammarCompiler.step_masks fills an uninitialised (pinned, on CUDA) buffer: llguidance must write every word of
+    # every guided row. Checked on garbage against a zeroed fill, inside a string and after an integer, at a model
+    # vocabulary wider than the tokenizer's (the extra ids banned), with an unguided row between
+    import numpy as np
+
+    from pageserve.engine.structured_output import _import_llguidance
+
+    llg = _import_llguidance()
+    hf = smollm2.tokenizer.hf
+    c = GrammarCompiler(hf, smollm2.config.vocab_size + 100, smollm2.tokenizer.eos_token_ids)
+    schema = {"type": "array", "items": {"type": "string"}}
+    matchers = [c.matcher(StructuredOutputsParams.of({"json": schema})) for _ in range(3)]
+    matchers[1].consume_tokens(hf.encode('["ab', add_special_tokens=False))
+    matchers[2] = c.matcher(StructuredOutputsParams.of({"regex": "[0-9]+"}))
+    masks = c.step_masks([matchers[0], None, matchers[1], matchers[2]])
+    assert masks.rows == [0, 2, 3]
+    for fill in (0, -7):
+        bits = np.full_like(masks.bits, fill)
+        llg.numpy.fill_next_token_bitmask_par(c._executor, [(m, i) for i, m in enumerate(matchers)], bits)
+        assert np.array_equal(bits, masks.bits), fill
+    assert masks.bits.any() and not (masks.bits == -1).all()
+
+
 def test_the_default_models_spaces_and_newlines_are_bytes_to_the_grammar(smollm2):
     """SmolLM2's byte-level tokens map to their bytes ("Ġ" is a space, "Ċ" a newline): with
     transformers 5.17's GGUF conversion llguidance read "Ġ" as the UTF-8 of "Ġ" ("byte 'Ä' fails

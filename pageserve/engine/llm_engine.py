@@ -272,6 +272,7 @@ class LLMEngine:
             from .structured_output import GrammarCompiler
 
             self.grammar = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
+            self.grammar.pin_masks = self.runner.device.type == "cuda"
         try:
             return self.grammar.matcher(params.structured_outputs)
         except ValueError as e:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
+import torch
 
 COMPILED_CACHE_SIZE = 64  # compiled grammars kept per engine (a matcher per request is a copy of one)
 
@@ -167,6 +168,9 @@ class GrammarCompiler:
         self._tokenizer = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> a pristine matcher
         self._executor = None  # llguidance's thread pool for the masks
+        # the masks' words in page-locked memory (the device is CUDA): the sampler's copy to the device then
+        # reads them where llguidance wrote them, with no second copy into pinned memory
+        self.pin_masks = False
 
     @property
     def tokenizer(self):
@@ -207,7 +211,10 @@ class GrammarCompiler:
         llg = _import_llguidance()
         if self._executor is None:
             self._executor = llg.LLExecutor()
-        bits = np.zeros((len(rows), (self.tokenizer.vocab_size + 31) // 32), dtype=np.int32)
+        # every word is written by the fill (tests/test_structured_output.py checks it on garbage), so no zeroing;
+        # a pinned buffer comes from torch's caching host allocator, which reuses it only after its copy is done
+        shape = (len(rows), (self.tokenizer.vocab_size + 31) // 32)
+        bits = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_masks).numpy()
         llg.numpy.fill_next_token_bitmask_par(self._executor, [(matchers[r], i) for i, r in enumerate(rows)], bits)
         for i, r in enumerate(rows):
             if matchers[r].is_error():  # its sequence has failed (its row is dropped): leave the row samplable
