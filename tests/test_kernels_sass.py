@@ -74,7 +74,7 @@ kernel = mi._POINTER_KERNELS[1]
 args = ["x_ptr", "w_ptr", "bias_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om"]
 for late in (False, True):
     const = dict(HAS_BIAS=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, PREC="ieee", UPCAST=0,
-                 USE_PDL=True, SILU_MUL=True, LATE_RELEASE=late)
+                 USE_PDL=True, SILU_MUL=True, LATE_RELEASE=late, SWAP_AB=False)
     sig = {n: "i32" for n in args}
     sig.update(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", **{n: "constexpr" for n in const})
     ptx = compile_sm90(kernel, sig, const, {}, 4, 4).asm["ptx"]
