@@ -205,7 +205,9 @@ for st in $stages; do
     w1defaults) timeout "$t" python3 scripts/w1_defaults.py --out "$RES/diagnostics" ${W1_DEFAULTS_ARGS:-} > "$RES/w1_defaults.log" 2>&1
                 echo "w1defaults rc=$?"; tail -n 8 "$RES/w1_defaults.log" ;;
     w1diag) timeout "$t" python3 scripts/w1_diag.py --out "$RES" > "$RES/w1_diag.log" 2>&1; echo "w1diag rc=$?"; tail -n 8 "$RES/w1_diag.log" ;;
-    pytest) # any test files on the GPU (PYTEST_FILES, default the sampler's), log in diagnostics/
+    pytest) # any test files on the GPU (PYTEST_FILES, default the sampler's), log in diagnostics/; the real-weights
+            # tests read the carried GGUF when there is one (no package index on the GPU machine)
+             [ -f /tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf ] && export PAGESERVE_TEST_MODEL=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf
              timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider ${PYTEST_FILES:-tests/test_sampler.py} \
                > "$RES/diagnostics/gpu_pytest.log" 2>&1; echo "pytest rc=$?"; tail -n 3 "$RES/diagnostics/gpu_pytest.log" ;;
     dettests) { echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"  # as tests' log

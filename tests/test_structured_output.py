@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("llguidance")
 
@@ -59,6 +60,36 @@ def test_engine_output_matches_each_kind_of_constraint(llm):
         assert c.finish_reason == "stop" and ok(c.text), (so, c.text, c.finish_reason)
         # the grammar's end finishes the sequence at once: no eos step after it
         assert llm.tokenizer.hf.decode(c.token_ids) == c.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the engine on CUDA: the Triton mask kernel, pinned words")
+def test_on_the_gpu_guided_penalised_and_plain_rows_share_steps_and_keep_their_constraints():
+    # the default model's real weights in bf16 on CUDA (PAGESERVE_TEST_MODEL: the carried GGUF), async scheduling:
+    # each kind of constraint, penalised rows beside them (no landing before their sampling), a plain row; the
+    # masks' words filled into pinned memory and applied by kernels/token_bitmask.py
+    import os
+
+    from pageserve.model.loader import load_model
+
+    loaded = load_model(os.environ.get("PAGESERVE_TEST_MODEL") or "smollm2-135m-instruct", device="cuda",
+                        dtype="bfloat16")
+    gpu = LLM("smollm2-135m-instruct", loaded=loaded, device="cuda", dtype="bfloat16", num_blocks=512)
+    prompt = chat(gpu, "Describe a cat named Tom, 3 years old, as JSON.")
+    cases = [({"json": PERSON}, lambda t: set(json.loads(t)) == {"name", "age"}),
+             ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+             ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+             ({"grammar": 'start: "a" "b"+ "c"'}, lambda t: re.fullmatch("ab+c", t))]
+    params = [SamplingParams(temperature=t, seed=5, max_tokens=40, structured_outputs=so) for so, _ in cases
+              for t in (0, 1.0)]
+    params += [SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.5),
+               SamplingParams(temperature=0.8, seed=2, max_tokens=40, presence_penalty=1.0),
+               SamplingParams(temperature=0, max_tokens=40)]
+    outs = gpu.generate([prompt] * len(params), params, use_tqdm=False)
+    assert gpu.engine.grammar.pin_masks
+    for i, (so, ok) in enumerate(cases):
+        for c in (outs[2 * i].outputs[0], outs[2 * i + 1].outputs[0]):
+            assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs[len(cases) * 2:])
 
 
 def test_json_object_is_an_object_and_guided_requests_leave_their_neighbours_alone(llm):
