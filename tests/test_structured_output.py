@@ -90,6 +90,15 @@ def test_on_the_gpu_guided_penalised_and_plain_rows_share_steps_and_keep_their_c
         for c in (outs[2 * i].outputs[0], outs[2 * i + 1].outputs[0]):
             assert c.finish_reason == "stop" and ok(c.text), (so, c.text)
     assert all(len(o.outputs[0].token_ids) > 0 for o in outs[len(cases) * 2:])
+    # penalised rows alone, every request the same length: async and sync run the same batches, so the same
+    # kernels, and the newest token read from the device must count as the landed one does
+    pen = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=f)
+           for f in (0.0, 0.7, 1.4)]
+    prompts = [chat(gpu, q) for q in ("Count to ten.", "Name a colour.", "Say hello.")]
+    sync = LLM("smollm2-135m-instruct", loaded=loaded, device="cuda", dtype="bfloat16", num_blocks=512,
+               async_scheduling=False)
+    want = [o.outputs[0].token_ids for o in sync.generate(prompts, pen, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, pen, use_tqdm=False)] == want
 
 
 def test_json_object_is_an_object_and_guided_requests_leave_their_neighbours_alone(llm):
