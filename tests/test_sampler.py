@@ -602,6 +602,28 @@ def test_min_tokens_bans_go_into_the_mask_unless_the_grammar_may_only_end(device
 
 # --------------------------------------------------------------- vLLM's allowed_token_ids and bad_words
 @pytest.mark.parametrize("device", DEVICES)
+def test_allowed_token_ids_keep_exactly_their_logits_whatever_the_ids(device):
+    # each request's ids become mask words once (kept on its params) and go through the guided rows' mask path:
+    # fresh random sets with duplicates, ids on a word's sign bit (31, 63) and at the vocabulary's end, ids past it
+    # (dropped), a row without them between; the kept logits keep their bits, every other one is -inf
+    g = np.random.default_rng(5)
+    Vt = 200
+    logits = torch.randn(4, Vt, generator=torch.Generator().manual_seed(6)).to(device)
+    sets = [[31, 63, 31, Vt - 1, Vt + 5], g.integers(0, Vt, 40).tolist(), None, [0, 32, 199]]
+    params = [SamplingParams(temperature=0.7, seed=1, allowed_token_ids=a) for a in sets]
+    sampler = Sampler(Vt, device, seed=0)
+    for _ in range(2):  # the second step reads the cached words
+        got = sampler._process(logits, params, [[1]] * 4, [[]] * 4)[0].cpu()
+        for i, a in enumerate(sets):
+            keep = torch.ones(Vt, dtype=torch.bool) if a is None else torch.zeros(Vt, dtype=torch.bool)
+            if a is not None:
+                keep[[t for t in a if t < Vt]] = True
+            want = logits[i].cpu().float().masked_fill(~keep, float("-inf"))
+            assert torch.equal(got[i], want), i
+    assert params[0]._allowed_words is not None and params[2]._allowed_words is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_allowed_token_ids_and_bad_words_ban_what_they_should_and_nothing_else(device):
     sampler = Sampler(V, device, seed=0)
     logits = rand_logits(4, seed=9).to(device)

@@ -103,6 +103,18 @@ def _row_argmax(device: torch.device):
     return _triton_or(device, "argmax", "argmax_rows", _torch_argmax)
 
 
+def _allowed_words(p: SamplingParams, vocab_size: int) -> np.ndarray:
+    """``p.allowed_token_ids`` as mask words ([ceil(V / 32)] int32, token t at bit ``t % 32`` of word ``t // 32``;
+    ids from ``vocab_size`` on dropped), built on the request's first step and kept on its params."""
+    cached = p._allowed_words
+    if cached is None or cached[0] != vocab_size:
+        ids = np.asarray([t for t in p.allowed_token_ids if t < vocab_size], dtype=np.int64)
+        words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+        np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+        cached = p._allowed_words = (vocab_size, words.view(np.int32))
+    return cached[1]
+
+
 def _torch_argmax(x: Tensor) -> Tensor:
     return x.argmax(dim=-1)
 
@@ -337,13 +349,11 @@ class Sampler:
             num_outputs = [len(o) for o in output_token_ids]
         # allowed_token_ids: every other token banned
         allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
-        if allow_rows:
+        if allow_rows:  # as a guided row's mask: each request's words built once, one launch for the step's rows
             logits, owned = logits if owned else logits.clone(), True
-            keep = torch.zeros(len(allow_rows), V, dtype=torch.bool)
-            for j, i in enumerate(allow_rows):
-                keep[j, [t for t in params[i].allowed_token_ids if t < V]] = True
+            words = np.stack([_allowed_words(params[i], V) for i in allow_rows])
             rows = self._to_device(torch.tensor(allow_rows, dtype=torch.int64))
-            logits[rows] = logits[rows].masked_fill(~self._to_device(keep), float("-inf"))
+            self._apply_token_bitmask(logits, rows, self._to_device(torch.from_numpy(words)), V)
         banned = [self._banned_tokens(p, n, o) for p, n, o in zip(params, num_outputs, output_token_ids)]
         guided = set()
         if masks is not None:  # structured outputs: ban what each guided row's grammar does not allow

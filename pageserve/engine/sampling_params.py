@@ -84,6 +84,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # bad_words as token-id sequences, set by the engine that tokenized them (LLMEngine.add_request)
     _bad_words_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    # allowed_token_ids as mask words for a vocabulary size (Sampler._allowed_words): built once a request
+    _allowed_words: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
