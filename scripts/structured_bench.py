@@ -26,6 +26,7 @@ prints one line per run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -95,15 +96,11 @@ def run(llm: LLM, prompts, params) -> dict:
     engine = llm.engine
     stats0 = llm.get_stats()
     t0 = time.perf_counter()
-    with _timed(engine.runner.sampler, "sample") as sample, _timed(engine.runner, "run_step") as forward:
-        masks = _timed(engine.grammar, "step_masks") if engine.grammar is not None else None
-        if masks is not None:
-            masks.__enter__()
-        try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            if masks is not None:
-                masks.__exit__()
+    with contextlib.ExitStack() as stack:
+        sample = stack.enter_context(_timed(engine.runner.sampler, "sample"))
+        forward = stack.enter_context(_timed(engine.runner, "run_step"))
+        masks = stack.enter_context(_timed(engine.grammar, "step_masks")) if engine.grammar is not None else None
+        outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     lengths = {len(c.token_ids) for o in outs for c in o.outputs}

@@ -174,6 +174,7 @@ def test_step_masks_writes_every_word_so_its_buffer_needs_no_zeroing(smollm2):
     matchers[2] = c.matcher(StructuredOutputsParams.of({"regex": "[0-9]+"}))
     masks = c.step_masks([matchers[0], None, matchers[1], matchers[2]])
     assert masks.rows == [0, 2, 3]
+    assert np.shares_memory(masks.tensor.numpy(), masks.bits)  # what the sampler copies is what llguidance wrote
     for fill in (0, -7):
         bits = np.full_like(masks.bits, fill)
         llg.numpy.fill_next_token_bitmask_par(c._executor, [(m, i) for i, m in enumerate(matchers)], bits)

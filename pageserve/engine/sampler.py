@@ -359,8 +359,10 @@ class Sampler:
         if masks is not None:  # structured outputs: ban what each guided row's grammar does not allow
             logits, owned = logits if owned else logits.clone(), True
             bits = self._with_bans(masks, banned)
+            # the masks' own (pinned) tensor where no ban changed them: copied to the device as it is
+            words = masks.tensor if bits is masks.bits and masks.tensor is not None else torch.from_numpy(bits)
             rows = self._to_device(torch.tensor(masks.rows, dtype=torch.int64))
-            self._apply_token_bitmask(logits, rows, self._to_device(torch.from_numpy(bits)), V)
+            self._apply_token_bitmask(logits, rows, self._to_device(words), V)
             guided = set(masks.rows)
 
         # min_tokens and bad words (a guided row's bans are in its mask)

@@ -214,12 +214,13 @@ class GrammarCompiler:
         # every word is written by the fill (tests/test_structured_output.py checks it on garbage), so no zeroing;
         # a pinned buffer comes from torch's caching host allocator, which reuses it only after its copy is done
         shape = (len(rows), (self.tokenizer.vocab_size + 31) // 32)
-        bits = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_masks).numpy()
+        words = torch.empty(shape, dtype=torch.int32, pin_memory=self.pin_masks)
+        bits = words.numpy()
         llg.numpy.fill_next_token_bitmask_par(self._executor, [(matchers[r], i) for i, r in enumerate(rows)], bits)
         for i, r in enumerate(rows):
             if matchers[r].is_error():  # its sequence has failed (its row is dropped): leave the row samplable
                 bits[i] = -1
-        return TokenMasks(rows, bits)
+        return TokenMasks(rows, bits, words)
 
 
 @dataclass
@@ -230,3 +231,6 @@ class TokenMasks:
 
     rows: list[int]
     bits: np.ndarray  # [len(rows), words] int32
+    # the torch tensor ``bits`` views (pinned on CUDA): what the sampler copies to the device, so that torch's
+    # caching host allocator sees the copy and keeps the pinned block until it is done
+    tensor: torch.Tensor | None = None
