@@ -140,7 +140,7 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
 
 
 def test_prefix_cache_restores_part_of_a_preempted_sequence():
-    bm, sched = make(num_blocks=6, budget=64, caching=True)
+    bm, sched = make(num_blocks=8, budget=64, caching=True)  # 6 blocks (as once) evicted all of b's before it came back
     a = add(sched, range(12), max_tokens=10, rid="a")
     b = add(sched, range(50, 58), max_tokens=10, rid="b")
     steps = 0
@@ -150,7 +150,9 @@ def test_prefix_cache_restores_part_of_a_preempted_sequence():
         assert steps < 50
     run_all(sched)
     assert b.is_finished and b.output_token_ids == expected_outputs(range(50, 58), 10)
-    assert bm.num_free_blocks == 6
+    assert bm.num_free_blocks == 8
+    assert bm.num_hit_tokens > 0  # its recomputation found its own blocks...
+    assert b.num_cached_tokens == 0  # ...which are not prompt tokens the cache held for it
 
 
 def test_lone_sequence_larger_than_free_pool_still_finishes():

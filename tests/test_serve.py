@@ -257,6 +257,25 @@ def test_token_id_prompts_single_and_batched(client):
     assert {c.choices[0].index for c in streamed} == {0, 1}
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
+    import random
+
+    ids = random.Random(7).sample(range(1000, 40000), 50)  # a prompt no other test sends
+    kw = dict(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    first = client.completions.create(n=2, **kw)  # the second choice may hit the first's blocks; the usage says 0
+    assert first.usage.prompt_tokens == 50 and first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 48  # 3 full blocks of 16; the last token is computed
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 48
+    words = " ".join(f"w{i}" for i in ids)  # the same through the chat route and the Responses route
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}], max_tokens=2)
+    r = client.responses.create(model=MODEL, input=words, max_output_tokens=2)
+    cached = r.usage.input_tokens_details.cached_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and cached == (chat.usage.prompt_tokens - 1) // 16 * 16
+    assert chat.usage.prompt_tokens_details.cached_tokens < cached
+
+
 # ------------------------------------------------------------------------ errors
 def test_suffix_is_rejected_with_400(client):
     with pytest.raises(BadRequestError, match="suffix"):

@@ -570,7 +570,7 @@ class LLMEngine:
             arrival_time=req.arrival_time,
             first_token_time=min(firsts) if firsts else None,
             finish_time=max(finishes) if finished and finishes else None,
-            num_cached_tokens=max((s.num_cached_tokens for s in seqs), default=0),
+            num_cached_tokens=seqs[0].num_cached_tokens,  # admitted first: the others may hit its blocks
             inter_token_latencies=itl,
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, finished, metrics,

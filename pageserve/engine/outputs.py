@@ -27,7 +27,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finish_time: float | None = None
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when the request was first admitted
     inter_token_latencies: list[float] = field(default_factory=list)
 
     @property

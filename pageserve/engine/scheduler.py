@@ -126,7 +126,8 @@ class Scheduler:
                 break
             waiting.popleft()
             seq.num_computed_tokens = num_hit
-            seq.num_cached_tokens = num_hit
+            if not seq.num_preemptions:  # what the prompt found; a recomputation's hits are its own blocks
+                seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
             batch.add(seq, num_new, seq.num_tokens)
@@ -136,7 +137,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -65,7 +65,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One generated continuation of a prompt (a request with ``n > 1`` owns n of them).
 
-    Invariants: ``0 <= num_cached_tokens <= num_computed_tokens <= num_tokens``; while
+    Invariants: ``0 <= num_computed_tokens <= num_tokens``; while
     running, ``block_table`` holds ``ceil(num_computed_tokens / block_size)`` blocks or
     more (blocks for a scheduled chunk are allocated before the step runs).
     """
@@ -97,7 +97,7 @@ class Sequence:
         self.pending_row = -1  # the row of the newest pending token in its step's sampled-token tensor
         self.length_capped = False  # its pending tokens reach max_tokens / max_model_len: schedule no more
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
-        self.num_cached_tokens = 0  # of those, how many came from the prefix cache (last admission)
+        self.num_cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of the full blocks of the tokens, computed lazily
         self.num_registered_blocks = 0  # leading blocks of block_table already published in the prefix cache

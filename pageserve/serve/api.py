@@ -306,10 +306,14 @@ class _Server:
             raise OpenAIError(500, "the engine failed this request while generating it", "server_error")
 
     @staticmethod
-    def _usage(outs: list[RequestOutput], n: int) -> dict[str, int]:
+    def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held
+        when each request was first admitted."""
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(o.metrics.num_cached_tokens for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def _render_chat(self, messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None,
                      tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
