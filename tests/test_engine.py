@@ -483,6 +483,33 @@ def test_prefix_cache_stats_count_hits_and_skip_prefill(tiny, tiny_prompts, tiny
     assert sum(o.metrics.num_cached_tokens for o in second) == stats["prefix_cache_hit_tokens"]
 
 
+def test_the_priority_policy_runs_urgent_requests_first_with_the_same_tokens(tiny, tiny_prompts, tiny_expected):
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256, scheduling_policy="priority",
+                         max_num_seqs=2)
+    prio = [3, 0, 2, 1, 0, 3, -1, 2, 1, 0, 2, 1]
+    outs = llm.generate(tiny_prompts, GREEDY20, use_tqdm=False, priority=prio)
+    assert [o.outputs[0].token_ids for o in outs] == tiny_expected
+    first = [o.metrics.first_token_time for o in outs]
+    order = sorted(range(len(prio)), key=lambda i: (prio[i], i))  # urgency, then arrival
+    assert all(first[a] <= first[b] for a, b in zip(order, order[1:]))
+    assert order != list(range(len(prio))) and first != sorted(first)  # so input order would have failed
+
+
+def test_a_priority_without_the_priority_policy_is_refused_and_changes_nothing(tiny, tiny_prompts, tiny_expected):
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256)
+    with pytest.raises(ValueError, match="priority scheduling policy"):
+        llm.generate(tiny_prompts[:3], GREEDY20, use_tqdm=False, priority=[0, 1, 0])
+    with pytest.raises(ValueError, match="3 prompts but 2 priorities"):
+        llm.generate(tiny_prompts[:3], GREEDY20, use_tqdm=False, priority=[0, 0])
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.engine.add_request("x", tiny_prompts[0], GREEDY20, priority=1.5)
+    assert not llm.engine.requests and not llm.engine.scheduler.has_unfinished()
+    outs = llm.generate(tiny_prompts[:3], GREEDY20, use_tqdm=False, priority=[0, 0, 0])
+    assert [o.outputs[0].token_ids for o in outs] == tiny_expected[:3]
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")
+
+
 # ----------------------------------------------------------------------------- SmolLM2 vs HF
 @pytest.fixture(scope="module")
 def smol(request):

@@ -184,3 +184,89 @@ def test_finishing_a_waiting_sequence_removes_it():
     sched.finish(seq, "abort")
     assert not sched.has_unfinished() and seq.finish_reason == "abort"
     assert bm.num_free_blocks == 64
+
+
+# ----------------------------------------------------------------------------- the priority policy
+def make_priority(num_blocks=64, budget=32, max_seqs=8):
+    bm = BlockManager(num_blocks, BS)
+    return bm, Scheduler(bm, max_seqs, budget, policy="priority")
+
+
+def add_prio(sched, prompt, priority, max_tokens=5, rid="r", arrival=0.0):
+    seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens), arrival_time=arrival, priority=priority)
+    sched.add(seq)
+    return seq
+
+
+def test_the_priority_policy_admits_the_most_urgent_first_and_fcfs_within_a_priority():
+    _, sched = make_priority(max_seqs=1)
+    seqs = [add_prio(sched, range(i, i + 5), prio, rid=name, arrival=float(i))
+            for i, (name, prio) in enumerate([("a", 2), ("b", 0), ("c", 1), ("d", 0), ("e", -1)])]
+    finished = []
+    while sched.has_unfinished():
+        batch = run_step(sched)
+        finished += [s.request_id for s in batch.seqs if s.is_finished]
+    assert finished == ["e", "b", "d", "c", "a"]
+    assert all(s.output_token_ids == expected_outputs(range(i, i + 5), 5) for i, s in enumerate(seqs))
+
+
+def test_fcfs_is_arrival_order_whatever_the_priorities_say():
+    _, sched = make(max_seqs=1)
+    for i, prio in enumerate([2, 0, 1]):
+        sched.add(Sequence(str(i), list(range(i, i + 5)), SamplingParams(max_tokens=3), priority=prio))
+    finished = []
+    while sched.has_unfinished():
+        finished += [s.request_id for s in run_step(sched).seqs if s.is_finished]
+    assert finished == ["0", "1", "2"]
+
+
+def test_the_priority_policy_preempts_the_least_urgent_not_the_newest():
+    bm, sched = make_priority(num_blocks=4, budget=64)
+    lazy = add_prio(sched, range(7), 5, max_tokens=9, rid="lazy", arrival=0.0)  # older, less urgent
+    urgent = add_prio(sched, range(100, 107), 0, max_tokens=9, rid="urgent", arrival=1.0)
+    run_step(sched)
+    assert sched.running == [urgent, lazy]  # most urgent first: it gets the budget and the blocks first
+    run_step(sched)
+    batch = run_step(sched)  # token 8 needs a third block each: the pool is empty
+    assert batch.preempted == [lazy] and batch.seqs == [urgent]
+    assert sched.waiting[0] is lazy and lazy.block_table == []
+    run_all(sched)
+    assert urgent.output_token_ids == expected_outputs(range(100, 107), 9)
+    assert lazy.output_token_ids == expected_outputs(range(7), 9)
+
+
+def test_a_preempted_sequence_waits_behind_more_urgent_arrivals_and_ahead_of_less_urgent_ones():
+    bm, sched = make_priority(num_blocks=4, budget=64, max_seqs=2)
+    a = add_prio(sched, range(7), 0, max_tokens=9, rid="a", arrival=0.0)
+    b = add_prio(sched, range(100, 107), 1, max_tokens=9, rid="b", arrival=1.0)
+    run_step(sched)
+    run_step(sched)
+    later = add_prio(sched, range(200, 203), 1, max_tokens=2, rid="later", arrival=2.0)
+    first = add_prio(sched, range(300, 303), 0, max_tokens=2, rid="first", arrival=3.0)
+    assert list(sched.waiting) == [first, later]
+    batch = run_step(sched)
+    assert batch.preempted == [b]
+    assert list(sched.waiting) == [first, b, later]  # b arrived before later, at the same priority
+    run_all(sched)
+    assert all(s.is_finished for s in (a, b, later, first))
+    assert b.output_token_ids == expected_outputs(range(100, 107), 9)
+
+
+def test_random_priorities_under_a_tight_pool_finish_with_the_same_tokens():
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 16, lo=3, hi=24)
+    bm, sched = make_priority(num_blocks=14, budget=24, max_seqs=6)
+    seqs = [add_prio(sched, p, rng.randint(-2, 2), max_tokens=10, rid=str(i), arrival=float(i))
+            for i, p in enumerate(prompts)]
+    run_all(sched)
+    assert sched.num_preemptions > 0
+    for s, p in zip(seqs, prompts):
+        assert s.is_finished and s.output_token_ids == expected_outputs(p, 10)
+    assert bm.num_free_blocks == 14
+
+
+def test_an_unknown_policy_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="scheduling policy"):
+        Scheduler(BlockManager(8, BS), 4, 32, policy="lifo")

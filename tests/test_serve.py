@@ -276,6 +276,51 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
     assert chat.usage.prompt_tokens_details.cached_tokens < cached
 
 
+def test_priority_needs_the_priority_policy(client):
+    for create in (lambda **kw: client.chat.completions.create(messages=HI, **kw),
+                   lambda **kw: client.completions.create(prompt="Hi", **kw),
+                   lambda **kw: client.responses.create(input="Hi", max_output_tokens=kw.pop("max_tokens"), **kw)):
+        with pytest.raises(BadRequestError, match="priority scheduling policy") as e:
+            create(model=MODEL, max_tokens=2, extra_body={"priority": 1})
+        assert e.value.body["param"] == "priority"
+    assert client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2,
+                                          extra_body={"priority": 0}).usage.completion_tokens == 2
+
+
+def test_a_priority_server_serves_waiting_requests_most_urgent_first(start_server):
+    import threading
+    import time
+
+    srv = start_server(scheduling_policy="priority", max_num_seqs=1)
+    try:
+        c = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
+        blocker = c.completions.create(model=MODEL, prompt="Count:", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+        next(iter(blocker))  # running: the one batch slot is taken until it finishes
+        first_token: dict[int, float] = {}
+
+        def ask(prio):
+            stream = c.completions.create(model=MODEL, prompt=f"Request {prio}:", max_tokens=2, temperature=0,
+                                          stream=True, extra_body={"priority": prio, "ignore_eos": True})
+            for chunk in stream:
+                first_token.setdefault(prio, time.perf_counter())
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in (2, 0, 1)]  # queued in this order
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while metric(srv, "pageserve_num_requests_waiting") < 3:  # all three queued behind the blocker
+            assert time.monotonic() < deadline and not first_token
+            time.sleep(0.02)
+        assert not first_token and metric(srv, "pageserve_num_requests_running") == 1
+        list(blocker)
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(first_token, key=first_token.get) == [0, 1, 2]
+    finally:
+        srv.stop()
+
+
 # ------------------------------------------------------------------------ errors
 def test_suffix_is_rejected_with_400(client):
     with pytest.raises(BadRequestError, match="suffix"):

@@ -35,6 +35,9 @@ class EngineConfig:
     # (results/h200/diagnostics/w1_defaults_prefix_caching_cbbf3ae.*, two alternating pairs)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # "fcfs": requests run in arrival order; "priority": by each request's priority (lower first, then
+    # arrival), the least urgent preempted first, as vLLM's --scheduling-policy (engine/scheduler.py)
+    scheduling_policy: str = "fcfs"
     enforce_eager: bool = False  # True: no CUDA graphs
     use_triton: bool | None = None  # None: Triton kernels on CUDA, PyTorch reference on the CPU
     triton_options: dict = field(default_factory=dict)  # keywords of pageserve.model.triton_ops.TritonOps (fusion switches)
@@ -81,6 +84,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if (self.max_num_seqs is not None and self.max_num_seqs <= 0) or self.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.mixed_graph_max_tokens <= 0:
             raise ValueError(f"mixed_graph_max_tokens must be positive, got {self.mixed_graph_max_tokens}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

@@ -72,10 +72,12 @@ class LLM:
         prompts: str | list[str] | list[int] | list[list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); results in input order. With no
         ``sampling_params``: ``SamplingParams`` with the engine's ``sampling_defaults`` (the model's
-        generation_config.json, see ``EngineConfig.generation_config``) over its own defaults."""
+        generation_config.json, see ``EngineConfig.generation_config``) over its own defaults.
+        ``priority``: one a prompt, lower first (``scheduling_policy="priority"``)."""
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(
                 "prompts must be a string, a list of token ids, or a list of those; "
@@ -86,7 +88,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, priority)
 
     def chat(
         self,
@@ -98,13 +100,15 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them.
 
         As vLLM's ``LLM.chat``: ``continue_final_message`` continues the last (assistant) message instead of
         starting a new one (with ``add_generation_prompt=False``); ``tools`` (OpenAI-style definitions),
         ``chat_template`` (in place of the tokenizer's) and ``chat_template_kwargs`` go to the template. The
-        replies are text: tool calls in them are not parsed (the server does that, ``serve/tools.py``)."""
+        replies are text: tool calls in them are not parsed (the server does that, ``serve/tools.py``).
+        ``priority``: one a conversation, as in ``generate``."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer, so no chat template")
         if not isinstance(messages, (list, tuple)):
@@ -119,9 +123,9 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template=chat_template, **kwargs)
                    for c in convs]
-        return self._run(prompts, sampling_params, use_tqdm)
+        return self._run(prompts, sampling_params, use_tqdm, priority)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority: Seq[int] | None = None) -> list[RequestOutput]:
         if sampling_params is None:
             params = [SamplingParams(**self.engine.sampling_defaults)] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -130,12 +134,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         engine = self.engine
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
+                engine.add_request(rid, prompt, p, priority=prio)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # leave the engine as it was

@@ -155,7 +155,8 @@ class LLMEngine:
 
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            policy=config.scheduling_policy,
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -176,11 +177,18 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) for a duplicate id, an
-        empty or too long prompt, token ids outside the vocabulary, or bad parameters."""
+        empty or too long prompt, token ids outside the vocabulary, or bad parameters.
+        ``priority``: lower runs first, with ``scheduling_policy="priority"`` only (else it must be 0)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"request {request_id!r}: priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"request {request_id!r}: priority {priority} needs the priority scheduling policy "
+                             "(scheduling_policy='priority', --scheduling-policy priority); this engine runs fcfs")
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -241,7 +249,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seed = child_seed(params.seed, i)
-            seq = Sequence(request_id, ids, params, index=i, seed=seed, arrival_time=now)
+            seq = Sequence(request_id, ids, params, index=i, seed=seed, arrival_time=now, priority=priority)
             if matcher is not None:
                 seq.matcher = matcher if i == 0 else matcher.deep_copy()
             if self.tokenizer is not None and (self.stream_outputs or params.stop):

@@ -7,14 +7,28 @@ the step's total stays within ``max_num_batched_tokens``. Running sequences go f
 arrival order. When the pool runs out of blocks the newest running sequences are
 preempted: their blocks are freed and they go back to the front of the waiting queue to
 be recomputed (the prefix cache may restore part of them).
+
+With ``policy="priority"`` (vLLM's ``--scheduling-policy priority``) "oldest" becomes "most
+urgent": both queues are kept in (priority, arrival) order, a lower priority value first, so
+urgent requests are admitted first and get the step's token budget first, and the least
+urgent running sequence is the one preempted. A waiting request never preempts a running one:
+it waits for blocks or a free batch slot like any other (as in vLLM v1).
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+
+POLICIES = ("fcfs", "priority")
+
+
+def _urgency(seq: Sequence) -> tuple[int, float, int]:
+    """The priority policy's order: lower priority values first, then arrival, then creation."""
+    return seq.priority, seq.arrival_time, seq.seq_id
 
 
 @dataclass
@@ -57,19 +71,26 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
         self.block_manager = block_manager
+        self.by_priority = policy == "priority"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last is the newest
+        self.waiting: deque[Sequence] = deque()  # fcfs: arrival order; priority: by _urgency
+        self.running: list[Sequence] = []  # fcfs: admission order, the last the newest; priority: by _urgency
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queues
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        if self.by_priority:
+            self.waiting.insert(bisect_right(self.waiting, _urgency(seq), key=_urgency), seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -94,7 +115,7 @@ class Scheduler:
                 i += 1
                 continue
             while not bm.allocate_slots(seq, num_new):
-                victim = running.pop()  # the newest; never one already scheduled (those are < i)
+                victim = running.pop()  # the newest (least urgent); never one already scheduled (those are < i)
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
@@ -129,7 +150,10 @@ class Scheduler:
             if not seq.num_preemptions:  # what the prompt found; a recomputation's hits are its own blocks
                 seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
-            running.append(seq)
+            if self.by_priority:
+                running.insert(bisect_right(running, _urgency(seq), key=_urgency), seq)
+            else:
+                running.append(seq)
             batch.add(seq, num_new, seq.num_tokens)
             budget -= num_new
         return batch
@@ -140,7 +164,10 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)  # preempted newest-first, so older ones end up in front
+        if self.by_priority:
+            self.waiting.insert(bisect_right(self.waiting, _urgency(seq), key=_urgency), seq)
+        else:
+            self.waiting.appendleft(seq)  # preempted newest-first, so older ones end up in front
 
     def update_after_step(self, batch: ScheduledBatch) -> None:
         """The step ran: the scheduled tokens are in the cache; publish newly full blocks. (A sequence

@@ -78,6 +78,7 @@ class Sequence:
         index: int = 0,
         seed: int | None = None,
         arrival_time: float = 0.0,
+        priority: int = 0,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -107,6 +108,7 @@ class Sequence:
         self.prompt_logprobs: dict[int, dict[int, float]] = {}
         self.cumulative_logprob = 0.0
         self.arrival_time = arrival_time
+        self.priority = priority  # the priority scheduling policy's: lower runs first
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []  # when each output token was appended

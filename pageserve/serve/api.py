@@ -249,17 +249,18 @@ class _Server:
                               param="model", code="model_not_found")
         return model
 
-    async def _submit(self, rid: str, prompts: list, params) -> list[RequestStream]:
+    async def _submit(self, rid: str, prompts: list, params, priority: int = 0) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params))
+                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params, priority))
         except BaseException as e:
             for s in streams:
                 s.close()
             self.metrics.count("rejected")
             if isinstance(e, ValueError):
-                raise OpenAIError(400, str(e), param="prompt" if "prompt" in str(e) else None) from None
+                msg = str(e)
+                raise OpenAIError(400, msg, param="priority" if "priority" in msg else "prompt" if "prompt" in msg else None) from None
             if isinstance(e, QueueFullError):
                 raise OpenAIError(503, str(e), "server_overloaded", code="queue_full") from None
             if isinstance(e, EngineDeadError):
@@ -396,7 +397,7 @@ class _Server:
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                               body.template_tools(), body.continue_final_message),
                             add_special_tokens=False)
-        return model, params, tools, await self._submit(rid, [prompt], params)
+        return model, params, tools, await self._submit(rid, [prompt], params, body.priority)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -547,7 +548,7 @@ class _Server:
             raise OpenAIError(400, f"model {model!r} has no tokenizer: send the prompt as token ids", param="prompt")
         prompts = [TextPrompt(p) if isinstance(p, str) else p for p in raw]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, prompts, params)
+        streams = await self._submit(rid, prompts, params, body.priority)
         created = int(time.time())
         k = params.logprobs
         extras = _CompletionExtras(body.echo, body.prompt_logprobs is not None, raw)

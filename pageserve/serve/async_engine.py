@@ -127,7 +127,7 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def add_request(
-        self, request_id: str, prompt: list[int] | TextPrompt, params: SamplingParams
+        self, request_id: str, prompt: list[int] | TextPrompt, params: SamplingParams, priority: int = 0
     ) -> "RequestStream":
         """Queue a request and return its output stream once the engine accepted it.
 
@@ -148,7 +148,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(("add", request_id, prompt, params))
+        self._submit(("add", request_id, prompt, params, priority))
         try:
             first = await stream.queue.get()
         except BaseException:  # cancelled while waiting for the ack
@@ -244,13 +244,13 @@ class AsyncEngine:
         if cmd[0] == "abort":
             engine.abort_request(cmd[1])
             return
-        _, rid, prompt, params = cmd
+        _, rid, prompt, params, priority = cmd
         try:
             if isinstance(prompt, TextPrompt):
                 if engine.tokenizer is None:
                     raise ValueError(f"model {engine.config.model!r} has no tokenizer: send token ids")
                 prompt = engine.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, params, priority=priority)
         except ValueError as e:
             self._deliver(rid, e)
         except Exception as e:  # noqa: BLE001 - anything else is still this request's failure

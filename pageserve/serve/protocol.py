@@ -84,6 +84,7 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    priority: int = 0  # vLLM's: lower runs first; needs --scheduling-policy priority unless 0
     user: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension, and its older names below
