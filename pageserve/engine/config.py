@@ -2,10 +2,13 @@
 flags map one-to-one onto its fields."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,6 +79,10 @@ class EngineConfig:
     # batch-invariant kernels: a sequence's logits are bitwise the same alone or batched, in one
     # prefill chunk or several, from a prefix hit or not, graphed or eager (pageserve.model.deterministic_ops)
     deterministic: bool = False
+    # speculative decoding, as vLLM's --speculative-config: None (off) or {"method": "ngram",
+    # "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": None}
+    # (engine/speculative.py). Steps then run synchronously (async_scheduling is turned off)
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -124,6 +131,16 @@ class EngineConfig:
         if self.deterministic and self.tensor_parallel_size > 1:
             raise ValueError("deterministic=True with tensor_parallel_size > 1 is not supported: "
                              "the all-reduce's algorithm (and so its rounding) changes with the message size")
+        from .speculative import SpeculativeConfig
+
+        SpeculativeConfig.parse(self.speculative_config)  # ValueError for a malformed one
+        if self.speculative_config is not None:
+            if self.tensor_parallel_size > 1:
+                raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
+            if self.async_scheduling:
+                logger.info("speculative decoding: steps run synchronously (async_scheduling off), since a "
+                            "step's drafts are looked up from tokens the host must already have")
+                self.async_scheduling = False
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 

@@ -20,6 +20,7 @@ from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, child_seed
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative import NgramProposer, SpeculativeConfig, accepted_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class _Inflight:
     seqs: list[Sequence]
     out: Any  # SamplerOutput
     has_prefill: bool = False  # the step computed prompt tokens (a chunk or a recomputation)
+    # speculative decoding: each sampling sequence's drafts this step (its rows: one per draft, then one)
+    drafts: list[list[int]] | None = None
 
 
 @dataclass
@@ -62,6 +65,9 @@ class EngineStats:
     postprocess_time_s: float = 0.0  # append, detokenize, stop checks, outputs
     num_mixed_steps: int = 0  # step() calls whose landed step computed prompt tokens
     num_decode_steps: int = 0  # step() calls whose landed step was decodes only
+    num_spec_draft_tokens: int = 0  # speculative decoding: drafts computed
+    num_spec_accepted_tokens: int = 0  # of those, confirmed by the model's own draws
+    num_spec_drafting_steps: int = 0  # sequence-steps that carried drafts
 
 
 @dataclass
@@ -163,6 +169,8 @@ class LLMEngine:
         self.last_step = StepTiming()  # reset by every step() call
         self._inflight: _Inflight | None = None  # the launched step whose tokens are not appended yet
         self.grammar = None  # structured_output.GrammarCompiler, made at the first request that needs one
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = None if spec is None else NgramProposer(spec)
 
     @classmethod
     def from_model(cls, model, config: EngineConfig, tokenizer=None, stream_outputs: bool = True) -> "LLMEngine":
@@ -347,6 +355,8 @@ class LLMEngine:
         sched = self.scheduler
         outputs: list[RequestOutput] = []
         ts = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(sched.running, self.max_model_len)
         batch = sched.schedule()
         timing.sched_s = time.perf_counter() - ts
         if batch.is_empty:
@@ -393,6 +403,9 @@ class LLMEngine:
         launched = None
         if out is not None:
             launched = _Inflight(batch.sampling_seqs, out, has_prefill=batch.num_prefill_tokens > 0)
+            if batch.num_spec_tokens:
+                launched.drafts = [s.spec_token_ids[:d] for s, d, smp in zip(batch.seqs, batch.spec, batch.samples)
+                                   if smp]
             max_len = self.max_model_len
             for row, seq in enumerate(launched.seqs):
                 seq.num_pending += 1
@@ -448,6 +461,8 @@ class LLMEngine:
             timing.post_cpu_s += time.thread_time() - c1
 
     def _land(self, step: "_Inflight", token_ids: list[int], lp, top, now: float) -> list[RequestOutput]:
+        if step.drafts is not None:
+            return self._land_speculative(step, token_ids, lp, top, now)
         touched: dict[str, Request] = {}  # requests with something to report
         stream = self.stream_outputs
         appended = 0
@@ -466,6 +481,48 @@ class LLMEngine:
                 self._finish(seq, "error", now)
             if stream or seq.is_finished:
                 touched[seq.request_id] = self.requests[seq.request_id]
+        return self._outputs_of(touched, appended, now)
+
+    def _land_speculative(self, step: "_Inflight", token_ids: list[int], lp, top, now: float) -> list[RequestOutput]:
+        """``_land`` for a step with drafts: a sequence's rows are its d drafts' positions and one more. The
+        drafts the drawn tokens confirm are kept (their K/V is in the cache: ``num_computed_tokens`` moves past
+        them), and the drawn tokens up to the first that differs from its draft are appended, one at a time
+        with every stop check (engine/speculative.py)."""
+        touched: dict[str, Request] = {}
+        bm, st = self.block_manager, self.stats
+        appended = row = 0
+        for seq, drafts in zip(step.seqs, step.drafts):
+            d = len(drafts)
+            rows = range(row, row + d + 1)
+            row += d + 1
+            seq.num_pending -= 1
+            if seq.is_finished:
+                continue
+            drawn = token_ids[rows.start:rows.stop]
+            n = accepted_prefix(drawn, drafts)
+            if d:
+                st.num_spec_draft_tokens += d
+                st.num_spec_accepted_tokens += n
+                st.num_spec_drafting_steps += 1
+                seq.num_computed_tokens += n  # the confirmed drafts' K/V; the rest is written over later
+            try:
+                for r, tok in zip(rows, drawn[:n + 1]):
+                    self._append_token(seq, tok, now, None if lp is None else lp[r], None if top is None else top[r])
+                    appended += 1
+                    if seq.is_finished:
+                        break
+                if n and bm.enable_prefix_caching and not seq.is_finished:
+                    bm.cache_full_blocks(seq)
+            except Exception:
+                logger.exception("request %r failed in postprocessing; finishing it with 'error'", seq.request_id)
+                self._finish(seq, "error", now)
+            if self.stream_outputs or seq.is_finished:
+                touched[seq.request_id] = self.requests[seq.request_id]
+        return self._outputs_of(touched, appended, now)
+
+    def _outputs_of(self, touched: dict[str, Request], appended: int, now: float) -> list[RequestOutput]:
+        """After a step's tokens are appended: drop the finished sequences from the running queue and build
+        the outputs to report for the requests in ``touched``."""
         self.scheduler.remove_finished()
         st = self.stats
         st.num_generated_tokens += appended
@@ -611,6 +668,12 @@ class LLMEngine:
             "postprocess_time_s": st.postprocess_time_s,
             "num_mixed_steps": st.num_mixed_steps,
             "num_decode_steps": st.num_decode_steps,
+            "spec_draft_tokens": st.num_spec_draft_tokens,
+            "spec_accepted_tokens": st.num_spec_accepted_tokens,
+            "spec_acceptance_rate": st.num_spec_accepted_tokens / st.num_spec_draft_tokens if st.num_spec_draft_tokens else 0.0,
+            # tokens a drafting sequence emitted per step: 1 without speculation
+            "spec_tokens_per_drafting_step": ((st.num_spec_accepted_tokens + st.num_spec_drafting_steps)
+                                              / st.num_spec_drafting_steps if st.num_spec_drafting_steps else 0.0),
         }
 
 

@@ -380,9 +380,15 @@ class ModelRunner:
                     fill_src.append(s.pending_row)
         else:
             ids = []
-            for s, k in zip(seqs, batch.num_new_tokens):
+            for s, k, spec in zip(seqs, batch.num_new_tokens, batch.spec):
                 st = s.num_computed_tokens
                 known = s.num_known_tokens
+                if spec:  # its newest token, then its drafts (engine/speculative.py)
+                    if k != spec + 1 or st != known - 1:
+                        raise RuntimeError(f"{s!r}: {k} tokens from {st} scheduled with {spec} drafts, {known} known")
+                    ids.append(s.token_at(st))
+                    ids.extend(s.spec_token_ids[:spec])
+                    continue
                 if st + k > known:  # only a decode's one token can be pending
                     if k != 1 or st != known:
                         raise RuntimeError(f"{s!r}: {k} tokens from {st} scheduled, {known} known")
@@ -406,7 +412,13 @@ class ModelRunner:
 
         seq_idx = np.repeat(np.arange(B), n)
         slot_mapping = block_tables[seq_idx, positions // bs] * bs + positions % bs
-        logits_indices = cu[1:][np.asarray(batch.samples, dtype=bool)] - 1
+        sampling = np.asarray(batch.samples, dtype=bool)
+        logits_indices = cu[1:][sampling] - 1
+        if batch.num_spec_tokens:  # a sequence with d drafts samples at its last d + 1 tokens
+            d = np.asarray(batch.spec, dtype=np.int64)[sampling]
+            rows = d + 1
+            first = np.repeat(logits_indices - d, rows)
+            logits_indices = first + np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
         fills = (np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)) if fill_rows else (None, None)
         return StepInputs(
             input_ids, positions, slot_mapping, cu, seq_lens, block_tables, logits_indices,
@@ -466,6 +478,8 @@ class ModelRunner:
         if logits is None:
             return None
         seqs = [s for s, smp in zip(batch.seqs, batch.samples) if smp]
+        if batch.num_spec_tokens:
+            return self._sample_speculative(logits, batch, seqs)
         num_outputs = [s.num_output_tokens for s in seqs]
         if before_sampling is not None:
             before_sampling()
@@ -488,6 +502,30 @@ class ModelRunner:
             [s.token_history() for s in seqs] if penalised else None,
             pending,
         )
+
+    def _sample_speculative(self, logits: torch.Tensor, batch: ScheduledBatch, seqs: list):
+        """Sample a step with drafts: a sequence with d drafts has d + 1 rows, row j sampled as plain decoding
+        would sample its output step ``num_outputs + j`` after the first j drafts (engine/speculative.py).
+        Speculation runs synchronously and drafting rows have no penalties or grammar, so no row waits for a
+        landing or reads a pending token."""
+        spec = [d for d, smp in zip(batch.spec, batch.samples) if smp]
+        params, prompts, outputs, seeds, num_outputs, matchers = [], [], [], [], [], []
+        for s, d in zip(seqs, spec):
+            p, n_out = s.params, s.num_output_tokens
+            for j in range(d + 1):
+                params.append(p)
+                prompts.append(s.prompt_token_ids)
+                # bad words match the end of the output as it would be with the first j drafts accepted
+                outputs.append(s.output_token_ids + s.spec_token_ids[:j] if j and p.bad_words else s.output_token_ids)
+                seeds.append(s.seed)
+                num_outputs.append(n_out + j)
+                matchers.append(s.matcher if j == 0 else None)  # drafting rows have no grammar
+        masks = None if self.grammar is None else self.grammar.step_masks(matchers)
+        penalised = any(s.params.has_penalties for s in seqs)
+        histories = None
+        if penalised:  # rows of sequences without drafts only: one history a row
+            histories = [s.token_history() for s, d in zip(seqs, spec) for _ in range(d + 1)]
+        return self.sampler.sample(logits, params, prompts, outputs, seeds, num_outputs, masks, histories, None)
 
     @staticmethod
     def _prompt_logprob_rows(batch: ScheduledBatch, x: StepInputs):

@@ -35,12 +35,16 @@ def _urgency(seq: Sequence) -> tuple[int, float, int]:
 class ScheduledBatch:
     """One step's work. ``seqs[i]`` computes ``num_new_tokens[i]`` tokens starting at its
     ``num_computed_tokens``; ``samples[i]`` says whether that reaches its last token (so the
-    step samples a token for it)."""
+    step samples a token for it). ``spec[i]``: how many of its ``num_new_tokens[i]`` are speculative
+    drafts (``Sequence.spec_token_ids``) after its newest token; such a sequence samples at each of
+    its last ``spec[i] + 1`` tokens (engine/speculative.py)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    spec: list[int] = field(default_factory=list)
+    num_spec_tokens: int = 0  # drafts in the step
     num_batched_tokens: int = 0
     num_prefill_tokens: int = 0  # tokens of prompt chunks and recomputation (not plain decodes)
 
@@ -55,12 +59,14 @@ class ScheduledBatch:
     def sampling_seqs(self) -> list[Sequence]:
         return [s for s, smp in zip(self.seqs, self.samples) if smp]
 
-    def add(self, seq: Sequence, num_new: int, num_tokens: int) -> None:
+    def add(self, seq: Sequence, num_new: int, num_tokens: int, spec: int = 0) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new)
-        self.samples.append(seq.num_computed_tokens + num_new == num_tokens)
+        self.samples.append(seq.num_computed_tokens + num_new == num_tokens + spec)
+        self.spec.append(spec)
+        self.num_spec_tokens += spec
         self.num_batched_tokens += num_new
-        if not (num_new == 1 and seq.num_output_tokens and seq.num_computed_tokens == num_tokens - 1):
+        if not (num_new == 1 + spec and seq.num_output_tokens and seq.num_computed_tokens == num_tokens - 1):
             self.num_prefill_tokens += num_new
 
 
@@ -114,6 +120,12 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute (should not happen); keep it for later
                 i += 1
                 continue
+            spec = 0
+            if seq.spec_token_ids and num_tokens - seq.num_computed_tokens == 1:  # a decode with drafts
+                spec = min(len(seq.spec_token_ids), budget - 1)
+                if spec and not bm.allocate_slots(seq, 1 + spec):
+                    spec = 0  # no blocks for the drafts: decode plainly rather than preempt for them
+                num_new += spec
             while not bm.allocate_slots(seq, num_new):
                 victim = running.pop()  # the newest (least urgent); never one already scheduled (those are < i)
                 self._preempt(victim)
@@ -121,7 +133,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                batch.add(seq, num_new, num_tokens)
+                batch.add(seq, num_new, num_tokens, spec)
                 budget -= num_new
                 i += 1
                 continue
@@ -175,9 +187,9 @@ class Scheduler:
         previous step in between, ``LLMEngine.step``.)"""
         bm = self.block_manager
         caching = bm.enable_prefix_caching  # checked once a step, not once a sequence
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, spec in zip(batch.seqs, batch.num_new_tokens, batch.spec):
             if not seq.is_finished:
-                seq.num_computed_tokens += n
+                seq.num_computed_tokens += n - spec  # drafts count once accepted (LLMEngine._land)
                 if caching:
                     bm.cache_full_blocks(seq)
 

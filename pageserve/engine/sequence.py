@@ -97,6 +97,7 @@ class Sequence:
         self.matcher = None  # llguidance's state of its structured-output constraint (structured_output.py)
         self.pending_row = -1  # the row of the newest pending token in its step's sampled-token tensor
         self.length_capped = False  # its pending tokens reach max_tokens / max_model_len: schedule no more
+        self.spec_token_ids: list[int] = []  # speculative decoding's drafts for the next step (engine/speculative.py)
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # prompt tokens its first admission found in the prefix cache
         self.block_table: list[int] = []
