@@ -203,6 +203,8 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        else:  # blocks its last step filled (a speculative step's accepted drafts) are published before they go
+            self.block_manager.cache_full_blocks(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

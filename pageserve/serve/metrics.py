@@ -57,6 +57,10 @@ class _EngineCollector:
         yield counter("pageserve_prompt_tokens", "prompt tokens admitted (n per request)", s["prompt_tokens"])
         yield counter("pageserve_generation_tokens", "tokens generated", s["generated_tokens"])
         yield counter("pageserve_engine_steps", "engine steps run", s["num_steps"])
+        if "spec_draft_tokens" in s:  # speculative decoding (EngineConfig.speculative_config); 0 when off
+            yield counter("pageserve_spec_decode_num_draft_tokens", "draft tokens verified", s["spec_draft_tokens"])
+            yield counter("pageserve_spec_decode_num_accepted_tokens", "draft tokens the model confirmed",
+                          s["spec_accepted_tokens"])
         if self.steps is not None:
             yield from self._steps(self.steps)
 
