@@ -1,0 +1,129 @@
+"""What n-gram speculative decoding buys (``EngineConfig.speculative_config``): the same chat requests
+through a plain engine and through engines that draft ``k`` tokens a step, in alternation, in one process.
+
+    python scripts/spec_bench.py --out DIR [--model smollm2-135m-instruct | PATH.gguf] [--device cuda]
+        [--dtype bfloat16] [--ks 2,4] [--batches 1,8] [--max-tokens 128] [--rounds 2]
+
+Two workloads, greedy: ``copy`` (rewrite code keeping most of it, repeat a text: what prompt lookup is
+for) and ``open`` (questions whose answers copy little: what drafting costs when it mostly fails). Each
+request in a batch of B is one of the workload's prompts in turn. Per (workload, batch, engine, round):
+wall seconds, engine steps, output tokens, and for the drafting engines the drafts, the accepted ones
+and tokens per drafting step; per (workload, batch, k) the median speedup over plain and whether every
+text equals plain decoding's (greedy: it must, up to the rounding of a k+1-token chunk against one-token
+steps). The plain engine runs with async scheduling as the default does; a drafting engine runs steps
+synchronously, so ``plain_sync`` (the default engine without it) is also timed: the part of any
+difference that is the overlap lost, not the drafting.
+
+Writes DIR/spec_bench.json (commit and hardware from ``pageserve.lab.results``) and prints one line a run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from pageserve.engine.llm import LLM
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.lab.results import hardware_name, provenance
+from pageserve.model.loader import load_model
+
+CODE = ("def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+        "def factorial(n):\n    result = 1\n    for i in range(2, n + 1):\n        result *= i\n    return result\n\n"
+        "def is_prime(n):\n    if n < 2:\n        return False\n    for d in range(2, int(n ** 0.5) + 1):\n"
+        "        if n % d == 0:\n            return False\n    return True\n")
+TEXT = ("Paged attention stores the key and value cache in fixed-size blocks, so memory is not wasted on "
+        "padding, and a block table maps each sequence's positions to the blocks that hold them. Continuous "
+        "batching lets a new request join the running batch at any step instead of waiting for a whole batch "
+        "to finish.")
+WORKLOADS = {
+    "copy": [
+        "Rewrite this code with type hints, and keep everything else the same:\n\n" + CODE,
+        "Repeat the following text exactly, word for word:\n\n" + TEXT,
+        "Rename the function fibonacci to fib in this code and show the whole code:\n\n" + CODE,
+        "Fix the spelling and repeat the rest unchanged: " + TEXT.replace("blocks", "blokcs").replace("batch", "bacth"),
+    ],
+    "open": [
+        "Write a short poem about the sea.",
+        "Give three tips for learning a new language.",
+        "Explain why the sky is blue to a child.",
+        "What are the pros and cons of electric cars?",
+    ],
+}
+
+
+def run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
+    before = llm.get_stats()
+    t0 = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.get_stats()
+    d = {k: after[k] - before[k] for k in ("num_steps", "generated_tokens", "spec_draft_tokens", "spec_accepted_tokens")}
+    return {"wall_s": wall, "steps": d["num_steps"], "tokens": d["generated_tokens"],
+            "drafts": d["spec_draft_tokens"], "accepted": d["spec_accepted_tokens"],
+            "texts": [o.outputs[0].text for o in outs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--ks", default="2,4", help="num_speculative_tokens values, comma-separated")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--workloads", default="copy,open")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    ks = [int(x) for x in args.ks.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    base = dict(loaded=loaded, device=args.device, dtype=args.dtype, enable_prefix_caching=False)
+    engines = {"plain": LLM(**base), "plain_sync": LLM(**base, async_scheduling=False)}
+    for k in ks:
+        engines[f"ngram{k}"] = LLM(**base, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for llm in engines.values():  # warm-up: first calls, graphs' first replays
+        run(llm, WORKLOADS["copy"][:1], SamplingParams(temperature=0, max_tokens=8))
+
+    runs, summary = [], {}
+    for wl in args.workloads.split(","):
+        for B in batches:
+            prompts = [WORKLOADS[wl][i % len(WORKLOADS[wl])] for i in range(B)]
+            for rnd in range(args.rounds):
+                order = list(engines) if rnd % 2 == 0 else list(engines)[::-1]
+                for name in order:
+                    r = run(engines[name], prompts, params)
+                    r.update(workload=wl, batch=B, engine=name, round=rnd)
+                    runs.append(r)
+                    acc = f" accepted {r['accepted']}/{r['drafts']}" if r["drafts"] else ""
+                    print(f"{wl} b{B} {name} round {rnd}: {r['wall_s']:.3f} s, {r['steps']} steps, "
+                          f"{r['tokens']} tokens{acc}", flush=True)
+            plain = [r for r in runs if r["workload"] == wl and r["batch"] == B and r["engine"] == "plain"]
+            t_plain = statistics.median(r["wall_s"] for r in plain)
+            for name in engines:
+                if name == "plain":
+                    continue
+                mine = [r for r in runs if r["workload"] == wl and r["batch"] == B and r["engine"] == name]
+                key = f"{wl}_b{B}_{name}"
+                summary[f"{key}_speedup"] = t_plain / statistics.median(r["wall_s"] for r in mine)
+                summary[f"{key}_texts_equal_plain"] = all(r["texts"] == plain[0]["texts"] for r in mine)
+                drafts = sum(r["drafts"] for r in mine)
+                if drafts:
+                    summary[f"{key}_acceptance"] = sum(r["accepted"] for r in mine) / drafts
+                    summary[f"{key}_tokens_per_step"] = sum(r["tokens"] for r in mine) / sum(r["steps"] for r in mine)
+            summary[f"{wl}_b{B}_plain_tokens_per_step"] = sum(r["tokens"] for r in plain) / sum(r["steps"] for r in plain)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"script": "spec_bench", "hardware": hardware_name(), **provenance(), "date": time.strftime("%Y-%m-%d"),
+              "parameters": vars(args), "figures": summary,
+              "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs]}
+    (out / "spec_bench.json").write_text(json.dumps(record, indent=2) + "\n")
+    for k, v in summary.items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()
