@@ -87,6 +87,37 @@ def test_deterministic_triton_path_same_logprobs_alone_batched_chunked_and_prefi
     assert {k: r[k] for k in want} == want
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16] if not ON_GPU else [torch.bfloat16, torch.float16])
+def test_deterministic_speculative_decoding_gives_plain_decodings_logprobs_bit_for_bit(tiny_qwen2_config, dtype):
+    """A draft-verifying step computes a sequence's newest token and its drafts as one chunk; in the
+    deterministic mode that chunk's logits are bitwise the one-token steps' (engine/speculative.py)."""
+    from pageserve.engine.speculative import can_draft
+
+    device = "cuda" if ON_GPU else "cpu"
+    model = _tiny_model(tiny_qwen2_config, dtype, device)
+    cfg = dict(device=device, num_blocks=128, max_model_len=256, deterministic=True, use_triton=True,
+               enforce_eager=not ON_GPU)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    want = LLM.from_model(model, None, **cfg).generate(prompts, params, use_tqdm=False)
+    llm = LLM.from_model(model, None, **cfg, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, want)}
+
+    def propose(running, max_model_len):  # the plain run's next tokens, the third of each draft spoiled
+        for seq in running:
+            m, room = seq.num_output_tokens, min(can_draft(seq, max_model_len), 3)
+            seq.spec_token_ids = list(truth[tuple(seq.prompt_token_ids)][m:m + room]) if room > 0 else []
+            if len(seq.spec_token_ids) == 3:
+                seq.spec_token_ids[2] = (seq.spec_token_ids[2] + 1) % 256
+
+    llm.engine.proposer.propose = propose
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.get_stats()["spec_accepted_tokens"] > 0
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]  # every float equal
+
+
 def test_deterministic_ops_pass_attention_launch_options_and_refuse_bit_changing_ones(monkeypatch):
     from pageserve.model import deterministic_ops as DO
 
