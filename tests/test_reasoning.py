@@ -54,3 +54,27 @@ def test_whole_and_streamed_in_any_pieces_give_the_same_split(name, case):
                                                 for _ in range(20)]
     for cuts in splits:
         assert streamed(parser, text, cuts) == EXPECTED[name][case], cuts
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("key", sorted(TEXTS))
+def test_reasoning_tokens_count_the_reply_up_to_the_token_that_completes_the_end_tag(name, key):
+    from pageserve.serve.reasoning import END, reasoning_token_count
+
+    parser, text = REASONING_PARSERS[name](), TEXTS[key]
+    rng = random.Random(key)
+    for _ in range(20):  # "tokens" of random lengths, so the tag is split across tokens in every way
+        pieces, i = [], 0
+        while i < len(text):
+            n = rng.randint(1, 6)
+            pieces.append(text[i:i + n])
+            i += n
+        ids = list(range(len(pieces)))
+        count = reasoning_token_count(parser, lambda xs: "".join(pieces[x] for x in xs), ids)
+        reasoning, _ = EXPECTED[name][key]
+        if END in text and reasoning is not None:
+            ends = [k for k in range(1, len(pieces) + 1) if END in "".join(pieces[:k])]
+            assert count == ends[0]
+        else:
+            assert count == (len(pieces) if reasoning is not None else 0)
+    assert reasoning_token_count(parser, lambda xs: "", []) == 0

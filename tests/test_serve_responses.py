@@ -112,6 +112,15 @@ def test_a_reasoning_parser_gives_a_reasoning_item_before_the_message(start_serv
         assert thought.strip() == "Paris, in June." and events[-1].type == "response.completed"
         assert [o.type for o in events[-1].response.output] == ["reasoning", "message"]
         assert events[-1].response.output_text == "It is sunny."
+        # reasoning tokens: the reply's tokens up to the one that completes </think>, on both routes
+        greedy = dict(kw, temperature=0)
+        chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": kw["input"]}], max_tokens=40,
+                                         temperature=0, logprobs=True, extra_body=force)
+        pieces = [t.token for t in chat.choices[0].logprobs.content]
+        want = next(k for k in range(1, len(pieces) + 1) if "</think>" in "".join(pieces[:k]))
+        assert 0 < want < chat.usage.completion_tokens
+        assert chat.usage.completion_tokens_details.reasoning_tokens == want
+        assert c.responses.create(**greedy).usage.output_tokens_details.reasoning_tokens == want
         # an earlier turn's reasoning item, handed back, is dropped
         again = c.responses.create(model=MODEL, max_output_tokens=5, temperature=0, input=[
             {"role": "user", "content": "Hi"}, r.output[0].model_dump(exclude_none=True),

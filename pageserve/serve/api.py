@@ -36,7 +36,7 @@ from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
                        check_continuation, error_body, template_kwargs)
-from .reasoning import REASONING_PARSERS
+from .reasoning import REASONING_PARSERS, reasoning_token_count
 from .responses import ResponseEvents, ResponsesRequest, output_items
 from .tools import TOOL_PARSERS, ChatTools, call_json
 
@@ -306,15 +306,21 @@ class _Server:
         if failed:
             raise OpenAIError(500, "the engine failed this request while generating it", "server_error")
 
-    @staticmethod
-    def _usage(outs: list[RequestOutput], n: int) -> dict[str, Any]:
+    def _usage(self, outs: list[RequestOutput], n: int, chat: bool = False) -> dict[str, Any]:
         """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens the prefix cache held
-        when each request was first admitted."""
+        when each request was first admitted; on the chat routes with a reasoning parser,
+        ``completion_tokens_details.reasoning_tokens``: the replies' tokens up to their ``</think>``."""
         prompt = sum(len(o.prompt_token_ids) for o in outs)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         cached = sum(o.metrics.num_cached_tokens for o in outs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+        if chat and self.reasoning is not None:
+            tok = self.engine.tokenizer
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(
+                reasoning_token_count(self.reasoning, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                      c.token_ids) for o in outs for c in o.outputs)}
+        return usage
 
     def _render_chat(self, messages, add_generation_prompt: bool, kwargs: dict[str, Any] | None,
                      tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False) -> str:
@@ -430,7 +436,7 @@ class _Server:
             choices.append(choice)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": self._usage(outs, params.n),
+            "choices": choices, "usage": self._usage(outs, params.n, chat=True),
         })
 
     async def _chat_events(self, streams, rid, created, model, n, k, usage: str | None,
@@ -467,10 +473,10 @@ class _Server:
                 delta_choices.append(entry)
             if delta_choices:
                 yield {**base, "choices": delta_choices,
-                       **({"usage": self._usage([out], n)} if usage == "continuous" else usage_none)}
+                       **({"usage": self._usage([out], n, chat=True)} if usage == "continuous" else usage_none)}
         self._finish([last] if last is not None else [])
         if usage and last is not None:
-            yield {**base, "choices": [], "usage": self._usage([last], n)}
+            yield {**base, "choices": [], "usage": self._usage([last], n, chat=True)}
 
     # ---------------------------------------------------------------- responses
     async def respond(self, body: ResponsesRequest, request: Request):
@@ -490,7 +496,7 @@ class _Server:
         reasoning, text = self._split_reasoning(c.text)
         content, calls = (None, []) if text is None else tools.parse(text)
         return JSONResponse(body.response(rid, created, model, output_items(content, calls, reasoning),
-                                          c.finish_reason, self._usage(outs, 1)))
+                                          c.finish_reason, self._usage(outs, 1, chat=True)))
 
     async def _response_events(self, streams, tools: ChatTools, writer: ResponseEvents) -> AsyncIterator[dict]:
         for event in writer.start():
@@ -512,7 +518,7 @@ class _Server:
         except (EngineStepError, EngineDeadError) as e:
             yield writer.error(str(e), "server_error")
             return
-        for event in writer.finish(last.outputs[0].finish_reason, self._usage([last], 1)):
+        for event in writer.finish(last.outputs[0].finish_reason, self._usage([last], 1, chat=True)):
             yield event
 
     def _split_reasoning(self, text: str) -> tuple[str | None, str | None]:

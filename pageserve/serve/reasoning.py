@@ -87,5 +87,28 @@ class ThinkStream:
         return "", held if self.answer_started else held.lstrip()
 
 
+def reasoning_token_count(parser: ThinkParser, decode, token_ids: list[int]) -> int:
+    """How many of a reply's tokens are its reasoning (OpenAI's ``reasoning_tokens``): those up to the one that
+    completes ``</think>``; all of them for a reply cut short while thinking; none for a reply without a think part.
+    ``decode(ids) -> text`` as the reply's text was decoded (the tag may span several tokens)."""
+    if not token_ids:
+        return 0
+    text = decode(token_ids)
+    if END not in text:
+        reasoning, _ = parser.split(text)
+        thinking = text.lstrip().startswith(START) or not parser.needs_start_tag
+        return len(token_ids) if thinking and reasoning is not None else 0
+    if parser.needs_start_tag and not text.lstrip().startswith(START):
+        return 0
+    lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds the end tag
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if END in decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 REASONING_PARSERS = {"qwen3": lambda: ThinkParser(needs_start_tag=True),
                      "deepseek_r1": lambda: ThinkParser(needs_start_tag=False)}

@@ -177,7 +177,8 @@ class ResponsesRequest(BaseModel):
 
 def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": usage.get("completion_tokens_details") or {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
 
