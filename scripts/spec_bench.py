@@ -14,6 +14,11 @@ steps). The plain engine runs with async scheduling as the default does; a draft
 synchronously, so ``plain_sync`` (the default engine without it) is also timed: the part of any
 difference that is the overlap lost, not the drafting.
 
+``--oracle`` (any model, random weights included: the 3B shape): token-id prompts, and each drafting engine's
+drafts are the plain run's own next tokens, so every draft is accepted (up to bf16 near-ties) and a step emits
+k + 1 tokens: the speedup is the ceiling of k drafts at that batch, what the verify step costs against a decode
+step, whatever a real model's acceptance will be.
+
 Writes DIR/spec_bench.json (commit and hardware from ``pageserve.lab.results``) and prints one line a run.
 """
 from __future__ import annotations
@@ -53,16 +58,34 @@ WORKLOADS = {
 }
 
 
-def run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
+def oracle_drafts(llm: LLM, truth: dict[tuple, list[int]]) -> None:
+    """``llm``'s drafter proposes each sequence's next tokens from ``truth`` (prompt ids -> the plain run's output)."""
+    from pageserve.engine.speculative import can_draft
+
+    k = llm.engine.proposer.cfg.num_speculative_tokens
+
+    def propose(running, max_model_len):
+        for seq in running:
+            m, room = seq.num_output_tokens, min(can_draft(seq, max_model_len), k)
+            seq.spec_token_ids = list(truth[tuple(seq.prompt_token_ids)][m:m + room]) if room > 0 else []
+
+    llm.engine.proposer.propose = propose
+
+
+def run(llm: LLM, prompts: list, params: SamplingParams) -> dict:
     before = llm.get_stats()
     t0 = time.perf_counter()
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    if prompts and isinstance(prompts[0], list):  # token ids (--oracle)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - t0
     after = llm.get_stats()
     d = {k: after[k] - before[k] for k in ("num_steps", "generated_tokens", "spec_draft_tokens", "spec_accepted_tokens")}
     return {"wall_s": wall, "steps": d["num_steps"], "tokens": d["generated_tokens"],
             "drafts": d["spec_draft_tokens"], "accepted": d["spec_accepted_tokens"],
-            "texts": [o.outputs[0].text for o in outs]}
+            "texts": [o.outputs[0].text or o.outputs[0].token_ids for o in outs],
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
 def main() -> None:
@@ -76,6 +99,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="copy,open")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--oracle", action="store_true", help="token-id prompts, drafts from the plain run (see above)")
+    ap.add_argument("--prompt-len", type=int, default=128, help="--oracle: prompt tokens")
     args = ap.parse_args()
     ks = [int(x) for x in args.ks.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
@@ -84,14 +109,26 @@ def main() -> None:
     engines = {"plain": LLM(**base), "plain_sync": LLM(**base, async_scheduling=False)}
     for k in ks:
         engines[f"ngram{k}"] = LLM(**base, speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.oracle)
+    workloads = ["oracle"] if args.oracle else args.workloads.split(",")
+    if args.oracle:
+        import torch
+
+        g = torch.Generator().manual_seed(0)
+        vocab = loaded.config.vocab_size
+        ids = [torch.randint(1, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(max(batches))]
+        truth = {tuple(p): t for p, t in zip(ids, run(engines["plain"], ids, params)["token_ids"])}
+        for name, llm in engines.items():
+            if name.startswith("ngram"):
+                oracle_drafts(llm, truth)
+    warm = [ids[0]] if args.oracle else WORKLOADS["copy"][:1]
     for llm in engines.values():  # warm-up: first calls, graphs' first replays
-        run(llm, WORKLOADS["copy"][:1], SamplingParams(temperature=0, max_tokens=8))
+        run(llm, warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
     runs, summary = [], {}
-    for wl in args.workloads.split(","):
+    for wl in workloads:
         for B in batches:
-            prompts = [WORKLOADS[wl][i % len(WORKLOADS[wl])] for i in range(B)]
+            prompts = ids[:B] if args.oracle else [WORKLOADS[wl][i % len(WORKLOADS[wl])] for i in range(B)]
             for rnd in range(args.rounds):
                 order = list(engines) if rnd % 2 == 0 else list(engines)[::-1]
                 for name in order:
@@ -119,7 +156,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     record = {"script": "spec_bench", "hardware": hardware_name(), **provenance(), "date": time.strftime("%Y-%m-%d"),
               "parameters": vars(args), "figures": summary,
-              "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs]}
+              "runs": [{k: v for k, v in r.items() if k not in ("texts", "token_ids")} for r in runs]}
     (out / "spec_bench.json").write_text(json.dumps(record, indent=2) + "\n")
     for k, v in summary.items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
