@@ -25,6 +25,18 @@ def smollm2():
                       dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The CPU reference path runs many tiny ops per sequence and layer; on a 2-core machine
+    shared with other work, two intra-op threads spin against each other and run ~10x
+    slower than one. A module that wants it: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``
+    (restored after that module)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2):
     """The transformers LlamaForCausalLM twin of ``smollm2`` (same weights, fp32, CPU)."""

@@ -20,12 +20,7 @@ from pageserve.model.decoder import Decoder
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread for this module
 
 
 def _staggered_llm(cfg, **overrides):

@@ -20,15 +20,7 @@ from pageserve.engine.sampling_params import SamplingParams
 GEN_LEN = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The CPU reference path runs many tiny ops per sequence and layer; on a 2-core machine
-    shared with other work, two intra-op threads spin against each other and run ~10x
-    slower than one. Restored after this module."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread for this module
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -298,14 +298,6 @@ def test_int8_decode_step_at_batch_1_launches_no_more_kernels_than_bf16_all_with
 
 
 # ------------------------------------------------------------------------------------------ the engine
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
-
-
 def test_engine_quantization_int8_generates_greedily_with_graph_bookkeeping(tiny_qwen2_config, one_torch_thread):
     from pageserve.engine.llm import LLM
     from pageserve.lab.decode_bench import graph_vs_eager, staggered_decode_workload

@@ -18,12 +18,7 @@ from pageserve.engine.speculative import SpeculativeConfig, accepted_prefix, can
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(prev)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread for this module
 
 
 # ----------------------------------------------------------------------------- the lookup
