@@ -13,6 +13,11 @@ urgent": both queues are kept in (priority, arrival) order, a lower priority val
 urgent requests are admitted first and get the step's token budget first, and the least
 urgent running sequence is the one preempted. A waiting request never preempts a running one:
 it waits for blocks or a free batch slot like any other (as in vLLM v1).
+
+Speculative decoding (engine/speculative.py): a decoding sequence with d drafts
+(``Sequence.spec_token_ids``) is given 1 + d tokens when the budget and the free blocks allow (else
+it decodes plainly: drafts never preempt anyone); its ``num_computed_tokens`` moves past its newest
+token at the step, and past the drafts the model confirmed when the step lands.
 """
 from __future__ import annotations
 
