@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = sub.add_parser("generate", help="reply to one prompt, streamed to stdout")
     gen.add_argument("prompt", help="the user message (or the raw text with --no-chat)")
+    gen.add_argument("--speculative-tokens", type=_positive_int, default=None, metavar="K",
+                     help="speculative decoding: up to K draft tokens a step, looked up in the prompt and reply "
+                          "(n-gram; the reply does not change, docs/serving.md#speculative-decoding)")
     _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
@@ -115,6 +118,10 @@ def _sampling_params(args: argparse.Namespace):
         raise UsageError(msg) from None
 
 
+def _speculative(k: int | None) -> dict | None:
+    return None if k is None else {"method": "ngram", "num_speculative_tokens": k}
+
+
 def _build_engine(args: argparse.Namespace):
     from .engine.config import EngineConfig
     from .engine.llm_engine import LLMEngine
@@ -125,6 +132,7 @@ def _build_engine(args: argparse.Namespace):
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
                               quantization=args.quantization, deterministic=args.deterministic,
+                              speculative_config=_speculative(getattr(args, "speculative_tokens", None)),
                               generation_config="none")  # every sampling flag has its own default (greedy)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …
@@ -181,8 +189,13 @@ def _stats_line(engine, out) -> str:
         decode = ""
     runner = engine.runner
     dtype = str(runner.dtype).removeprefix("torch.")
+    spec = ""
+    if engine.proposer is not None:
+        st = engine.get_stats()
+        spec = (f", drafts {st['spec_accepted_tokens']}/{st['spec_draft_tokens']} accepted"
+                f" ({st['spec_tokens_per_drafting_step']:.2f} tokens a drafting step)")
     return (f"[{engine.config.model} on {runner.device} {dtype}: {len(out.prompt_token_ids)} prompt + {n} new tokens "
-            f"({out.outputs[0].finish_reason}), {ttft}{decode}]")
+            f"({out.outputs[0].finish_reason}), {ttft}{decode}{spec}]")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

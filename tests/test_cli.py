@@ -3,6 +3,7 @@ and for every bad input one line on stderr and exit status 2 — never a traceba
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,16 @@ def test_generate_streams_a_reply_from_the_engine_and_its_stats(capsys):
     assert "Paris" in captured.out  # SmolLM2-135M-Instruct answers this one greedily
     stats = captured.err.strip().splitlines()[-1]
     assert "new tokens (stop)" in stats and "tok/s" in stats and "nan" not in stats  # the engine's finish reason
+
+
+def test_generate_with_speculative_tokens_gives_the_same_reply_and_reports_its_drafts(capsys):
+    prompt = "Repeat exactly: the cat sat on the mat, the cat sat on the mat."
+    assert main(["generate", prompt, "--max-tokens", "24", "--device", "cpu"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", prompt, "--max-tokens", "24", "--device", "cpu", "--speculative-tokens", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == plain
+    assert re.search(r"drafts [1-9]\d*/\d+ accepted", captured.err.strip().splitlines()[-1])
 
 
 def test_generate_sampling_flags_reach_the_engine(capsys):
