@@ -67,9 +67,9 @@ def serve():
         seen = []
         add = engine.add_request
 
-        def recording(request_id, prompt, params=None, arrival_time=None):
+        def recording(request_id, prompt, params=None, arrival_time=None, **kw):
             seen.append(params)
-            return add(request_id, prompt, params, arrival_time)
+            return add(request_id, prompt, params, arrival_time, **kw)
 
         engine.add_request = recording
         servers.append(start_server_in_background(build_app(engine), host="127.0.0.1", port=0))
@@ -153,7 +153,7 @@ def test_llm_generate_without_params_uses_the_files_defaults_and_explicit_params
     llm = LLM(str(model_dir), **ENGINE)
     seen = []
     add = llm.engine.add_request
-    monkeypatch.setattr(llm.engine, "add_request", lambda rid, prompt, p=None: (seen.append(p), add(rid, prompt, p)))
+    monkeypatch.setattr(llm.engine, "add_request", lambda rid, prompt, p=None, **kw: (seen.append(p), add(rid, prompt, p, **kw)))
     out = llm.generate([5, 6, 7], use_tqdm=False)
     llm.chat(HI, use_tqdm=False)
     llm.generate([5, 6, 7], SamplingParams(max_tokens=3), use_tqdm=False)
