@@ -276,6 +276,26 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
     assert chat.usage.prompt_tokens_details.cached_tokens < cached
 
 
+def test_reset_prefix_cache_forgets_cached_prompts_and_waits_for_an_idle_server(server, client):
+    import random
+
+    ids = random.Random(8).sample(range(1000, 40000), 40)
+    kw = dict(model=MODEL, prompt=ids, max_tokens=2, temperature=0)
+    client.completions.create(**kw)
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 32
+    stream = client.completions.create(model=MODEL, prompt="Count:", max_tokens=200, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # a request holds blocks: no reset
+    r = httpx.post(server.url + "/reset_prefix_cache")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "requests_running"
+    stream.close()
+    wait_idle(server)
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 32  # nothing was forgotten
+    r = httpx.post(server.url + "/reset_prefix_cache")
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert client.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
+
+
 def test_priority_needs_the_priority_policy(client):
     for create in (lambda **kw: client.chat.completions.create(messages=HI, **kw),
                    lambda **kw: client.completions.create(prompt="Hi", **kw),

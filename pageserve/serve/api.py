@@ -2,7 +2,7 @@
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` (``responses.py``), ``/v1/models``, ``/health``, ``/version``,
 ``/metrics``, ``/tokenize`` and ``/detokenize`` (vLLM's; ``/tokenizer_info`` when enabled),
-``/v1/engine_stats`` (debug: where the engine thread's time goes). Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
+``/v1/engine_stats`` (debug: where the engine thread's time goes), ``POST /reset_prefix_cache``. Every error is OpenAI-shaped (``{"error": {"message", "type", "param",
 "code"}}``): 400 for bad parameters (pydantic's validation errors included, never 422),
 401 for a missing or wrong API key, 404 for an unknown model, 413 for a body over the
 limit, 500 when the engine failed the request, 503 when the queue is full.
@@ -138,6 +138,15 @@ def build_app(
         if not aengine.is_running:
             return JSONResponse(error_body("the engine is not running", "server_error"), status_code=503)
         return {"status": "ok"}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget every cached prefix block (vLLM's route), e.g. between benchmark runs; 409 while requests
+        hold blocks."""
+        if not await aengine.reset_prefix_cache():
+            raise OpenAIError(409, "requests are running: the prefix cache can be reset only when the server is idle",
+                              "conflict", code="requests_running")
+        return {"reset": True}
 
     @app.get("/metrics")
     async def prometheus_metrics():

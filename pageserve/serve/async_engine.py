@@ -159,6 +159,15 @@ class AsyncEngine:
             raise first
         return RequestStream(self, request_id, stream)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, on the engine thread (``LLMEngine.reset_prefix_cache``): False, and nothing
+        forgotten, while requests hold blocks."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._submit(("reset_prefix_cache", done))
+        return await done
+
     def _forget(self, request_id: str) -> None:
         """The consumer is gone: drop the stream and abort the request if it is unfinished."""
         stream = self._streams.pop(request_id, None)
@@ -243,6 +252,13 @@ class AsyncEngine:
         engine = self.engine
         if cmd[0] == "abort":
             engine.abort_request(cmd[1])
+            return
+        if cmd[0] == "reset_prefix_cache":
+            done = cmd[1]
+            reset = engine.reset_prefix_cache()
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(lambda: done.done() or done.set_result(reset))
             return
         _, rid, prompt, params, priority = cmd
         try:
