@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve.cli import add_serve_parser  # the server's flags; its imports are deferred to run time
 
     add_serve_parser(sub)
+    from .serve.bench_client import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

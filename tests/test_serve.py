@@ -341,6 +341,20 @@ def test_a_priority_server_serves_waiting_requests_most_urgent_first(start_serve
         srv.stop()
 
 
+def test_pageserve_bench_loads_a_running_server_and_writes_its_figures(server, tmp_path, capsys):
+    from pageserve.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--base-url", server.base_url, "--num-prompts", "6", "--input-len", "20", "--output-len", "4",
+                 "--max-concurrency", "3", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["completed"] == 6 and figures["errors"] == 0 and figures["output_tokens"] == 24
+    assert figures["model"] == MODEL and 0 < figures["ttft_p50_ms"] <= figures["e2e_p99_ms"]
+    assert "TTFT" in capsys.readouterr().out
+    assert main(["bench", "--base-url", "http://127.0.0.1:9/v1", "--num-prompts", "1"]) == 2  # no server: one line
+    assert "no server at" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------ errors
 def test_suffix_is_rejected_with_400(client):
     with pytest.raises(BadRequestError, match="suffix"):

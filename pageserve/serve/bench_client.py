@@ -172,3 +172,73 @@ def run_load_sync(*args: Any, **kwargs: Any) -> LoadResult:
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, run_load(*args, **kwargs)).result()
+
+
+# ---------------------------------------------------------------------------- `pageserve bench`
+def random_prompts(num: int, input_len: int, seed: int = 0, low: int = 1000, high: int = 20000) -> list[list[int]]:
+    """``num`` prompts of ``input_len`` token ids drawn from [low, high): inside any current vocabulary, so one
+    set of prompts serves every server (token-id prompts skip the tokenizer, as vLLM's random dataset)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(low, high) for _ in range(input_len)] for _ in range(num)]
+
+
+def add_bench_parser(subparsers) -> None:
+    """``pageserve bench``: load a running OpenAI-compatible server (pageserve's, vLLM's, any that takes token-id
+    prompts and ``ignore_eos``) and print vLLM ``bench serve``'s latency and throughput figures."""
+    p = subparsers.add_parser("bench", help="load test a running OpenAI-compatible server", description=(
+        "Send streamed completions (random token-id prompts, eos ignored) to a running OpenAI-compatible server "
+        "(pageserve, vLLM, ...) and print throughput and the TTFT / TPOT / ITL / E2E percentiles, as vLLM's "
+        "'bench serve' defines them."))
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL (default %(default)s)")
+    p.add_argument("--model", default=None, help="the model name to send (default: the server's first)")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default %(default)s)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens each (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens each, eos ignored (default %(default)s)")
+    p.add_argument("--rate", type=float, default=math.inf,
+                   help="requests/s, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures to PATH as JSON")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args) -> int:
+    import httpx
+
+    from pageserve.cli import UsageError
+
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be 1 or more")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        models = httpx.get(args.base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise UsageError(f"no server at {args.base_url}: {type(e).__name__}: {e}") from None
+    if models.status_code != 200:
+        raise UsageError(f"{args.base_url}/models answered HTTP {models.status_code}: {models.text[:200]}")
+    model = args.model or models.json()["data"][0]["id"]
+    prompts = random_prompts(args.num_prompts, args.input_len, args.seed)
+    result = run_load_sync(args.base_url, prompts, args.output_len, model=model, rate=args.rate,
+                           max_concurrency=args.max_concurrency, api_key=args.api_key, seed=args.seed)
+    s = result.summary()
+    s.update(model=model, base_url=args.base_url, num_prompts=args.num_prompts, input_len=args.input_len,
+             output_len=args.output_len, rate=args.rate, max_concurrency=args.max_concurrency,
+             request_throughput=s["completed"] / s["duration_s"] if s["duration_s"] else 0.0)
+    print(f"{model} at {args.base_url}: {s['completed']} of {args.num_prompts} requests completed "
+          f"({s['errors']} errors) in {s['duration_s']:.2f} s")
+    print(f"  request throughput  {s['request_throughput']:.2f} req/s, output {s['output_tok_s']:.1f} tok/s")
+    for m, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
+        p50, p99 = s[f"{m}_p50_ms"], s[f"{m}_p99_ms"]
+        if p50 is not None:
+            print(f"  {label:<5} p50 {p50:9.2f} ms   p99 {p99:9.2f} ms")
+    errors = [r.error for r in result.results if not r.ok]
+    if errors:
+        print(f"  first error: {errors[0]}")
+    if args.json:
+        from pathlib import Path
+
+        Path(args.json).write_text(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                               for k, v in s.items()}, indent=2) + "\n")
+    return 0 if not errors else 1
