@@ -197,7 +197,7 @@ def test_drafting_rows_sample_as_plain_decoding_would_with_logprobs_and_seeds(ti
             assert np.allclose(list(la.values()), list(lb.values()), atol=1e-4)
 
 
-def test_penalised_rows_do_not_draft():
+def test_which_rows_draft_and_how_many():
     from types import SimpleNamespace
 
     seq = SimpleNamespace(matcher=None, num_pending=0, num_tokens=10, num_computed_tokens=9, output_token_ids=[1],
@@ -205,9 +205,26 @@ def test_penalised_rows_do_not_draft():
     assert can_draft(seq, 100) == 6  # room for 6 drafts and the token after them under max_tokens
     assert can_draft(seq, 12) == 1  # and under max_model_len
     seq.params = SamplingParams(max_tokens=8, repetition_penalty=1.1)
+    assert can_draft(seq, 100) == 6  # penalised rows draft (DraftHistory)
+    seq.matcher = object()  # a grammar: no
     assert can_draft(seq, 100) == 0
-    seq.params, seq.num_computed_tokens = SamplingParams(max_tokens=8), 5  # a prompt chunk, not a decode
+    seq.matcher, seq.num_computed_tokens = None, 5  # a prompt chunk, not a decode
     assert can_draft(seq, 100) == 0
+    seq.num_computed_tokens, seq.num_pending = 9, 1  # its newest token still on the device
+    assert can_draft(seq, 100) == 0
+
+
+@pytest.mark.parametrize("pen", [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.4)])
+def test_penalised_drafting_rows_count_the_drafts_before_them(tiny, prompts, pen):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, **pen)
+    plain = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256, async_scheduling=False)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert want != [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY, use_tqdm=False)]  # they bite
+    llm = LLM.from_model(tiny, device="cpu", dtype="float32", num_blocks=256, speculative_config=NGRAM)
+    oracle(llm, prompts, want, spoil_at=None)  # all true: rows 1..d see drafts the penalties must count
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    st = llm.get_stats()
+    assert st["spec_accepted_tokens"] == st["spec_draft_tokens"] > 0
 
 
 # ----------------------------------------------------------------------------- SmolLM2, the n-gram drafter
@@ -222,8 +239,9 @@ COPY_TASKS = [
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=64),
-                                    SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=7)],
-                         ids=["greedy", "seeded"])
+                                    SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=7),
+                                    SamplingParams(temperature=0, max_tokens=64, repetition_penalty=1.05)],
+                         ids=["greedy", "seeded", "penalised"])
 def test_ngram_drafts_on_real_weights_keep_plain_decodings_text(smollm2, params):
     plain = LLM(loaded=smollm2, device="cpu", dtype="float32", num_blocks=256)
     want = plain.chat(COPY_TASKS, params, use_tqdm=False)

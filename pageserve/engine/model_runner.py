@@ -506,8 +506,8 @@ class ModelRunner:
     def _sample_speculative(self, logits: torch.Tensor, batch: ScheduledBatch, seqs: list):
         """Sample a step with drafts: a sequence with d drafts has d + 1 rows, row j sampled as plain decoding
         would sample its output step ``num_outputs + j`` after the first j drafts (engine/speculative.py).
-        Speculation runs synchronously and drafting rows have no penalties or grammar, so no row waits for a
-        landing or reads a pending token."""
+        Speculation runs synchronously and drafting rows have no grammar, so no row waits for a landing or reads a
+        pending token; a penalised row j counts its output with the first j drafts (``DraftHistory``)."""
         spec = [d for d, smp in zip(batch.spec, batch.samples) if smp]
         params, prompts, outputs, seeds, num_outputs, matchers = [], [], [], [], [], []
         for s, d in zip(seqs, spec):
@@ -523,8 +523,13 @@ class ModelRunner:
         masks = None if self.grammar is None else self.grammar.step_masks(matchers)
         penalised = any(s.params.has_penalties for s in seqs)
         histories = None
-        if penalised:  # rows of sequences without drafts only: one history a row
-            histories = [s.token_history() for s, d in zip(seqs, spec) for _ in range(d + 1)]
+        if penalised:
+            from .speculative import DraftHistory
+
+            histories = []
+            for s, d in zip(seqs, spec):
+                h = s.token_history()
+                histories += [h] + [DraftHistory(h, s.spec_token_ids[:j]) for j in range(1, d + 1)]
         return self.sampler.sample(logits, params, prompts, outputs, seeds, num_outputs, masks, histories, None)
 
     @staticmethod

@@ -17,10 +17,12 @@ the draft removed. Greedy rows take the argmax at every position, so their text 
 to the rounding of a (d + 1)-token chunk against one-token steps (bit for bit with ``deterministic=True``,
 whose logits do not depend on how a sequence's tokens are split into steps).
 
-Which rows draft: decoding sequences without penalties and without a structured-output grammar (both read
-the whole history as it is, not as it would be after each draft), with room for at least one draft under
-``max_tokens`` and ``max_model_len``. The engine runs steps synchronously while speculating: the drafts
-are looked up on the host from tokens the host must already have.
+Which rows draft: decoding sequences without a structured-output grammar (its state would have to advance
+through each draft), with room for at least one draft under ``max_tokens`` and ``max_model_len``. Penalties
+are applied per row as plain decoding would: row j counts the output with the first j drafts appended
+(``DraftHistory``), so the penalised rows Qwen2.5-Instruct's generation_config gives every request draft too.
+The engine runs steps synchronously while speculating: the drafts are looked up on the host from tokens the
+host must already have.
 """
 from __future__ import annotations
 
@@ -90,10 +92,10 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
 
 def can_draft(seq, max_model_len: int) -> int:
     """How many drafts ``seq`` may take this step: 0 unless it is decoding (its newest token on the host and
-    not yet computed) with no penalties and no grammar; else the room left under max_tokens and
-    max_model_len for the d + 1 tokens a step may emit."""
+    not yet computed) with no grammar; else the room left under max_tokens and max_model_len for the d + 1
+    tokens a step may emit."""
     p = seq.params
-    if seq.matcher is not None or p.has_penalties or seq.num_pending:
+    if seq.matcher is not None or seq.num_pending:
         return 0
     if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids:
         return 0
@@ -120,6 +122,22 @@ class NgramProposer:
             h = seq.token_history()
             tokens = np.concatenate([h.prompt(), h.output()])
             seq.spec_token_ids = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+
+
+class DraftHistory:
+    """A drafting row's ids for the sampler's penalties: its sequence's prompt, and its output with the first j
+    drafts appended (what plain decoding's history would be at that output step)."""
+
+    __slots__ = ("_history", "_drafts")
+
+    def __init__(self, history, drafts: list[int]) -> None:
+        self._history, self._drafts = history, drafts
+
+    def prompt(self) -> np.ndarray:
+        return self._history.prompt()
+
+    def output(self) -> np.ndarray:
+        return np.concatenate([self._history.output(), np.asarray(self._drafts, dtype=np.int64)])
 
 
 def accepted_prefix(drawn: list[int], drafts: list[int]) -> int:
