@@ -69,6 +69,12 @@ def test_speculation_turns_async_scheduling_off_and_refuses_tensor_parallelism()
     assert EngineConfig(device="cpu").async_scheduling is True
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(device="cpu", speculative_config=NGRAM, tensor_parallel_size=2)
+    from pageserve.engine.llm_engine import LLMEngine
+
+    cfg = EngineConfig(device="cpu", speculative_config=NGRAM)
+    cfg.async_scheduling = True  # set again after the config checked itself: the engine refuses before loading
+    with pytest.raises(ValueError, match="async_scheduling=False"):
+        LLMEngine(cfg, loaded=object())
 
 
 # ----------------------------------------------------------------------------- the engine, an oracle drafter

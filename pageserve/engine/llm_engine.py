@@ -117,6 +117,10 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, loaded: Any = None, stream_outputs: bool = True) -> None:
         self.config = config
+        spec = SpeculativeConfig.parse(config.speculative_config)
+        if spec is not None and config.async_scheduling:  # EngineConfig turns it off; a later assignment may not
+            raise ValueError("speculative decoding needs async_scheduling=False: drafts are looked up from "
+                             "tokens the host must already have")
         own_model = loaded is None
         if loaded is None:
             from ..model.loader import load_model
@@ -169,7 +173,6 @@ class LLMEngine:
         self.last_step = StepTiming()  # reset by every step() call
         self._inflight: _Inflight | None = None  # the launched step whose tokens are not appended yet
         self.grammar = None  # structured_output.GrammarCompiler, made at the first request that needs one
-        spec = SpeculativeConfig.parse(config.speculative_config)
         self.proposer = None if spec is None else NgramProposer(spec)
 
     @classmethod
