@@ -212,12 +212,25 @@ def test_which_rows_draft_and_how_many():
     assert can_draft(seq, 12) == 1  # and under max_model_len
     seq.params = SamplingParams(max_tokens=8, repetition_penalty=1.1)
     assert can_draft(seq, 100) == 6  # penalised rows draft (DraftHistory)
-    seq.matcher = object()  # a grammar: no
-    assert can_draft(seq, 100) == 0
-    seq.matcher, seq.num_computed_tokens = None, 5  # a prompt chunk, not a decode
+    seq.num_computed_tokens = 5  # a prompt chunk, not a decode
     assert can_draft(seq, 100) == 0
     seq.num_computed_tokens, seq.num_pending = 9, 1  # its newest token still on the device
     assert can_draft(seq, 100) == 0
+
+
+def test_a_guided_rows_drafts_stop_where_its_grammar_would_reject_one():
+    from pageserve.engine.sequence import Sequence
+    from pageserve.engine.speculative import NgramProposer
+
+    seq = Sequence("g", [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=20))
+    seq.output_token_ids.append(3)
+    seq.num_computed_tokens = seq.num_tokens - 1  # decoding: the newest token not yet computed
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3))
+    proposer.propose([seq], 100)
+    assert seq.spec_token_ids == [4, 1, 2]  # "1 2 3" recurs: what followed it
+    seq.matcher = type("Grammar", (), {"validate_tokens": lambda self, tokens: 1})()  # accepts only the first
+    proposer.propose([seq], 100)
+    assert seq.spec_token_ids == [4]
 
 
 @pytest.mark.parametrize("pen", [dict(repetition_penalty=1.3), dict(frequency_penalty=0.7, presence_penalty=0.4)])
@@ -258,6 +271,28 @@ def test_ngram_drafts_on_real_weights_keep_plain_decodings_text(smollm2, params)
     st = llm.get_stats()
     assert st["spec_acceptance_rate"] > 0.3 and st["spec_tokens_per_drafting_step"] > 1.8
     assert st["num_steps"] < plain.get_stats()["num_steps"]
+
+
+def test_guided_rows_draft_only_what_their_grammar_accepts_and_keep_plain_decodings_text(smollm2):
+    from pageserve.engine.sampling_params import StructuredOutputsParams
+
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "pets": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "city", "pets"], "additionalProperties": False}
+    ask = [[{"role": "user", "content": "Give this as JSON with keys name, city, pets: Tom Smith lives in New York "
+                                        "City and has pets Rex the dog, Tom Smith's cat Luna and a parrot."}]]
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(json=person))
+    plain = LLM(loaded=smollm2, device="cpu", dtype="float32", num_blocks=256)
+    want = plain.chat(ask * 2, params, use_tqdm=False)
+    llm = LLM(loaded=smollm2, device="cpu", dtype="float32", num_blocks=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    got = llm.chat(ask * 2, params, use_tqdm=False)
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
+    import json
+
+    json.loads(got[0].outputs[0].text)  # the grammar held through every accepted draft
+    st = llm.get_stats()
+    assert st["spec_accepted_tokens"] > 0 and st["num_steps"] < plain.get_stats()["num_steps"]
 
 
 def test_a_speculating_server_reports_its_drafts(start_server):

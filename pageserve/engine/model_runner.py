@@ -506,8 +506,9 @@ class ModelRunner:
     def _sample_speculative(self, logits: torch.Tensor, batch: ScheduledBatch, seqs: list):
         """Sample a step with drafts: a sequence with d drafts has d + 1 rows, row j sampled as plain decoding
         would sample its output step ``num_outputs + j`` after the first j drafts (engine/speculative.py).
-        Speculation runs synchronously and drafting rows have no grammar, so no row waits for a landing or reads a
-        pending token; a penalised row j counts its output with the first j drafts (``DraftHistory``)."""
+        Speculation runs synchronously, so no row waits for a landing or reads a pending token; a penalised row j
+        counts its output with the first j drafts (``DraftHistory``), a guided row j takes its grammar's mask after
+        them."""
         spec = [d for d, smp in zip(batch.spec, batch.samples) if smp]
         params, prompts, outputs, seeds, num_outputs, matchers = [], [], [], [], [], []
         for s, d in zip(seqs, spec):
@@ -519,7 +520,11 @@ class ModelRunner:
                 outputs.append(s.output_token_ids + s.spec_token_ids[:j] if j and p.bad_words else s.output_token_ids)
                 seeds.append(s.seed)
                 num_outputs.append(n_out + j)
-                matchers.append(s.matcher if j == 0 else None)  # drafting rows have no grammar
+                m = s.matcher
+                if m is not None and j:  # the grammar's state after the first j drafts (they passed validate_tokens)
+                    m = m.deep_copy()
+                    m.consume_tokens(s.spec_token_ids[:j])
+                matchers.append(m)
         masks = None if self.grammar is None else self.grammar.step_masks(matchers)
         penalised = any(s.params.has_penalties for s in seqs)
         histories = None

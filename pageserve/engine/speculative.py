@@ -17,10 +17,11 @@ the draft removed. Greedy rows take the argmax at every position, so their text 
 to the rounding of a (d + 1)-token chunk against one-token steps (bit for bit with ``deterministic=True``,
 whose logits do not depend on how a sequence's tokens are split into steps).
 
-Which rows draft: decoding sequences without a structured-output grammar (its state would have to advance
-through each draft), with room for at least one draft under ``max_tokens`` and ``max_model_len``. Penalties
-are applied per row as plain decoding would: row j counts the output with the first j drafts appended
-(``DraftHistory``), so the penalised rows Qwen2.5-Instruct's generation_config gives every request draft too.
+Which rows draft: decoding sequences with room for at least one draft under ``max_tokens`` and
+``max_model_len``. Penalties are applied per row as plain decoding would: row j counts the output with the
+first j drafts appended (``DraftHistory``), so the penalised rows Qwen2.5-Instruct's generation_config gives
+every request draft too. A guided row's drafts are cut where its grammar would reject one, and row j's mask is
+the grammar's after the first j drafts (a copy of the matcher advanced through them).
 The engine runs steps synchronously while speculating: the drafts are looked up on the host from tokens the
 host must already have.
 """
@@ -92,10 +93,10 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
 
 def can_draft(seq, max_model_len: int) -> int:
     """How many drafts ``seq`` may take this step: 0 unless it is decoding (its newest token on the host and
-    not yet computed) with no grammar; else the room left under max_tokens and max_model_len for the d + 1
-    tokens a step may emit."""
+    not yet computed); else the room left under max_tokens and max_model_len for the d + 1 tokens a step may
+    emit."""
     p = seq.params
-    if seq.matcher is not None or seq.num_pending:
+    if seq.num_pending:
         return 0
     if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids:
         return 0
@@ -121,7 +122,10 @@ class NgramProposer:
                 continue
             h = seq.token_history()
             tokens = np.concatenate([h.prompt(), h.output()])
-            seq.spec_token_ids = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+            drafts = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max).tolist()
+            if drafts and seq.matcher is not None:  # only what the grammar accepts: later rows need its states
+                drafts = drafts[:seq.matcher.validate_tokens(drafts)]
+            seq.spec_token_ids = drafts
 
 
 class DraftHistory:
