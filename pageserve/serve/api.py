@@ -482,7 +482,9 @@ class _Server:
                 delta_choices.append(entry)
             if delta_choices:
                 yield {**base, "choices": delta_choices,
-                       **({"usage": self._usage([out], n, chat=True)} if usage == "continuous" else usage_none)}
+                       # the usage so far without reasoning_tokens: counting them decodes the reply's prefixes, which
+                       # every chunk would redo; the final usage chunk has them
+                       **({"usage": self._usage([out], n)} if usage == "continuous" else usage_none)}
         self._finish([last] if last is not None else [])
         if usage and last is not None:
             yield {**base, "choices": [], "usage": self._usage([last], n, chat=True)}
