@@ -13,7 +13,11 @@ def __getattr__(name):
         from .engine.llm_engine import LLMEngine
 
         return LLMEngine
+    if name == "LoRARequest":
+        from .engine.lora import LoRARequest
+
+        return LoRARequest
     raise AttributeError(f"module 'pageserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "LoRARequest", "SamplingParams"]

@@ -2,7 +2,8 @@
 prefix caching by block-hash chains.
 
 A full block's hash is ``hash((parent_hash, tuple(its tokens)))``, so equal hashes mean an
-equal whole prefix. Cached blocks are shared by reference count; when the count drops to
+equal whole prefix (the chain's root is the sequence's ``cache_root``: 0, or its LoRA adapter's key, since
+the same tokens under another adapter have other K/V). Cached blocks are shared by reference count; when the count drops to
 zero they stay in the free queue with their hash (still hittable) until the LRU evicts
 them for a new allocation.
 """
@@ -91,7 +92,7 @@ class BlockManager:
         hashes = seq.block_hashes
         bs = self.block_size
         for i in range(len(hashes), upto_blocks):
-            parent = hashes[-1] if hashes else 0
+            parent = hashes[-1] if hashes else seq.cache_root
             hashes.append(hash((parent, tuple(seq.token_slice(i * bs, (i + 1) * bs)))))
         return hashes
 

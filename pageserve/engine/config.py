@@ -83,6 +83,12 @@ class EngineConfig:
     # "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": None}
     # (engine/speculative.py). Steps then run synchronously (async_scheduling is turned off)
     speculative_config: dict | None = None
+    # LoRA adapters, as vLLM's --enable-lora / --max-loras / --max-lora-rank: requests may name a PEFT adapter
+    # (engine/lora.py), up to max_loras distinct ones in a step, each of rank <= max_lora_rank. Every forward
+    # then runs the projections unfused, with each row's adapter added (model/lora.py)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -141,6 +147,12 @@ class EngineConfig:
                 logger.info("speculative decoding: steps run synchronously (async_scheduling off), since a "
                             "step's drafts are looked up from tokens the host must already have")
                 self.async_scheduling = False
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {self.max_model_len}")
 

@@ -6,6 +6,7 @@ from typing import Any, Sequence as Seq
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine
+from .lora import LoRARequest
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -73,11 +74,13 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text or token ids); results in input order. With no
         ``sampling_params``: ``SamplingParams`` with the engine's ``sampling_defaults`` (the model's
         generation_config.json, see ``EngineConfig.generation_config``) over its own defaults.
-        ``priority``: one a prompt, lower first (``scheduling_policy="priority"``)."""
+        ``priority``: one a prompt, lower first (``scheduling_policy="priority"``). ``lora_request``: a LoRA
+        adapter for every prompt, or one (or None) a prompt (``enable_lora=True``)."""
         if not isinstance(prompts, (str, list, tuple)):
             raise ValueError(
                 "prompts must be a string, a list of token ids, or a list of those; "
@@ -88,7 +91,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        return self._run(prompts, sampling_params, use_tqdm, priority)
+        return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -101,6 +104,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them.
 
@@ -108,7 +112,7 @@ class LLM:
         starting a new one (with ``add_generation_prompt=False``); ``tools`` (OpenAI-style definitions),
         ``chat_template`` (in place of the tokenizer's) and ``chat_template_kwargs`` go to the template. The
         replies are text: tool calls in them are not parsed (the server does that, ``serve/tools.py``).
-        ``priority``: one a conversation, as in ``generate``."""
+        ``priority`` and ``lora_request``: one a conversation (or one for all), as in ``generate``."""
         if self.tokenizer is None:
             raise ValueError(f"model {self.config.model!r} has no tokenizer, so no chat template")
         if not isinstance(messages, (list, tuple)):
@@ -123,9 +127,10 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template=chat_template, **kwargs)
                    for c in convs]
-        return self._run(prompts, sampling_params, use_tqdm, priority)
+        return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
 
-    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority: Seq[int] | None = None) -> list[RequestOutput]:
+    def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority: Seq[int] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             params = [SamplingParams(**self.engine.sampling_defaults)] * len(prompts)
         elif isinstance(sampling_params, SamplingParams):
@@ -137,12 +142,18 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         engine = self.engine
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p, prio in zip(ids, prompts, params, priorities):
-                engine.add_request(rid, prompt, p, priority=prio)
+            for rid, prompt, p, prio, lora in zip(ids, prompts, params, priorities, loras):
+                engine.add_request(rid, prompt, p, priority=prio, lora_request=lora)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)  # leave the engine as it was

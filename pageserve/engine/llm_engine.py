@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .lora import LoRARequest
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams, child_seed
@@ -166,7 +167,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            policy=config.scheduling_policy,
+            policy=config.scheduling_policy, max_loras=config.max_loras if config.enable_lora else None,
         )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -189,10 +190,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) for a duplicate id, an
         empty or too long prompt, token ids outside the vocabulary, or bad parameters.
-        ``priority``: lower runs first, with ``scheduling_policy="priority"`` only (else it must be 0)."""
+        ``priority``: lower runs first, with ``scheduling_policy="priority"`` only (else it must be 0).
+        ``lora_request``: the LoRA adapter it runs with (``enable_lora``; read from its folder the first
+        time it is named, ``add_lora``)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -256,11 +260,17 @@ class LLMEngine:
                 f"request {request_id!r}: the prompt has {len(ids)} tokens, more than "
                 f"max_num_batched_tokens={self.config.max_num_batched_tokens}, and chunked prefill is off"
             )
+        if lora_request is not None:
+            try:
+                self.add_lora(lora_request)
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: {e}") from None
         now = time.perf_counter() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
             seed = child_seed(params.seed, i)
-            seq = Sequence(request_id, ids, params, index=i, seed=seed, arrival_time=now, priority=priority)
+            seq = Sequence(request_id, ids, params, index=i, seed=seed, arrival_time=now, priority=priority,
+                           lora_request=lora_request)
             if matcher is not None:
                 seq.matcher = matcher if i == 0 else matcher.deep_copy()
             if self.tokenizer is not None and (self.stream_outputs or params.stop):
@@ -280,6 +290,34 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.stats.num_requests_added += 1
         self.stats.num_prompt_tokens += len(ids) * params.n
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> bool:
+        """Know a LoRA adapter (read from ``lora_request.lora_path`` unless ``adapter``, a
+        ``model.lora.LoRAAdapter``, is given). False if it was known already. ValueError when LoRA is off, for
+        an adapter this model cannot take, or for an id or name taken by another adapter."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine was started without "
+                             "enable_lora (--enable-lora)")
+        return self.runner.lora.add(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter: False if it was not known; ValueError while a request still uses it."""
+        manager = self.runner.lora
+        if manager is None or lora_int_id not in manager.adapters:
+            return False
+        users = [r.request_id for r in self.requests.values() if r.seqs and r.seqs[0].lora_id == lora_int_id]
+        if users:
+            raise ValueError(f"LoRA adapter {manager.adapters[lora_int_id][0].lora_name!r} is in use by "
+                             f"{len(users)} request(s), e.g. {users[0]!r}")
+        manager.remove(lora_int_id)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine knows."""
+        return [] if self.runner.lora is None else self.runner.lora.requests()
 
     def _matcher(self, request_id: str, params: SamplingParams):
         """A fresh llguidance matcher for the request's structured-output constraint (raises

@@ -66,10 +66,11 @@ def pad_step_rows(x: "StepInputs") -> "StepInputs":
     pad_t, pad_s = eager_rows_bucket(T) - T, (eager_rows_bucket(S) - S) if S else 0
     if not pad_t and not pad_s:
         return x
-    zeros = np.zeros(pad_t, dtype=np.int64)
+    zeros, none = np.zeros(pad_t, dtype=np.int64), np.full(pad_t, -1, dtype=np.int64)
     return replace(
         x, input_ids=np.concatenate([x.input_ids, zeros]), positions=np.concatenate([x.positions, zeros]),
-        slot_mapping=np.concatenate([x.slot_mapping, np.full(pad_t, -1, dtype=np.int64)]),
+        slot_mapping=np.concatenate([x.slot_mapping, none]),
+        lora_slots=None if x.lora_slots is None else np.concatenate([x.lora_slots, none]),
         logits_indices=np.concatenate([x.logits_indices, np.full(pad_s, x.logits_indices[-1] if S else 0,
                                                                  dtype=np.int64)]),
     )
@@ -134,6 +135,7 @@ class StepInputs:
     # step's sampled token fill_src[i]; input_ids holds 0 there until the device fills it
     fill_rows: np.ndarray | None = None  # [F] int64
     fill_src: np.ndarray | None = None  # [F] int64
+    lora_slots: np.ndarray | None = None  # [T] int64: each token's LoRA slot (-1: none); None without LoRA
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +176,7 @@ class DeviceInputs:
     host: StepInputs
     fill_rows: torch.Tensor  # [F]: rows of input_ids that take a token sampled by the previous step
     fill_src: torch.Tensor  # [F]: which of that step's sampled tokens
+    lora_slots: torch.Tensor | None = None  # [T]: each token's LoRA slot; None without LoRA
 
     def metadata(self) -> AttentionMetadata:
         """Attention metadata for an eager forward (the kernels take int32 lengths/tables)."""
@@ -204,6 +207,8 @@ class ModelRunner:
                               config.quantization)
         model.set_ops(self.ops)
         model.eval()
+        # LoRA adapters' device slots (before the KV pool takes the free memory, and before graphs are captured)
+        self.lora = self._make_lora() if config.enable_lora else None
         self.num_blocks = config.num_blocks or self._num_blocks_from_memory()
         config.resolve_max_num_seqs(self.num_blocks * self.block_size)  # None: sized from the pool
         cfg = self.cfg
@@ -253,6 +258,17 @@ class ModelRunner:
             # the graphs are captured (their warm-up runs waited for their probes): from here on, a step that
             # meets a new (shape, rows) queues its cuBLAS probe instead of syncing on it (DeterministicOps)
             self.ops.probe_blocking = False
+
+    def _make_lora(self):
+        """The LoRA slots on the model, sized for the largest forward a step can run, and their manager."""
+        from ..model.lora import LoRASlots
+        from .lora import LoRAManager
+
+        c = self.config
+        rows = eager_rows_bucket(max(c.max_num_batched_tokens, c.max_num_seqs or AUTO_MAX_NUM_SEQS, c.cuda_graph_max_bs))
+        slots = LoRASlots(self.cfg, c.max_loras, c.max_lora_rank, rows, self.dtype, self.device)
+        self.model.set_lora(slots)
+        return LoRAManager(slots, self.cfg)
 
     # ------------------------------------------------------------------ CUDA graphs
     def max_blocks_per_seq(self) -> int:
@@ -420,9 +436,12 @@ class ModelRunner:
             first = np.repeat(logits_indices - d, rows)
             logits_indices = first + np.arange(int(rows.sum())) - np.repeat(np.cumsum(rows) - rows, rows)
         fills = (np.asarray(fill_rows, dtype=np.int64), np.asarray(fill_src, dtype=np.int64)) if fill_rows else (None, None)
+        # each token's LoRA slot (the adapters of this step's sequences are put in slots here)
+        lora_slots = None if self.lora is None else np.repeat(self.lora.assign([s.lora_id for s in seqs]), n)
         return StepInputs(
             input_ids, positions, slot_mapping, cu, seq_lens, block_tables, logits_indices,
             max_query_len=int(n.max()), max_seq_len=int(seq_lens.max()), fill_rows=fills[0], fill_src=fills[1],
+            lora_slots=lora_slots,
         )
 
     def to_device(self, x: StepInputs) -> "DeviceInputs":
@@ -433,6 +452,8 @@ class ModelRunner:
                  x.block_tables.reshape(-1)]
         if F:
             parts += [x.fill_rows, x.fill_src]
+        if x.lora_slots is not None:
+            parts.append(x.lora_slots)
         flat, offsets = aligned_concat(parts)
         host = torch.from_numpy(flat)
         if self.device.type == "cuda":
@@ -451,8 +472,9 @@ class ModelRunner:
             dev = host
         views = [dev[o:o + p.size] for o, p in zip(offsets, parts)]
         ids, pos, slots, qsl, lens, li, bt = views[:7]
-        fill_rows, fill_src = views[7:] if F else (dev[:0], dev[:0])
-        return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x, fill_rows, fill_src)
+        fill_rows, fill_src = views[7:9] if F else (dev[:0], dev[:0])
+        lora_slots = views[-1] if x.lora_slots is not None else None
+        return DeviceInputs(ids, pos, slots, qsl, lens, li, bt.view(B, -1), x, fill_rows, fill_src, lora_slots)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, prev_tokens: torch.Tensor | None = None,
@@ -592,6 +614,8 @@ class ModelRunner:
             x = pad_step_rows(x)  # T and S stay the real counts
         d = self.to_device(x)
         input_ids = self.step_input_ids(x, d, prev_tokens)
+        if d.lora_slots is not None:  # before the forward or replay reads them
+            self.lora.slots.set_token_slots(d.lora_slots)
         if graphed:
             return self.graphs.run(input_ids, d.positions, d.slot_mapping, d.seq_lens, d.block_tables, x.max_seq_len)
         if self.mixed_graphs is not None and x.max_query_len > 1 and self.mixed_graphs.can_run(x.num_tokens, B):

@@ -14,6 +14,9 @@ urgent requests are admitted first and get the step's token budget first, and th
 urgent running sequence is the one preempted. A waiting request never preempts a running one:
 it waits for blocks or a free batch slot like any other (as in vLLM v1).
 
+With LoRA adapters (engine/lora.py) at most ``max_loras`` distinct adapters run at once (the device holds
+that many); a waiting request whose adapter would be one more is passed over until one leaves.
+
 Speculative decoding (engine/speculative.py): a decoding sequence with d drafts
 (``Sequence.spec_token_ids``) is given 1 + d tokens when the budget and the free blocks allow (else
 it decodes plainly: drafts never preempt anyone); its ``num_computed_tokens`` moves past its newest
@@ -83,6 +86,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         policy: str = "fcfs",
+        max_loras: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling policy must be one of {POLICIES}, got {policy!r}")
@@ -91,6 +95,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_loras = max_loras  # distinct LoRA adapters running at once (the device's slots); None: no adapters
         self.waiting: deque[Sequence] = deque()  # fcfs: arrival order; priority: by _urgency
         self.running: list[Sequence] = []  # fcfs: admission order, the last the newest; priority: by _urgency
         self.num_preemptions = 0
@@ -144,10 +149,18 @@ class Scheduler:
                 continue
             break  # seq preempted itself: it was the last running one
 
-        # waiting sequences, in order, unless this step had to preempt running ones
+        # waiting sequences, in order, unless this step had to preempt running ones. One whose LoRA adapter would
+        # be one too many for the slots is passed over (it waits for a running adapter to leave), as in vLLM
         waiting = self.waiting
-        while waiting and (not batch.preempted or batch.is_empty) and budget > 0 and len(running) < self.max_num_seqs:
-            seq = waiting[0]
+        loras = None if self.max_loras is None else {s.lora_id for s in running if s.lora_id is not None}
+        w = 0
+        while w < len(waiting) and (not batch.preempted or batch.is_empty) and budget > 0 \
+                and len(running) < self.max_num_seqs:
+            seq = waiting[w]
+            if loras is not None and seq.lora_id is not None and seq.lora_id not in loras \
+                    and len(loras) >= self.max_loras:
+                w += 1
+                continue
             if seq.num_pending:  # preempted with a token in flight: recompute once it has landed
                 break
             hits = bm.get_computed_blocks(seq)
@@ -162,7 +175,9 @@ class Scheduler:
                 num_new = budget
             if not bm.allocate_slots(seq, num_new, hits):
                 break
-            waiting.popleft()
+            del waiting[w]
+            if loras is not None and seq.lora_id is not None:
+                loras.add(seq.lora_id)
             seq.num_computed_tokens = num_hit
             if not seq.num_preemptions:  # what the prompt found; a recomputation's hits are its own blocks
                 seq.num_cached_tokens = min(num_hit, seq.num_prompt_tokens)

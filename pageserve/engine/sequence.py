@@ -17,6 +17,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from .sampling_params import SamplingParams
+    from .lora import LoRARequest
 
 _seq_ids = itertools.count()
 
@@ -79,6 +80,7 @@ class Sequence:
         seed: int | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
+        lora_request: "LoRARequest | None" = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -110,6 +112,10 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.arrival_time = arrival_time
         self.priority = priority  # the priority scheduling policy's: lower runs first
+        self.lora_request = lora_request  # its LoRA adapter (engine/lora.py); None: the base model
+        self.lora_id = None if lora_request is None else lora_request.lora_int_id
+        # the root of its block-hash chain: other K/V under another adapter, so no prefix hit across adapters
+        self.cache_root = 0 if lora_request is None else lora_request.cache_key
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []  # when each output token was appended

@@ -67,6 +67,11 @@ class Attention(nn.Module):
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
         # qkv: [T, (Hq + 2 Hkv) D], the qkv_proj output (the layer fuses that projection with its norm)
+        o = self.attend(qkv, positions, cos_sin, attn)
+        return self.ops.linear(o, self.o_proj.weight, None)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
+        """The attention's output before o_proj: [T, Hq * D]."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # each head's row normalised: [T * H, D]
@@ -80,7 +85,7 @@ class Attention(nn.Module):
         else:
             q, k = self.ops.rotary(q, k, positions, cos_sin)
             o = attn.attend(self.layer, q, k, v, self.scale)
-        return self.ops.linear(o.reshape(T, self.q_size), self.o_proj.weight, None)
+        return o.reshape(T, self.q_size)
 
 
 class MLP(nn.Module):
@@ -106,13 +111,29 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = MLP(cfg, ops)
+        self.lora = None  # LoRASlots (model/lora.py) when the engine serves adapters: the unfused path below
 
     def forward(self, x, residual, positions, cos_sin, attn):
+        if self.lora is not None:
+            return self._forward_lora(x, residual, positions, cos_sin, attn)
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
         x = self.self_attn(qkv, positions, cos_sin, attn)
         silu = self.mlp.ops.silu_in_gate_up_for(x.shape[0], self.mlp.gate_up_proj.weight)
         h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_mul=silu)
         return self.mlp(h, silu_done=silu), residual
+
+    def _forward_lora(self, x, residual, positions, cos_sin, attn):
+        # each projection's input is needed for its adapter's product, so nothing is fused into a projection
+        lora, i, at, mlp = self.lora, self.self_attn.layer, self.self_attn, self.mlp
+        ops = mlp.ops
+        xn, residual = self.input_layernorm(x, residual)
+        qkv = lora.add(ops, i, "qkv", xn, ops.linear(xn, at.qkv_proj.weight, at.qkv_proj.bias))
+        o = at.attend(qkv, positions, cos_sin, attn)
+        x = lora.add(ops, i, "o", o, ops.linear(o, at.o_proj.weight, None))
+        xn, residual = self.post_attention_layernorm(x, residual)
+        h = lora.add(ops, i, "gate_up", xn, ops.linear(xn, mlp.gate_up_proj.weight, None))
+        act = ops.silu_and_mul(h)
+        return lora.add(ops, i, "down", act, ops.linear(act, mlp.down_proj.weight, None)), residual
 
 
 class Decoder(nn.Module):
@@ -130,6 +151,7 @@ class Decoder(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lora = None  # LoRASlots (set_lora)
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.register_buffer(
             "cos_sin",
@@ -154,8 +176,17 @@ class Decoder(nn.Module):
             if hasattr(m, "ops"):
                 m.ops = ops
 
+    def set_lora(self, slots) -> None:
+        """Serve LoRA adapters from ``slots`` (``model.lora.LoRASlots``; None: off). Every forward then takes
+        each layer's unfused path and adds each row's adapter (rows of no adapter get exact zeros)."""
+        self.lora = slots
+        for layer in self.layers:
+            layer.lora = slots
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         # input_ids, positions: [T]
+        if self.lora is not None:
+            self.lora.begin(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
