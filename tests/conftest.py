@@ -62,7 +62,8 @@ def tiny_qwen2_config():
 def start_server(smollm2):
     """Start a live server on a free 127.0.0.1 port over ``smollm2`` (a new engine and app per
     call; keywords: ``api_key``, ``max_waiting_requests``, ``max_request_bytes``, ``chat_template``,
-    ``enable_tokenizer_info``, ``enable_auto_tool_choice``, ``tool_call_parser``, ``allowed_origins``, ``reasoning_parser``, ``EngineConfig`` fields). Every server still running stops at the end of the session."""
+    ``enable_tokenizer_info``, ``enable_auto_tool_choice``, ``tool_call_parser``, ``allowed_origins``, ``reasoning_parser``, ``lora_modules``,
+    ``loaded`` (another model than ``smollm2``), ``EngineConfig`` fields). Every server still running stops at the end of the session."""
     from pageserve.serve.api import build_app
     from pageserve.serve.background import build_engine, start_server_in_background
 
@@ -70,14 +71,14 @@ def start_server(smollm2):
 
     def start(api_key=None, max_waiting_requests=None, max_request_bytes=None, chat_template=None,
               enable_tokenizer_info=False, enable_auto_tool_choice=False, tool_call_parser=None, allowed_origins=None,
-              reasoning_parser=None, **config):
+              reasoning_parser=None, lora_modules=None, loaded=None, **config):
         cfg = dict(model="smollm2-135m-instruct", device="cpu", dtype="float32", num_blocks=256, max_model_len=1024)
-        engine = build_engine(smollm2, **(cfg | config))
+        engine = build_engine(loaded or smollm2, **(cfg | config))
         app = build_app(engine, api_key=api_key, max_waiting_requests=max_waiting_requests,
                         max_request_bytes=max_request_bytes, chat_template=chat_template,
                         enable_tokenizer_info=enable_tokenizer_info,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                        allowed_origins=allowed_origins, reasoning_parser=reasoning_parser)
+                        allowed_origins=allowed_origins, reasoning_parser=reasoning_parser, lora_modules=lora_modules)
         server = start_server_in_background(app, host="127.0.0.1", port=0, api_key=api_key)
         servers.append(server)
         return server

@@ -288,3 +288,106 @@ def test_graph_padding_rows_read_stale_slots_without_changing_real_rows(base, ad
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=loras)
     assert llm.engine.runner.graphs is not None
     assert_like_reference(outs, loras, base, tiny_qwen2_config)
+
+
+# ----------------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def smollm2_copy(smollm2):
+    """Its own copy of the real model: a LoRA engine puts its slots on the model it serves."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(model=copy.deepcopy(smollm2.model), config=smollm2.config, tokenizer=smollm2.tokenizer,
+                           source="copy")
+
+
+@pytest.fixture(scope="module")
+def smollm2_adapters(tmp_path_factory, smollm2):
+    root = tmp_path_factory.mktemp("lora_smollm2")
+    return {name: write_peft_adapter(root / name, smollm2.config, rank=8, alpha=16, seed=seed, std=0.2)
+            for name, seed in (("terse", 5), ("verbose", 6))}
+
+
+@pytest.fixture(scope="module")
+def lora_server(start_server, smollm2_copy, smollm2_adapters):
+    srv = start_server(loaded=smollm2_copy, enable_lora=True, max_loras=2,
+                       lora_modules=[("terse", str(smollm2_adapters["terse"]))])
+    yield srv
+    srv.stop()
+
+
+def completion(server, model, prompt="The capital of France is", max_tokens=8):
+    import httpx
+
+    r = httpx.post(server.base_url + "/completions", timeout=120,
+                   json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    return r
+
+
+def test_the_server_lists_its_adapters_and_runs_a_request_as_the_merged_model(lora_server, smollm2, smollm2_adapters):
+    import httpx
+
+    data = httpx.get(lora_server.base_url + "/models").json()["data"]
+    assert [m["id"] for m in data] == ["smollm2-135m-instruct", "terse"]
+    assert data[1]["parent"] == "smollm2-135m-instruct" and data[1]["root"] == str(smollm2_adapters["terse"])
+    got = completion(lora_server, "terse").json()
+    base = completion(lora_server, "smollm2-135m-instruct").json()
+    assert got["model"] == "terse"
+    adapter = LoRAAdapter.load(smollm2_adapters["terse"], smollm2.config, 16)
+    ref = LLM.from_model(merged_model(smollm2.model, adapter), tokenizer=smollm2.tokenizer, device="cpu",
+                         num_blocks=64)
+    want = ref.generate(["The capital of France is"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    assert got["choices"][0]["text"] == want[0].outputs[0].text
+    assert got["choices"][0]["text"] != base["choices"][0]["text"]
+    assert adapter.rank == 8
+    r = completion(lora_server, "nope")
+    assert r.status_code == 404 and "terse" in r.json()["error"]["message"]
+
+
+def test_adapters_are_loaded_and_unloaded_while_serving(lora_server, smollm2_adapters, tmp_path):
+    import httpx
+
+    url = lora_server.url + "/v1"
+    r = httpx.post(url + "/load_lora_adapter", json={"lora_name": "verbose", "lora_path": str(smollm2_adapters["verbose"])})
+    assert r.status_code == 200 and "added" in r.text
+    assert completion(lora_server, "verbose").status_code == 200
+    assert "verbose" in [m["id"] for m in httpx.get(url + "/models").json()["data"]]
+    for body, status, why in [
+        ({"lora_name": "verbose", "lora_path": str(smollm2_adapters["verbose"])}, 400, "already served"),
+        ({"lora_name": "smollm2-135m-instruct", "lora_path": str(smollm2_adapters["verbose"])}, 400, "already served"),
+        ({"lora_name": "ghost", "lora_path": str(tmp_path / "none")}, 400, "no such folder"),
+    ]:
+        r = httpx.post(url + "/load_lora_adapter", json=body)
+        assert r.status_code == status and why in r.json()["error"]["message"], r.text
+    r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "verbose"})
+    assert r.status_code == 200 and "removed" in r.text
+    assert completion(lora_server, "verbose").status_code == 404
+    assert httpx.post(url + "/unload_lora_adapter", json={"lora_name": "verbose"}).status_code == 404
+    assert completion(lora_server, "terse").status_code == 200  # the other one still serves
+
+
+def test_a_server_without_lora_refuses_to_load_one(start_server, smollm2_adapters):
+    import httpx
+
+    srv = start_server()
+    try:
+        r = httpx.post(srv.url + "/v1/load_lora_adapter",
+                       json={"lora_name": "terse", "lora_path": str(smollm2_adapters["terse"])})
+        assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_the_serve_command_takes_lora_modules_in_both_forms_and_a_bad_one_exits_with_its_reason(tmp_path, capsys):
+    import argparse
+
+    from pageserve.cli import main
+    from pageserve.serve.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--lora-modules", "a=/x/a", '{"name": "b", "path": "/x/b"}', "--max-loras", "2"])
+    assert args.lora_modules == [("a", "/x/a"), ("b", "/x/b")] and args.max_loras == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--lora-modules", "no-path"])
+    assert main(["serve", "--device", "cpu", "--num-blocks", "16", "--lora-modules", f"ghost={tmp_path / 'none'}"]) == 2
+    assert "no such folder" in capsys.readouterr().err

@@ -209,6 +209,8 @@ class ModelRunner:
         model.eval()
         # LoRA adapters' device slots (before the KV pool takes the free memory, and before graphs are captured)
         self.lora = self._make_lora() if config.enable_lora else None
+        if self.lora is None:
+            model.set_lora(None)  # a model an earlier engine served adapters from serves none here
         self.num_blocks = config.num_blocks or self._num_blocks_from_memory()
         config.resolve_max_num_seqs(self.num_blocks * self.block_size)  # None: sized from the pool
         cfg = self.cfg

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -25,17 +26,18 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pageserve.engine.llm_engine import LLMEngine
+from pageserve.engine.lora import LoRARequest
 from pageserve.engine.outputs import CompletionOutput, RequestOutput
 
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream, TextPrompt
 from .logprobs import TokenTable, chat_logprobs, completion_logprobs
 from .metrics import ServerMetrics
-from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, OpenAIError, TokenizeRequest,
-                       check_continuation, error_body, template_kwargs)
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, OpenAIError,
+                       TokenizeRequest, UnloadLoRAAdapterRequest, check_continuation, error_body, template_kwargs)
 from .reasoning import REASONING_PARSERS, reasoning_token_count
 from .responses import ResponseEvents, ResponsesRequest, output_items
 from .tools import TOOL_PARSERS, ChatTools, call_json
@@ -58,6 +60,7 @@ def build_app(
     tool_call_parser: str | None = None,
     allowed_origins: list[str] | None = None,
     reasoning_parser: str | None = None,
+    lora_modules: list | None = None,
 ) -> FastAPI:
     """An app serving ``engine``. The engine thread starts and stops with the app's lifespan.
     ``chat_template``: a Jinja chat template (its text, or a file holding it) used instead of the
@@ -72,7 +75,10 @@ def build_app(
     page may call this server from (CORS; default every origin, as vLLM's ``--allowed-origins``: the API key,
     not the origin, is what guards it; ``[]`` turns cross-origin calls off). ``reasoning_parser`` (a name in
     ``reasoning.REASONING_PARSERS``): chat replies split a thinking model's ``<think>`` part into
-    ``reasoning_content``, as vLLM's ``--reasoning-parser``."""
+    ``reasoning_content``, as vLLM's ``--reasoning-parser``. ``lora_modules``: LoRA adapters served from the start
+    (``LoRARequest``s, or ``(name, path)`` pairs; the engine needs ``enable_lora``): a request names one in its
+    ``model`` field, as with vLLM's ``--lora-modules``; ``POST /v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` add and remove them while serving."""
     template = load_chat_template(chat_template)
     parser = tool_parser(enable_auto_tool_choice, tool_call_parser)
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -88,6 +94,9 @@ def build_app(
     metrics = ServerMetrics(lambda: aengine.stats, names[0], aengine.step_stats)
     table = TokenTable(llm.tokenizer.hf if llm.tokenizer is not None else None, llm.model_config.vocab_size)
     server = _Server(aengine, names, metrics, table, template, parser, thinking)
+    for module in lora_modules or ():  # the engine thread has not started: its state is ours to change
+        server.register_lora(*((module.lora_name, module.lora_path) if isinstance(module, LoRARequest) else module),
+                             engine=llm)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -170,7 +179,24 @@ def build_app(
         return {"object": "list", "data": [
             {"id": n, "object": "model", "created": now, "owned_by": "pageserve", "max_model_len": llm.max_model_len}
             for n in names
+        ] + [
+            {"id": r.lora_name, "object": "model", "created": now, "owned_by": "pageserve", "root": r.lora_path,
+             "parent": names[0], "max_model_len": llm.max_model_len}
+            for r in server.loras.values()
         ]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest):
+        """Serve one more LoRA adapter (vLLM's route): 400 when LoRA is off, the name is taken or the folder
+        is not an adapter this model can take."""
+        await server.load_lora(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest):
+        """Stop serving a LoRA adapter (vLLM's route): 404 for an unknown name, 409 while requests use it."""
+        await server.unload_lora(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -248,21 +274,70 @@ class _Server:
         # the model's generation_config.json defaults for unset request fields (EngineConfig.generation_config)
         self.sampling_defaults = engine.engine.sampling_defaults
         self.max_tokens_limit = engine.engine.max_tokens_limit
+        self.loras: dict[str, LoRARequest] = {}  # served adapters by name (changed on the event loop only)
+        self._lora_ids = itertools.count(1)
+
+    # ---------------------------------------------------------------- LoRA adapters
+    def _new_lora(self, name: str, path: str) -> LoRARequest:
+        if not isinstance(name, str) or not name:
+            raise OpenAIError(400, "lora_name must be a non-empty string", param="lora_name")
+        if name in self.names or name in self.loras:
+            raise OpenAIError(400, f"the name {name!r} is already served", param="lora_name", code="name_in_use")
+        return LoRARequest(name, next(self._lora_ids), str(path))
+
+    def register_lora(self, name: str, path: str, engine) -> None:
+        """Serve an adapter from the start (before the engine thread runs): ValueError for a bad one."""
+        try:
+            request = self._new_lora(name, path)
+        except OpenAIError as e:
+            raise ValueError(f"LoRA module {name!r}: {e.message}") from None
+        engine.add_lora(request)
+        self.loras[name] = request
+
+    async def load_lora(self, name: str, path: str) -> None:
+        engine = self.engine.engine
+        if engine.runner.lora is None:
+            raise OpenAIError(400, "this server was started without --enable-lora", param="lora_name")
+        request = self._new_lora(name, path)
+        from pageserve.model.lora import LoRAAdapter
+
+        try:  # the files are read off the engine thread; the engine only takes the tensors
+            adapter = await asyncio.to_thread(LoRAAdapter.load, request.lora_path, engine.model_config,
+                                              engine.config.max_lora_rank)
+            await self.engine.call(lambda e: e.add_lora(request, adapter))
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="lora_path") from None
+        self.loras[name] = request
+
+    async def unload_lora(self, name: str) -> None:
+        request = self.loras.get(name)
+        if request is None:
+            raise OpenAIError(404, f"no LoRA adapter named {name!r} is served", param="lora_name",
+                              code="model_not_found")
+        try:
+            await self.engine.call(lambda e: e.remove_lora(request.lora_int_id))
+        except ValueError as e:
+            raise OpenAIError(409, str(e), "conflict", param="lora_name", code="adapter_in_use") from None
+        self.loras.pop(name, None)
 
     # ---------------------------------------------------------------- shared
     def _check_model(self, model: str | None) -> str:
+        """The served name a request runs as: the base model's (or ``model`` None: the first one) or a LoRA
+        adapter's."""
         if model is None:
             return self.names[0]
-        if model not in self.names:
-            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves {self.names}",
-                              param="model", code="model_not_found")
+        if model not in self.names and model not in self.loras:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                                   f"{self.names + list(self.loras)}", param="model", code="model_not_found")
         return model
 
-    async def _submit(self, rid: str, prompts: list, params, priority: int = 0) -> list[RequestStream]:
+    async def _submit(self, rid: str, prompts: list, params, priority: int = 0,
+                      model: str | None = None) -> list[RequestStream]:
         streams: list[RequestStream] = []
+        lora = self.loras.get(model) if model is not None else None
         try:
             for i, p in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params, priority))
+                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params, priority, lora))
         except BaseException as e:
             for s in streams:
                 s.close()
@@ -412,7 +487,7 @@ class _Server:
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                               body.template_tools(), body.continue_final_message),
                             add_special_tokens=False)
-        return model, params, tools, await self._submit(rid, [prompt], params, body.priority)
+        return model, params, tools, await self._submit(rid, [prompt], params, body.priority, model)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -565,7 +640,7 @@ class _Server:
             raise OpenAIError(400, f"model {model!r} has no tokenizer: send the prompt as token ids", param="prompt")
         prompts = [TextPrompt(p) if isinstance(p, str) else p for p in raw]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, prompts, params, body.priority)
+        streams = await self._submit(rid, prompts, params, body.priority, model)
         created = int(time.time())
         k = params.logprobs
         extras = _CompletionExtras(body.echo, body.prompt_logprobs is not None, raw)

@@ -127,7 +127,8 @@ class AsyncEngine:
         return f"{prefix}-{next(self._ids)}"
 
     async def add_request(
-        self, request_id: str, prompt: list[int] | TextPrompt, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: list[int] | TextPrompt, params: SamplingParams, priority: int = 0,
+        lora_request=None,
     ) -> "RequestStream":
         """Queue a request and return its output stream once the engine accepted it.
 
@@ -148,7 +149,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(("add", request_id, prompt, params, priority))
+        self._submit(("add", request_id, prompt, params, priority, lora_request))
         try:
             first = await stream.queue.get()
         except BaseException:  # cancelled while waiting for the ack
@@ -166,6 +167,15 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         done = asyncio.get_running_loop().create_future()
         self._submit(("reset_prefix_cache", done))
+        return await done
+
+    async def call(self, fn):
+        """``fn(engine)`` on the engine thread, between steps (what changes the engine's state from the event
+        loop: adding or removing a LoRA adapter); its result, or its exception raised here."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._submit(("call", fn, done))
         return await done
 
     def _forget(self, request_id: str) -> None:
@@ -253,6 +263,20 @@ class AsyncEngine:
         if cmd[0] == "abort":
             engine.abort_request(cmd[1])
             return
+        if cmd[0] == "call":
+            _, fn, done = cmd
+            try:
+                result, error = fn(engine), None
+            except Exception as e:  # noqa: BLE001 - the caller's failure, handed back to it
+                result, error = None, e
+            loop = self._loop
+            if loop is not None and not loop.is_closed():
+                def settle():
+                    if not done.done():
+                        done.set_exception(error) if error is not None else done.set_result(result)
+
+                loop.call_soon_threadsafe(settle)
+            return
         if cmd[0] == "reset_prefix_cache":
             done = cmd[1]
             reset = engine.reset_prefix_cache()
@@ -260,13 +284,13 @@ class AsyncEngine:
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(reset))
             return
-        _, rid, prompt, params, priority = cmd
+        _, rid, prompt, params, priority, lora_request = cmd
         try:
             if isinstance(prompt, TextPrompt):
                 if engine.tokenizer is None:
                     raise ValueError(f"model {engine.config.model!r} has no tokenizer: send token ids")
                 prompt = engine.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            engine.add_request(rid, prompt, params, priority=priority)
+            engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request)
         except ValueError as e:
             self._deliver(rid, e)
         except Exception as e:  # noqa: BLE001 - anything else is still this request's failure

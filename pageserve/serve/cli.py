@@ -50,6 +50,20 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"not a comma-separated list of ints: {text!r}") from None
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return str(value["name"]), str(value["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"not a JSON object with name and path: {text!r}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is name=path (or JSON with name and path), got {text!r}")
+    return name, path
+
+
 def add_engine_config_args(parser: argparse.ArgumentParser) -> None:
     """One flag per ``EngineConfig`` field, typed from its annotation."""
     hints = typing.get_type_hints(EngineConfig)
@@ -106,6 +120,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="how tool calls are read from the model's text (hermes: Qwen2.5, Hermes)")
     p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="split a thinking model's <think> part into reasoning_content (qwen3, deepseek_r1)")
+    p.add_argument("--lora-modules", default=None, nargs="+", type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) served from the start, each a model name requests may use; "
+                        "turns --enable-lora on")
     p.add_argument("--tunnel", action="store_true",
                    help="also open a public Cloudflare quick tunnel (needs --api-key)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -131,6 +148,8 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
     from .api import build_app, load_chat_template, tool_parser
 
+    if args.lora_modules:
+        args.enable_lora = True
     try:
         config = engine_config_from_args(args)
         chat_template = load_chat_template(args.chat_template)  # before the model loads: a typo fails fast
@@ -151,11 +170,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from .background import start_server_in_background
 
     engine = LLMEngine(config, stream_outputs=True)
-    app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
-                    max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
-                    chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
-                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser)
+    try:
+        app = build_app(engine, served_model_name=args.served_model_name, api_key=api_key,
+                        max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
+                        chat_template=chat_template, enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                        allowed_origins=args.allowed_origins, reasoning_parser=args.reasoning_parser,
+                        lora_modules=args.lora_modules)
+    except ValueError as e:  # a LoRA module this model cannot take
+        print(f"error: {e}", file=sys.stderr)
+        engine.shutdown()
+        return 2
     server = start_server_in_background(app, host=args.host, port=args.port, log_level=args.log_level)
     print(f"pageserve: serving {config.model} on {server.url}/v1 (Ctrl-C to stop)", flush=True)
     if args.tunnel:

@@ -402,3 +402,20 @@ class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]
 
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``/v1/load_lora_adapter``: serve the PEFT adapter folder ``lora_path`` as model ``lora_name`` (vLLM's route)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``/v1/unload_lora_adapter``: stop serving ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")  # vLLM's clients may send lora_int_id too
+
+    lora_name: str
