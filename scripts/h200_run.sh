@@ -163,6 +163,10 @@ for st in $stages; do
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_oracle" --model qwen2.5-3b --device cuda \
           --dtype bfloat16 --oracle ${SPEC_ORACLE_ARGS:---batches 1,4,16,64 --ks 2,4 --rounds 2} > "$RES/spec_oracle.log" 2>&1
         echo "specoracle rc=$?"; grep -E "_speedup|_tokens_per_step|_equal|Error" "$RES/spec_oracle.log" | tail -n 40 ;;
+    lora) # LoRA adapters at the 3B shape (scripts/lora_bench.py): adapter rows vs merged weights in a graphed mixed
+        # batch, and the decode step's cost with LoRA on (no adapter / one / max_loras in turn) against plain
+        timeout "$t" python3 scripts/lora_bench.py --out "$RES/diagnostics/lora" ${LORA_BENCH_ARGS:-} > "$RES/lora_bench.log" 2>&1
+        echo "lora rc=$?"; tail -n 14 "$RES/lora_bench.log" ;;
     vllmcost) timeout "$t" python3 scripts/vllm_cost.py --out "$RES/diagnostics" ${VLLM_COST_ARGS:-} > "$RES/vllm_cost.log" 2>&1
               echo "vllmcost rc=$?"; grep -E "Error|error|vllm_" "$RES/vllm_cost.log" | tail -n 20 ;;
     invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" ${INV_SWEEP_SHAPES:+--shapes "$INV_SWEEP_SHAPES"} ${INV_SWEEP_ARGS:-} \

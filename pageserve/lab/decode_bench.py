@@ -206,16 +206,16 @@ def prefill_steps(engine, batch_size: int, context_len: int) -> int:
 
 
 def decode_step_ms(llm, batch_size: int, context_len: int, steps: int = 32, vocab_size: int | None = None,
-                   seed: int = 0, repeats: int = 3) -> float:
+                   seed: int = 0, repeats: int = 3, lora_requests=None) -> float:
     """Steady-state time of one engine step with ``batch_size`` sequences all decoding at
     about ``context_len`` tokens of context: the wall time of ``steps`` consecutive
     ``engine.step()`` calls divided by ``steps`` (the median of ``repeats`` such runs).
     Consecutive, because under async scheduling a step's host work overlaps the previous
     step's forward: a clock stopped and synchronised around every call would undo that.
-    Prefill is done before the clock starts."""
+    Prefill is done before the clock starts. ``lora_requests``: LoRA adapters the sequences take in turn."""
     engine = llm.engine
     device = engine.runner.device
-    with decoding_batch(llm, batch_size, context_len, repeats * steps + 8, vocab_size, seed):
+    with decoding_batch(llm, batch_size, context_len, repeats * steps + 8, vocab_size, seed, lora_requests):
         ms = _median_step_ms(engine.step, device, steps, repeats)
     while engine.has_unfinished_requests():  # land a step still in flight
         engine.step()
@@ -292,10 +292,11 @@ class decoding_batch:
     body of the ``with`` (the same start as ``decode_step_ms``: prompts added, prefilled,
     one plain decode step run); on exit they are aborted. Each may generate ``max_tokens``
     tokens in all, so the body may run that many steps less the two of the setup. The ids
-    of their requests are in ``.ids``."""
+    of their requests are in ``.ids``. ``lora_requests``: LoRA adapters the sequences take in turn."""
 
     def __init__(self, llm, batch_size: int, context_len: int, max_tokens: int, vocab_size: int | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, lora_requests=None) -> None:
+        self.loras = list(lora_requests or [None])
         self.engine = llm.engine
         self.batch_size, self.context_len, self.max_tokens = batch_size, context_len, max_tokens
         self.vocab_size = vocab_size or self.engine.model_config.vocab_size
@@ -309,8 +310,9 @@ class decoding_batch:
         params = SamplingParams(temperature=0.0, ignore_eos=True,
                                 max_tokens=self.max_tokens + prefill_steps(engine, self.batch_size, self.context_len))
         self.ids = [f"decoding-{self.batch_size}-{i}-{time.monotonic_ns()}" for i in range(self.batch_size)]
-        for rid in self.ids:
-            engine.add_request(rid, _random_ids(gen, self.context_len, self.vocab_size, 0), params)
+        for i, rid in enumerate(self.ids):
+            engine.add_request(rid, _random_ids(gen, self.context_len, self.vocab_size, 0), params,
+                               lora_request=self.loras[i % len(self.loras)])
         while any(s.num_output_tokens == 0 for r in self.ids if r in engine.requests for s in engine.requests[r].seqs):
             engine.step()
         engine.step()
