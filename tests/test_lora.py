@@ -123,6 +123,29 @@ def test_an_adapter_this_engine_cannot_apply_exactly_is_refused_by_name(tmp_path
         LoRAAdapter.load(folder, tiny_qwen2_config, max_rank=16)
 
 
+def test_a_hub_id_is_fetched_as_an_adapter_folder_and_a_failed_fetch_is_one_clear_error(tmp_path, tiny_qwen2_config,
+                                                                                       monkeypatch):
+    import huggingface_hub
+
+    folder = write_peft_adapter(tmp_path / "hub", tiny_qwen2_config, rank=4)
+    asked = []
+
+    def fetched(repo_id, allow_patterns=None, **kw):
+        asked.append((repo_id, allow_patterns))
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fetched)
+    assert LoRAAdapter.load("someone/sql-lora", tiny_qwen2_config, 16).rank == 4
+    assert asked == [("someone/sql-lora", ["adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"])]
+
+    def offline(repo_id, **kw):
+        raise OSError("offline\nmode")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="not a local folder, and the hub did not give it .OSError: offline mode"):
+        LoRAAdapter.load("someone/sql-lora", tiny_qwen2_config, 16)
+
+
 # ----------------------------------------------------------------------------- against merged weights
 def test_rows_with_an_adapter_score_as_the_merged_model_and_rows_without_as_the_base(base, adapters, tiny_qwen2_config):
     llm = lora_llm(base, max_loras=2)

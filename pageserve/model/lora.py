@@ -66,8 +66,12 @@ class LoRAAdapter:
         head, DoRA, a layer or shape the model does not have."""
         folder = Path(path).expanduser()
         if not folder.is_dir():
-            raise ValueError(f"LoRA adapter {str(path)!r}: no such folder (a PEFT adapter folder holding "
-                             "adapter_config.json and adapter_model.safetensors)")
+            from .loader import _looks_like_hub_id
+
+            if not _looks_like_hub_id(str(path)):
+                raise ValueError(f"LoRA adapter {str(path)!r}: no such folder (a PEFT adapter folder holding "
+                                 "adapter_config.json and adapter_model.safetensors, or a hub id)")
+            folder = _download_adapter(str(path))
         conf_file = folder / "adapter_config.json"
         try:
             conf = json.loads(conf_file.read_text())
@@ -132,6 +136,18 @@ class LoRAAdapter:
             return weight
         a, b = self.weights[(layer, module)]
         return (weight.float() + self.scaling * (b @ a)).to(weight.dtype)
+
+
+def _download_adapter(repo_id: str) -> Path:
+    """A hub adapter's folder (``huggingface_hub``'s cache), as vLLM takes ``lora_path`` hub ids."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=["adapter_config.json", *ADAPTER_FILES]))
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, no access: one message
+        why = " ".join(str(e).split())[:300]
+        raise ValueError(f"LoRA adapter {repo_id!r}: not a local folder, and the hub did not give it "
+                         f"({type(e).__name__}: {why})") from None
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
