@@ -276,6 +276,29 @@ def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client):
     assert chat.usage.prompt_tokens_details.cached_tokens < cached
 
 
+def test_a_cache_salt_keeps_one_tenants_cached_prompts_from_another(client):
+    import random
+
+    ids = random.Random(9).sample(range(1000, 40000), 40)
+
+    def cached(salt, route="completions"):
+        extra = {} if salt is None else {"cache_salt": salt}
+        if route == "chat":
+            words = " ".join(f"v{i}" for i in ids)
+            r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": words}],
+                                               max_tokens=2, extra_body=extra)
+        else:
+            r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, or none, finds nothing
+    assert cached("tenant-a") == 32 and cached("tenant-b") == 32 and cached(None) == 32  # each its own
+    assert cached("tenant-a", "chat") == 0 and cached("tenant-a", "chat") > 0
+    with pytest.raises(BadRequestError, match="cache_salt must be a non-empty string"):
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body={"cache_salt": ""})
+
+
 def test_reset_prefix_cache_forgets_cached_prompts_and_waits_for_an_idle_server(server, client):
     import random
 

@@ -191,12 +191,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) for a duplicate id, an
         empty or too long prompt, token ids outside the vocabulary, or bad parameters.
         ``priority``: lower runs first, with ``scheduling_policy="priority"`` only (else it must be 0).
         ``lora_request``: the LoRA adapter it runs with (``enable_lora``; read from its folder the first
-        time it is named, ``add_lora``)."""
+        time it is named, ``add_lora``). ``cache_salt`` (vLLM's): requests with different salts (or one with a salt
+        and one without) never share prefix-cache blocks, so one tenant cannot time another's cached prompts."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -204,6 +206,8 @@ class LLMEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"request {request_id!r}: priority {priority} needs the priority scheduling policy "
                              "(scheduling_policy='priority', --scheduling-policy priority); this engine runs fcfs")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"request {request_id!r}: cache_salt must be a non-empty string, got {cache_salt!r}")
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -270,7 +274,7 @@ class LLMEngine:
         for i in range(params.n):
             seed = child_seed(params.seed, i)
             seq = Sequence(request_id, ids, params, index=i, seed=seed, arrival_time=now, priority=priority,
-                           lora_request=lora_request)
+                           lora_request=lora_request, cache_salt=cache_salt)
             if matcher is not None:
                 seq.matcher = matcher if i == 0 else matcher.deep_copy()
             if self.tokenizer is not None and (self.stream_outputs or params.stop):

@@ -81,6 +81,7 @@ class Sequence:
         arrival_time: float = 0.0,
         priority: int = 0,
         lora_request: "LoRARequest | None" = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -114,8 +115,11 @@ class Sequence:
         self.priority = priority  # the priority scheduling policy's: lower runs first
         self.lora_request = lora_request  # its LoRA adapter (engine/lora.py); None: the base model
         self.lora_id = None if lora_request is None else lora_request.lora_int_id
-        # the root of its block-hash chain: other K/V under another adapter, so no prefix hit across adapters
+        # the root of its block-hash chain: other K/V under another adapter, so no prefix hit across adapters, nor
+        # across cache salts (vLLM's cache_salt: a tenant's cached prompts are not found by another's)
         self.cache_root = 0 if lora_request is None else lora_request.cache_key
+        if cache_salt is not None:
+            self.cache_root = hash(("salt", self.cache_root, cache_salt))
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.token_times: list[float] = []  # when each output token was appended

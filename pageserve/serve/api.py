@@ -332,19 +332,20 @@ class _Server:
         return model
 
     async def _submit(self, rid: str, prompts: list, params, priority: int = 0,
-                      model: str | None = None) -> list[RequestStream]:
+                      model: str | None = None, cache_salt: str | None = None) -> list[RequestStream]:
         streams: list[RequestStream] = []
         lora = self.loras.get(model) if model is not None else None
         try:
             for i, p in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params, priority, lora))
+                streams.append(await self.engine.add_request(f"{rid}-{i}", p, params, priority, lora, cache_salt))
         except BaseException as e:
             for s in streams:
                 s.close()
             self.metrics.count("rejected")
             if isinstance(e, ValueError):
                 msg = str(e)
-                raise OpenAIError(400, msg, param="priority" if "priority" in msg else "prompt" if "prompt" in msg else None) from None
+                param = next((p for p in ("priority", "cache_salt", "prompt") if p in msg), None)
+                raise OpenAIError(400, msg, param=param) from None
             if isinstance(e, QueueFullError):
                 raise OpenAIError(503, str(e), "server_overloaded", code="queue_full") from None
             if isinstance(e, EngineDeadError):
@@ -487,7 +488,7 @@ class _Server:
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                               body.template_tools(), body.continue_final_message),
                             add_special_tokens=False)
-        return model, params, tools, await self._submit(rid, [prompt], params, body.priority, model)
+        return model, params, tools, await self._submit(rid, [prompt], params, body.priority, model, body.cache_salt)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -640,7 +641,7 @@ class _Server:
             raise OpenAIError(400, f"model {model!r} has no tokenizer: send the prompt as token ids", param="prompt")
         prompts = [TextPrompt(p) if isinstance(p, str) else p for p in raw]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, prompts, params, body.priority, model)
+        streams = await self._submit(rid, prompts, params, body.priority, model, body.cache_salt)
         created = int(time.time())
         k = params.logprobs
         extras = _CompletionExtras(body.echo, body.prompt_logprobs is not None, raw)

@@ -128,7 +128,7 @@ class AsyncEngine:
 
     async def add_request(
         self, request_id: str, prompt: list[int] | TextPrompt, params: SamplingParams, priority: int = 0,
-        lora_request=None,
+        lora_request=None, cache_salt: str | None = None,
     ) -> "RequestStream":
         """Queue a request and return its output stream once the engine accepted it.
 
@@ -149,7 +149,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.Queue())
         self._streams[request_id] = stream
-        self._submit(("add", request_id, prompt, params, priority, lora_request))
+        self._submit(("add", request_id, prompt, params, priority, lora_request, cache_salt))
         try:
             first = await stream.queue.get()
         except BaseException:  # cancelled while waiting for the ack
@@ -284,13 +284,14 @@ class AsyncEngine:
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(lambda: done.done() or done.set_result(reset))
             return
-        _, rid, prompt, params, priority, lora_request = cmd
+        _, rid, prompt, params, priority, lora_request, cache_salt = cmd
         try:
             if isinstance(prompt, TextPrompt):
                 if engine.tokenizer is None:
                     raise ValueError(f"model {engine.config.model!r} has no tokenizer: send token ids")
                 prompt = engine.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
-            engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request)
+            engine.add_request(rid, prompt, params, priority=priority, lora_request=lora_request,
+                               cache_salt=cache_salt)
         except ValueError as e:
             self._deliver(rid, e)
         except Exception as e:  # noqa: BLE001 - anything else is still this request's failure

@@ -85,6 +85,8 @@ class _Request(BaseModel):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     priority: int = 0  # vLLM's: lower runs first; needs --scheduling-policy priority unless 0
+    # vLLM's: requests with different salts never share prefix-cache blocks (multi-tenant privacy)
+    cache_salt: str | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension, and its older names below

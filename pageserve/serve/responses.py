@@ -71,6 +71,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     background: bool | None = None
     priority: int = 0  # vLLM's, as on the chat route
+    cache_salt: str | None = None  # vLLM's, as on the chat route
 
     def _refuse_unsupported(self) -> None:
         if self.previous_response_id is not None:
@@ -149,7 +150,8 @@ class ResponsesRequest(BaseModel):
         body = {"model": self.model, "messages": self.messages(), "stream": self.stream,
                 "max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "tools": tools, "tool_choice": choice, "response_format": self.response_format(), "user": self.user,
-                "structured_outputs": self.structured_outputs, "priority": self.priority}
+                "structured_outputs": self.structured_outputs, "priority": self.priority,
+                "cache_salt": self.cache_salt}
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:
