@@ -301,6 +301,20 @@ def test_speculative_decoding_with_an_adapter_accepts_the_adapters_tokens(base, 
     assert stats["spec_draft_tokens"] > 0 and stats["spec_acceptance_rate"] == 1.0
 
 
+def test_engine_stats_name_the_running_and_waiting_adapters(base, adapters):
+    llm = lora_llm(base, max_loras=1)
+    engine = llm.engine
+    engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=4), lora_request=adapters["a"])
+    engine.add_request("y", PROMPTS[1], SamplingParams(max_tokens=4), lora_request=adapters["b"])
+    engine.step()
+    stats = engine.get_stats()
+    assert stats["lora_running"] == ["a"] and stats["lora_waiting"] == ["b"] and stats["max_loras"] == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["lora_loads"] == 2
+    assert "lora_running" not in LLM.from_model(copy.deepcopy(base), device="cpu", num_blocks=16).get_stats()
+
+
 def test_graph_padding_rows_read_stale_slots_without_changing_real_rows(base, adapters, tiny_qwen2_config):
     """The decode graphs' bookkeeping on the CPU (``capture=False``: static buffers and padding, run eagerly):
     a batch of 3 runs in the bucket of 4, whose 4th row reads whatever slot an earlier step left there."""
@@ -381,6 +395,9 @@ def test_adapters_are_loaded_and_unloaded_while_serving(lora_server, smollm2_ada
     ]:
         r = httpx.post(url + "/load_lora_adapter", json=body)
         assert r.status_code == status and why in r.json()["error"]["message"], r.text
+    metrics = httpx.get(lora_server.url + "/metrics").text
+    assert 'pageserve_lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    assert "pageserve_lora_slot_loads_total" in metrics
     r = httpx.post(url + "/unload_lora_adapter", json={"lora_name": "verbose"})
     assert r.status_code == 200 and "removed" in r.text
     assert completion(lora_server, "verbose").status_code == 404

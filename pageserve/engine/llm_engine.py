@@ -719,7 +719,21 @@ class LLMEngine:
             # tokens a drafting sequence emitted per step: 1 without speculation
             "spec_tokens_per_drafting_step": ((st.num_spec_accepted_tokens + st.num_spec_drafting_steps)
                                               / st.num_spec_drafting_steps if st.num_spec_drafting_steps else 0.0),
+            **self._lora_stats(),
         }
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """With LoRA on: the adapters of the running and the waiting sequences (names), the slots, and how many
+        times an adapter was copied into a slot."""
+        manager = self.runner.lora
+        if manager is None:
+            return {}
+
+        def names(seqs) -> list[str]:
+            return sorted({s.lora_request.lora_name for s in seqs if s.lora_request is not None})
+
+        return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting),
+                "max_loras": manager.max_loras, "lora_loads": manager.num_loads}
 
 
 def bad_word_token_ids(tokenizer, words: list[str]) -> list[list[int]]:

@@ -7,6 +7,7 @@ Each app owns its ``CollectorRegistry`` (no global registry), so tests can build
 from __future__ import annotations
 
 import sys
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -61,6 +62,12 @@ class _EngineCollector:
             yield counter("pageserve_spec_decode_num_draft_tokens", "draft tokens verified", s["spec_draft_tokens"])
             yield counter("pageserve_spec_decode_num_accepted_tokens", "draft tokens the model confirmed",
                           s["spec_accepted_tokens"])
+        if "max_loras" in s:  # LoRA on: vLLM's info gauge (its value the scrape's time, its labels the adapters)
+            g = GaugeMetricFamily("pageserve_lora_requests_info", "LoRA adapters of the running and waiting requests",
+                                  labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            g.add_metric([str(s["max_loras"]), ",".join(s["lora_running"]), ",".join(s["lora_waiting"])], time.time())
+            yield g
+            yield counter("pageserve_lora_slot_loads", "adapters copied into a device slot", s["lora_loads"])
         if self.steps is not None:
             yield from self._steps(self.steps)
 
