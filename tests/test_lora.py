@@ -439,19 +439,25 @@ def test_on_the_gpu_graphed_mixed_batches_apply_each_rows_adapter(base, adapters
     """The CUDA path as served: Triton kernels, decode and mixed-step graphs captured with the slots in them, async
     scheduling. fp32: every row within rounding of its merged reference. bf16 (no tight bound at this size): each
     adapter row nearer its own merged reference than the base model is."""
-    kw = dict(device="cuda", dtype=dtype, num_blocks=128)
-    llm = LLM.from_model(copy.deepcopy(base), enable_lora=True, max_loras=2, **kw)
-    assert llm.engine.runner.graphs is not None
+    kw = dict(device="cuda", num_blocks=128)
+    dt = getattr(torch, dtype)
+
+    def on_gpu(model):
+        return model.to("cuda", dt)
+
+    llm = LLM.from_model(on_gpu(copy.deepcopy(base)), enable_lora=True, max_loras=2, **kw)
+    assert llm.engine.runner.graphs is not None and llm.engine.runner.ops.name == "triton"
     loras = [adapters["a"], None, adapters["b"]]
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=loras)
     for out, lora in zip(outs, loras):
-        ref = LLM.from_model(reference(base, lora, tiny_qwen2_config), **kw).generate(
+        ref = LLM.from_model(on_gpu(reference(base, lora, tiny_qwen2_config)), **kw).generate(
             [out.prompt_token_ids], SCORE, use_tqdm=False)[0]
         got, want = scores(out)[0], scores(ref)[0]
         if atol is not None:
             assert got == pytest.approx(want, abs=atol), lora
         elif lora is not None:
-            plain = LLM.from_model(copy.deepcopy(base), **kw).generate([out.prompt_token_ids], SCORE, use_tqdm=False)[0]
+            plain = LLM.from_model(on_gpu(copy.deepcopy(base)), **kw).generate([out.prompt_token_ids], SCORE,
+                                                                                use_tqdm=False)[0]
             off_ref = max(abs(x - y) for x, y in zip(got, want))
             off_base = max(abs(x - y) for x, y in zip(got, scores(plain)[0]))
             assert off_ref < off_base / 4, (lora, off_ref, off_base)
