@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "(n-gram; the reply does not change, docs/serving.md#speculative-decoding)")
     _add_model_args(gen)
     _add_sampling_args(gen)
+    gen.add_argument("--lora", default=None, metavar="PATH",
+                     help="generate with a LoRA adapter (a PEFT folder or hub id; docs/serving.md#lora-adapters)")
     gen.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
                      help="split the model over this many GPUs (or CPU processes); default 1")
     gen.add_argument("--disable-custom-all-reduce", action="store_true",
@@ -125,6 +127,16 @@ def _speculative(k: int | None) -> dict | None:
     return None if k is None else {"method": "ngram", "num_speculative_tokens": k}
 
 
+def _lora_rank(path: str | None) -> int:
+    """The slot's rank for ``--lora``: the adapter's own (one adapter, so no room for others)."""
+    if path is None:
+        return 16
+    from .model.lora import read_adapter_config
+
+    rank = read_adapter_config(path)[1].get("r")
+    return rank if isinstance(rank, int) and rank > 0 else 16  # a bad one is refused by name when it is read
+
+
 def _build_engine(args: argparse.Namespace):
     from .engine.config import EngineConfig
     from .engine.llm_engine import LLMEngine
@@ -136,6 +148,8 @@ def _build_engine(args: argparse.Namespace):
                               disable_custom_all_reduce=getattr(args, "disable_custom_all_reduce", False),
                               quantization=args.quantization, deterministic=args.deterministic,
                               speculative_config=_speculative(getattr(args, "speculative_tokens", None)),
+                              enable_lora=getattr(args, "lora", None) is not None,
+                              max_lora_rank=_lora_rank(getattr(args, "lora", None)),
                               generation_config="none")  # every sampling flag has its own default (greedy)
         engine = LLMEngine(config, stream_outputs=True)
     except (ValueError, OSError) as e:  # ModelLoadError, FileNotFoundError, bad device …
@@ -162,10 +176,15 @@ def _generate(engine, args: argparse.Namespace, params) -> int:
         prompt = tok.apply_chat_template(messages + [{"role": "user", "content": args.prompt}])
     else:
         prompt = tok.encode(args.prompt)
+    lora = None
+    if getattr(args, "lora", None) is not None:
+        from .engine.lora import LoRARequest
+
+        lora = LoRARequest("cli", 1, args.lora)
     try:
-        engine.add_request("cli", prompt, params)
-    except ValueError as e:  # e.g. a prompt longer than the context
-        raise UsageError(f"{e} (--max-model-len)") from None
+        engine.add_request("cli", prompt, params, lora_request=lora)
+    except ValueError as e:  # e.g. a prompt longer than the context, an adapter this model cannot take
+        raise UsageError(f"{e}" if lora is not None and "LoRA" in str(e) else f"{e} (--max-model-len)") from None
 
     printed = 0
     final = None

@@ -461,3 +461,22 @@ def test_on_the_gpu_graphed_mixed_batches_apply_each_rows_adapter(base, adapters
             off_ref = max(abs(x - y) for x, y in zip(got, want))
             off_base = max(abs(x - y) for x, y in zip(got, scores(plain)[0]))
             assert off_ref < off_base / 4, (lora, off_ref, off_base)
+
+
+def test_generate_with_lora_uses_the_adapter_and_a_bad_one_is_one_line(tmp_path, smollm2, capsys):
+    from pageserve.cli import main
+
+    folder = write_peft_adapter(tmp_path / "cli", smollm2.config, rank=4, alpha=8, seed=7, std=0.3)
+    argv = ["generate", "What is the capital of France?", "--max-tokens", "8", "--device", "cpu"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main(argv + ["--lora", str(folder)]) == 0
+    adapted = capsys.readouterr().out
+    ref = LLM.from_model(merged_model(smollm2.model, LoRAAdapter.load(folder, smollm2.config, 4)),
+                         tokenizer=smollm2.tokenizer, device="cpu", num_blocks=64, generation_config="none")
+    want = ref.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0].text
+    assert adapted.strip() == want.strip() and adapted != plain
+    assert main(argv + ["--lora", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "no such folder" in err and "Traceback" not in err

@@ -64,21 +64,8 @@ class LoRAAdapter:
         shape ``cfg``. ValueError, naming the file and the tensor, for anything this engine cannot apply
         exactly: a rank over ``max_rank``, per-module ranks or alphas, adapted biases, embeddings or output
         head, DoRA, a layer or shape the model does not have."""
-        folder = Path(path).expanduser()
-        if not folder.is_dir():
-            from .loader import _looks_like_hub_id
-
-            if not _looks_like_hub_id(str(path)):
-                raise ValueError(f"LoRA adapter {str(path)!r}: no such folder (a PEFT adapter folder holding "
-                                 "adapter_config.json and adapter_model.safetensors, or a hub id)")
-            folder = _download_adapter(str(path))
+        folder, conf = read_adapter_config(path)
         conf_file = folder / "adapter_config.json"
-        try:
-            conf = json.loads(conf_file.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"LoRA adapter {str(path)!r}: no adapter_config.json") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{conf_file}: not valid JSON ({e})") from None
         if str(conf.get("peft_type", "LORA")).upper() != "LORA":
             raise ValueError(f"{conf_file}: peft_type {conf.get('peft_type')!r} is not LORA")
         rank, alpha = conf.get("r"), conf.get("lora_alpha", conf.get("r"))
@@ -136,6 +123,25 @@ class LoRAAdapter:
             return weight
         a, b = self.weights[(layer, module)]
         return (weight.float() + self.scaling * (b @ a)).to(weight.dtype)
+
+
+def read_adapter_config(path: str | Path) -> tuple[Path, dict]:
+    """(the adapter's local folder, its ``adapter_config.json``): a folder, or a hub id fetched first."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        from .loader import _looks_like_hub_id
+
+        if not _looks_like_hub_id(str(path)):
+            raise ValueError(f"LoRA adapter {str(path)!r}: no such folder (a PEFT adapter folder holding "
+                             "adapter_config.json and adapter_model.safetensors, or a hub id)")
+        folder = _download_adapter(str(path))
+    conf_file = folder / "adapter_config.json"
+    try:
+        return folder, json.loads(conf_file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"LoRA adapter {str(path)!r}: no adapter_config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{conf_file}: not valid JSON ({e})") from None
 
 
 def _download_adapter(repo_id: str) -> Path:
