@@ -277,8 +277,10 @@ def test_the_triton_kernels_apply_adapters_as_the_reference(base, adapters, tiny
     assert_like_reference(outs, loras, base, tiny_qwen2_config, atol=1e-4)
 
 
-def test_the_deterministic_mode_keeps_an_adapters_rows_batch_invariant(base, adapters):
-    llm = lora_llm(base, max_loras=2, deterministic=True)
+@pytest.mark.parametrize("use_triton", [None, True], ids=["torch", "triton"])
+def test_the_deterministic_mode_keeps_an_adapters_rows_batch_invariant(base, adapters, use_triton):
+    llm = lora_llm(base, max_loras=2, deterministic=True, use_triton=use_triton)
+    assert llm.engine.runner.ops.name == {None: "torch-deterministic", True: "deterministic"}[use_triton]
     alone = llm.generate(PROMPTS[:1], SCORE, use_tqdm=False, lora_request=adapters["a"])[0]
     batched = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=[adapters["a"], adapters["b"], None])[0]
     assert scores(alone) == scores(batched)  # bit for bit
