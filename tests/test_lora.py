@@ -482,3 +482,14 @@ def test_generate_with_lora_uses_the_adapter_and_a_bad_one_is_one_line(tmp_path,
     assert main(argv + ["--lora", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "no such folder" in err and "Traceback" not in err
+
+
+def test_adapters_run_over_int8_weights_and_rows_without_one_are_the_int8_models(base, adapters):
+    """The adapter's product is added to whatever the base projection is, int8 weights included (vLLM serves LoRA
+    over quantized models too): rows with no adapter are the int8 model's, rows with one differ from them."""
+    q = dict(device="cpu", num_blocks=64, quantization="int8")
+    plain = LLM.from_model(copy.deepcopy(base), **q).generate(PROMPTS, SCORE, use_tqdm=False)
+    llm = LLM.from_model(copy.deepcopy(base), enable_lora=True, **q)
+    outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=[adapters["a"], None, None])
+    assert scores(outs[1])[0] == pytest.approx(scores(plain[1])[0], abs=2e-5)
+    assert max(abs(x - y) for x, y in zip(scores(outs[0])[0], scores(plain[0])[0])) > 1e-2
