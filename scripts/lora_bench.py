@@ -105,24 +105,33 @@ def main() -> None:
     record["rows_max_abs_logprob_diff"] = {k: max(v) for k, v in rows.items()}
     for k, v in record["rows_max_abs_logprob_diff"].items():
         print(f"rows {k}: max |logprob diff| {v:.4f}", flush=True)
+    save(out, record)  # again after each round: a run cut by its time limit keeps what it measured
 
     # ---- cost
     variants = {"plain": (plain, None), "lora_none": (lora, None), "lora_one": (lora, requests[:1]),
                 "lora_mixed": (lora, requests)}
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in batches} for v in variants}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for b in batches:
             for name, (llm, loras) in variants.items():
                 times[name][b].append(decode_step_ms(llm, b, args.context, lora_requests=loras))
-    record["decode_step_ms"] = {v: {str(b): statistics.median(t) for b, t in bt.items()} for v, bt in times.items()}
-    record["decode_step_ratio_vs_plain"] = {
-        v: {str(b): statistics.median(t) / statistics.median(times["plain"][b]) for b, t in bt.items()}
-        for v, bt in times.items() if v != "plain"}
+                print(f"round {r} b{b} {name}: {times[name][b][-1]:.3f} ms", flush=True)
+        record["rounds_done"] = r + 1
+        record["decode_step_ms"] = {v: {str(b): statistics.median(t) for b, t in bt.items() if t}
+                                    for v, bt in times.items()}
+        record["decode_step_ratio_vs_plain"] = {
+            v: {str(b): statistics.median(t) / statistics.median(times["plain"][b]) for b, t in bt.items() if t}
+            for v, bt in times.items() if v != "plain"}
+        save(out, record)
     for v, bt in record["decode_step_ms"].items():
         print(f"{v}: " + ", ".join(f"b{b} {ms:.3f} ms" for b, ms in bt.items()), flush=True)
     for v, bt in record["decode_step_ratio_vs_plain"].items():
         print(f"{v}_ratio: " + ", ".join(f"b{b} {r:.3f}" for b, r in bt.items()), flush=True)
     record["lora_loads"] = lora.engine.runner.lora.num_loads
+    save(out, record)
+
+
+def save(out: Path, record: dict) -> None:
     (out / "lora_bench.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
