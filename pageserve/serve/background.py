@@ -60,11 +60,13 @@ def start_server_in_background(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    lora_modules: list | None = None,
     startup_timeout_s: float = 300.0,
     log_level: str = "warning",
     **engine_config: Any,
 ) -> BackgroundServer:
     """Serve ``app`` (or a new app over an engine built from ``engine_config``) on a thread.
+    ``lora_modules``: ``(name, path)`` pairs served from the start (``build_app``; ``enable_lora=True`` too).
 
     ``port=0`` takes a free port. Returns once ``/health`` answers 200; raises
     ``RuntimeError`` if the server stops or does not answer within ``startup_timeout_s``.
@@ -76,7 +78,7 @@ def start_server_in_background(
         app = build_app(build_engine(**engine_config), served_model_name=served_model_name, api_key=api_key,
                         max_waiting_requests=max_waiting_requests, chat_template=chat_template,
                         enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, lora_modules=lora_modules)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
