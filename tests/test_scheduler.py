@@ -270,3 +270,30 @@ def test_an_unknown_policy_is_refused():
 
     with pytest.raises(ValueError, match="scheduling policy"):
         Scheduler(BlockManager(8, BS), 4, 32, policy="lifo")
+
+
+def test_a_request_whose_adapter_needs_a_slot_more_waits_without_blocking_the_others():
+    """max_loras = 1: with adapter 1 running, a request for adapter 2 is passed over (it keeps its place in the
+    queue) while a later request for adapter 1 and one with no adapter are admitted; it runs once adapter 1 left."""
+    from pageserve.engine.lora import LoRARequest
+
+    bm = BlockManager(64, BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, 8, 64, max_loras=1)
+    one, two = LoRARequest("one", 1, "/a"), LoRARequest("two", 2, "/b")
+
+    def add_lora(rid, lora, max_tokens):
+        seq = Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens), lora_request=lora)
+        sched.add(seq)
+        return seq
+
+    a = add_lora("a", one, 2)
+    b = add_lora("b", two, 2)
+    c = add_lora("c", one, 2)
+    d = add_lora("d", None, 2)
+    first = run_step(sched)
+    assert first.seqs == [a, c, d] and list(sched.waiting) == [b]
+    while b.status is SequenceStatus.WAITING:
+        batch = run_step(sched)
+        assert not ({s.lora_id for s in batch.seqs} >= {1, 2})  # never both adapters in one step
+    assert a.is_finished and c.is_finished and b.status is SequenceStatus.RUNNING
+    assert Scheduler(bm, 8, 64).max_loras is None  # without LoRA nothing is passed over
