@@ -121,7 +121,7 @@ class LoRAAdapter:
         """``weight`` [out, in] of (layer, module) with this adapter merged: W + s B A (the reference)."""
         if (layer, module) not in self.weights:
             return weight
-        a, b = self.weights[(layer, module)]
+        a, b = (t.to(weight.device) for t in self.weights[(layer, module)])
         return (weight.float() + self.scaling * (b @ a)).to(weight.dtype)
 
 
