@@ -101,11 +101,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--oracle", action="store_true", help="token-id prompts, drafts from the plain run (see above)")
     ap.add_argument("--prompt-len", type=int, default=128, help="--oracle: prompt tokens")
+    ap.add_argument("--num-blocks", type=int, default=2048,
+                    help="KV blocks per engine: several engines share the GPU, so none may size itself from memory")
     args = ap.parse_args()
     ks = [int(x) for x in args.ks.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    base = dict(loaded=loaded, device=args.device, dtype=args.dtype, enable_prefix_caching=False)
+    base = dict(loaded=loaded, device=args.device, dtype=args.dtype, enable_prefix_caching=False,
+                num_blocks=args.num_blocks)
     engines = {"plain": LLM(**base), "plain_sync": LLM(**base, async_scheduling=False)}
     for k in ks:
         engines[f"ngram{k}"] = LLM(**base, speculative_config={"method": "ngram", "num_speculative_tokens": k})
