@@ -161,8 +161,9 @@ for st in $stages; do
           --dtype bfloat16 ${SPEC_BENCH_ARGS:-} > "$RES/spec_bench.log" 2>&1
         echo "spec rc=$?"; grep -E "_speedup|_acceptance|_equal|Error" "$RES/spec_bench.log" | tail -n 30 ;;
     specoracle) # the verify step's cost at the 3B shape (random weights): drafts from the plain run, all accepted
+                # (the deterministic mode: in the default one a near-tie flips at once; session 47)
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_oracle" --model qwen2.5-3b --device cuda \
-          --dtype bfloat16 --oracle ${SPEC_ORACLE_ARGS:---batches 1,4,16,64 --ks 2,4 --rounds 2} > "$RES/spec_oracle.log" 2>&1
+          --dtype bfloat16 --oracle ${SPEC_ORACLE_ARGS:---deterministic --batches 1,4,16,64 --ks 2,4 --rounds 2} > "$RES/spec_oracle.log" 2>&1
         echo "specoracle rc=$?"; grep -E "_speedup|_tokens_per_step|_equal|Error" "$RES/spec_oracle.log" | tail -n 40 ;;
     lora) # LoRA adapters at the 3B shape (scripts/lora_bench.py): adapter rows vs merged weights in a graphed mixed
         # batch, and the decode step's cost with LoRA on (no adapter / one / max_loras in turn) against plain

@@ -2,6 +2,7 @@
 output to a JSON schema, a regex, a choice and a grammar, without touching the requests beside it.
 (The sampler's masks: tests/test_sampler.py.)"""
 import json
+import os
 import re
 
 import pytest
@@ -222,7 +223,9 @@ def test_the_cost_benchmark_runs_every_mode_to_the_same_length(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    model = os.environ.get("PAGESERVE_TEST_MODEL") or "smollm2-135m-instruct"  # the GPU machine: a carried copy
     subprocess.run([sys.executable, str(root / "scripts/structured_bench.py"), "--out", str(tmp_path), "--device", "cpu",
+                    "--model", model,
                     "--dtype", "float32", "--requests", "3", "--max-tokens", "5", "--rounds", "1", "--every", "2",
                     "--num-blocks", "64"], check=True, cwd=root, capture_output=True)
     record = json.loads((tmp_path / "structured_bench.json").read_text())
