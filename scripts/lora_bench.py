@@ -14,7 +14,10 @@ within a few times that floor is right; a wrong slot, scale or part would be off
 
 Cost: the decode step (ms, ``lab.decode_bench.decode_step_ms``) at each batch for: ``plain`` (enable_lora off),
 ``lora_none`` (on, no request uses an adapter), ``lora_one`` (every request the same adapter) and ``lora_mixed``
-(the requests take ``max_loras`` adapters in turn), the engines alternating over ``rounds``.
+(the requests take ``max_loras`` adapters in turn), the engines alternating over ``rounds``. ``lora_none_ref`` and
+``lora_mixed_ref``: a third engine whose slots run the reference products (``LoRASlots.USE_KERNELS`` off: both
+products through ``ops.linear``, a select and an add: four launches a projection against the kernels' two), the
+A/B of ``kernels/lora.py`` (``--no-ref`` leaves it out).
 
 Writes DIR/lora_bench.json (commit and hardware from ``pageserve.lab.results``) and prints one line a figure.
 """
@@ -35,7 +38,7 @@ from pageserve.engine.sampling_params import SamplingParams
 from pageserve.lab.decode_bench import decode_step_ms
 from pageserve.lab.lora_reference import merged_model, write_peft_adapter
 from pageserve.lab.results import hardware_name, provenance
-from pageserve.model.lora import LoRAAdapter
+from pageserve.model.lora import LoRAAdapter, LoRASlots
 from pageserve.model.loader import load_model
 
 PROMPTS = 4
@@ -62,6 +65,7 @@ def main() -> None:
     ap.add_argument("--max-loras", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-blocks", type=int, default=2048)
+    ap.add_argument("--no-ref", action="store_true", help="no engine with the reference LoRA products")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,6 +82,14 @@ def main() -> None:
     plain = LLM.from_model(loaded.model, **common)
     lora = LLM.from_model(_copy(loaded.model), enable_lora=True, max_loras=args.max_loras,
                           max_lora_rank=args.rank, **common)
+    lora_ref = None
+    if not args.no_ref:
+        LoRASlots.USE_KERNELS = False  # read when the engine builds its slots, before its graphs are captured
+        try:
+            lora_ref = LLM.from_model(_copy(loaded.model), enable_lora=True, max_loras=args.max_loras,
+                                      max_lora_rank=args.rank, **common)
+        finally:
+            LoRASlots.USE_KERNELS = True
     record = {"script": "lora_bench", "hardware": hardware_name(), **provenance(), "date": time.strftime("%Y-%m-%d"),
               "model": args.model, "dtype": args.dtype, "rank": args.rank, "max_loras": args.max_loras,
               "context": args.context}
@@ -110,6 +122,8 @@ def main() -> None:
     # ---- cost
     variants = {"plain": (plain, None), "lora_none": (lora, None), "lora_one": (lora, requests[:1]),
                 "lora_mixed": (lora, requests)}
+    if lora_ref is not None:
+        variants.update({"lora_none_ref": (lora_ref, None), "lora_mixed_ref": (lora_ref, requests)})
     times: dict[str, dict[int, list[float]]] = {v: {b: [] for b in batches} for v in variants}
     for r in range(args.rounds):
         for b in batches:

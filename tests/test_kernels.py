@@ -672,3 +672,33 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(gen):
     graph.replay()
     torch.cuda.synchronize()
     _ok(checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, D**-0.5)), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,K,slots,rank,parts", [(1, 96, 4, 16, 1), (5, 200, 4, 16, 3), (37, 64, 2, 8, 2),
+                                                  (70, 130, 3, 16, 1)])
+def test_lora_shrink_keeps_each_rows_slot_columns_of_the_reference_product(T, K, slots, rank, parts, dtype, gen):
+    # rows of every slot, of none (-1) and of a slot past the stack (no columns: zeros); K and the column count
+    # not multiples of the tiles; another slot's A holding inf must not reach a row (the select, not a product);
+    # a batch of no adapter at all takes the tiles' skip and gives exact zeros
+    from pageserve.kernels.lora import lora_shrink
+    from pageserve.kernels.reference import lora_shrink as reference
+
+    width = parts * rank
+    C = slots * width
+    x = torch.randn(T, K, generator=gen).to(dtype)
+    a = (torch.randn(C, K, generator=gen) / K ** 0.5).to(dtype)
+    token_slots = torch.randint(-1, slots + 1, (T + 3,), generator=gen)  # longer than T: the tail is not read
+    token_slots[0] = slots - 1
+    a[0] = float("inf") if slots > 1 else a[0]  # slot 0's first column; row 0 (the last slot) must stay finite
+    want = reference(x, a, token_slots, width)
+    got = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width)
+    assert got.shape == (T, C) and got.dtype == dtype
+    own = (torch.arange(C)[None, :] // width) == token_slots[:T, None]
+    assert torch.equal(got.cpu()[~own], torch.zeros_like(got.cpu()[~own]))  # exact zeros off a row's slot
+    finite = torch.isfinite(want).all(dim=1)
+    _ok(checks.rel_err(got.cpu()[finite].float(), want[finite].float()), dtype)
+    none = lora_shrink(x.to(DEVICE), a.to(DEVICE), torch.full((T,), -1, device=DEVICE), width)
+    assert torch.equal(none.cpu(), torch.zeros(T, C, dtype=dtype))
+    with pytest.raises(ValueError, match="slots"):
+        lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots[: T - 1].to(DEVICE) if T > 1 else token_slots[:0].to(DEVICE), width)

@@ -210,3 +210,13 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Te
     sub = logits[:, :vocab_size]
     sub[rows] = sub[rows].masked_fill(~allowed, float("-inf"))
     return logits
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
+    """LoRA's first product for rows of different adapters: ``x`` [T, K] @ ``a`` [C, K]^T, each row keeping only
+    the columns of its slot ``token_slots[t]`` (column c: slot ``c // width``; -1: none, a row of zeros). A select,
+    not a product with a mask: another slot's inf times 0 would be NaN."""
+    T = x.shape[0]
+    cols = torch.arange(a.shape[0], device=x.device) // width
+    own = cols[None, :] == token_slots[:T, None]
+    return torch.where(own, linear(x, a, None), 0.0).to(x.dtype)

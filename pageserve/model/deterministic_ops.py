@@ -93,6 +93,7 @@ class DeterministicOps(TritonOps):
     fast_linear = staticmethod(F.linear)
 
     name = "deterministic"
+    lora_kernels = False  # LoRA's products through the invariant ``linear`` (cuBLAS's addmm_ is not invariant)
 
     def eager_row_buckets_for(self, device: torch.device) -> bool:
         """On where cuBLAS may be probed (``cublas_rows`` on CUDA): eager steps' rows padded to buckets, and

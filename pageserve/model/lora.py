@@ -11,8 +11,10 @@ masked to the columns of each row's own slot, then every slot's B stacked [out, 
 in. A row with no adapter (slot -1) gets an exact zero. The shapes never change, and the row -> slot map is a
 device buffer written before each forward, so the same code runs eagerly and inside a captured CUDA graph
 (vLLM's punica kernels gather per-row adapters instead; this costs S times the rank's flops, small at the
-ranks adapters use). Both products go through the ops' ``linear``, so the deterministic ops keep each row's
-bits independent of the batch here too.
+ranks adapters use). On the Triton ops (sm_80+) the masked first product is one launch (``kernels/lora.py``, which
+skips the tiles no row needs) and the second adds itself into the base projection (``addmm_``); on the reference
+and the deterministic ops both go through the ops' ``linear``, so the deterministic mode keeps each row's bits
+independent of the batch here too.
 """
 from __future__ import annotations
 
@@ -181,6 +183,8 @@ class LoRASlots:
     before the forward (``set_token_slots``); rows past the step's real ones (graph padding) hold stale values,
     which only change those rows."""
 
+    USE_KERNELS = True  # new slots' ``use_kernels``: off, the reference products even on the Triton ops (an A/B)
+
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_tokens: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         if max_loras < 1 or max_rank < 1:
@@ -201,6 +205,7 @@ class LoRASlots:
         self.column_slots = {n: torch.arange(max_loras * n * max_rank, device=device) // (n * max_rank)
                              for n in set(PROJ_PARTS.values())}
         self._masks: dict[int, torch.Tensor] = {}
+        self.use_kernels = LoRASlots.USE_KERNELS
 
     @property
     def max_tokens(self) -> int:
@@ -245,9 +250,16 @@ class LoRASlots:
 
     def add(self, ops, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the base projection of ``x``) plus each row's adapter: y + ((x A^T) masked) B^T (a select, not a
-        product with the mask: another slot's inf times 0 would be NaN)."""
-        low = torch.where(self._masks[PROJ_PARTS[proj]], ops.linear(x, self.a[layer][proj], None), 0.0)  # [T, S*P*R]
-        return y + ops.linear(low, self.b[layer][proj], None)
+        product with the mask: another slot's inf times 0 would be NaN). With ``ops.lora_kernels`` (the Triton ops,
+        unless ``use_kernels`` is off) the masked product is one launch and the second product adds itself into
+        ``y`` (``addmm_``: a row of zeros adds exactly 0); otherwise both go through ``ops.linear`` (the reference,
+        and the deterministic ops' invariant products)."""
+        a, b = self.a[layer][proj], self.b[layer][proj]
+        if self.use_kernels and ops.lora_kernels:
+            low = ops.lora_shrink(x, a, self.token_slots, PROJ_PARTS[proj] * self.max_rank)  # [T, S*P*R]
+            return y.addmm_(low, b.t())
+        low = torch.where(self._masks[PROJ_PARTS[proj]], ops.linear(x, a, None), 0.0)  # [T, S*P*R]
+        return y + ops.linear(low, b, None)
 
 
 def _out_offset(cfg: ModelConfig, module: str) -> int:

@@ -21,6 +21,7 @@ class TorchOps:
 
     name = "torch"
     graph_safe = False  # the reference reads host copies of lengths (and may sync): never captured
+    lora_kernels = False  # LoRA's products: the reference (model/lora.py), through ``linear``
 
     def eager_row_buckets_for(self, device: torch.device) -> bool:
         """Whether eager steps pad their rows to ``model_runner.eager_rows_bucket`` (and the engine warms every
@@ -43,6 +44,10 @@ class TorchOps:
         if isinstance(weight, QuantizedWeight):
             return reference.linear_int8(x, weight.qweight, weight.scale, bias)
         return reference.linear(x, weight, bias)
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
+        """LoRA's first product, each row keeping its own slot's columns (``reference.lora_shrink``)."""
+        return reference.lora_shrink(x, a, token_slots, width)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return reference.rms_norm(x, weight, eps)

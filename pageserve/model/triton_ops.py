@@ -19,6 +19,7 @@ from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.matmul_invariant import InvariantMatmulConfig
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
+from ..kernels.lora import lora_shrink
 from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES, mma_dot_for
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
@@ -163,6 +164,8 @@ class TritonOps(TorchOps):
 
     name = "triton"
     graph_safe = True  # no host syncs, grids from shapes: decode steps can be captured in CUDA graphs
+    # LoRA: the masked first product in one launch (kernels/lora.py), the second and its add one addmm_
+    lora_kernels = True
 
     def __init__(self, gemv: bool = True, gemv_max_m: int = 1, decode_num_splits: int | None = None,
                  gemv_split_k: str = "auto", fuse_silu_down: bool = True, fuse_rope_kv: bool = True,
@@ -261,6 +264,11 @@ class TritonOps(TorchOps):
     def _gemv_fits(self, x: torch.Tensor, max_m: int | None = None) -> bool:
         max_m = self.gemv_max_m if max_m is None else max_m
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= max_m and x.stride(-1) == 1
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
+        if not mma_dot_for(x):  # below sm_80 its dot tiles run on FMAs and spill (t4_compile_audit): the reference
+            return super().lora_shrink(x, a, token_slots, width)
+        return lora_shrink(x, a, token_slots, width)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
