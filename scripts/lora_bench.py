@@ -6,11 +6,12 @@ them cost (``EngineConfig.enable_lora``)?
 
 Rows: PROMPTS token-id prompts with adapter 1, adapter 2 and none, in one batch of the LoRA engine (CUDA graphs
 and Triton kernels as the defaults run them), scored token by token (prompt logprobs) against plain engines over
-copies of the weights with each adapter merged in (W + s B A). The figure beside it is the same difference
-between the LoRA engine's rows with no adapter and a plain engine over the base weights: what two engine
-configurations differ by in this dtype anyway (the LoRA path runs the projections unfused). An adapter row
-within a few times that floor is right; a wrong slot, scale or part would be off by the adapter's whole effect
-(``adapter_effect``: merged vs base).
+copies of the weights with each adapter merged in (W + s B A). Beside it: the LoRA engine's rows of no adapter
+against a plain engine over the base weights, and the adapter's whole effect (``adapter_effect``: merged vs base).
+On the H100 (session 47) the first was exactly 0 (a row of no adapter keeps plain's bits), so it is no yardstick;
+adapter rows were 0.19 from the merged model's against an effect of 3.19: the merged reference's own rounding of
+W + s B A into bf16 (the delta is ~2^-8 of W). A wrong slot, scale or part would be off by the whole effect. The
+fp32 check is ``tests/test_lora.py``'s GPU test.
 
 Cost: the decode step (ms, ``lab.decode_bench.decode_step_ms``) at each batch for: ``plain`` (enable_lora off),
 ``lora_none`` (on, no request uses an adapter), ``lora_one`` (every request the same adapter) and ``lora_mixed``
