@@ -9,7 +9,7 @@ and Triton kernels as the defaults run them), scored token by token (prompt logp
 copies of the weights with each adapter merged in (W + s B A). Beside it: the LoRA engine's rows of no adapter
 against a plain engine over the base weights, and the adapter's whole effect (``adapter_effect``: merged vs base).
 On the H100 (session 47) the first was exactly 0 (a row of no adapter keeps plain's bits), so it is no yardstick;
-adapter rows were 0.19 from the merged model's against an effect of 3.19: the merged reference's own rounding of
+adapter rows were 0.19 from the merged model's against an effect of 3.19, most likely the merged reference's own rounding of
 W + s B A into bf16 (the delta is ~2^-8 of W). A wrong slot, scale or part would be off by the whole effect. The
 fp32 check is ``tests/test_lora.py``'s GPU test.
 
