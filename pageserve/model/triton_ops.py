@@ -268,7 +268,7 @@ class TritonOps(TorchOps):
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
         if not mma_dot_for(x):  # below sm_80 its dot tiles run on FMAs and spill (t4_compile_audit): the reference
             return super().lora_shrink(x, a, token_slots, width)
-        return lora_shrink(x, a, token_slots, width)
+        return lora_shrink(x if x.stride(-1) == 1 else x.contiguous(), a, token_slots, width)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
