@@ -702,3 +702,34 @@ def test_lora_shrink_keeps_each_rows_slot_columns_of_the_reference_product(T, K,
     assert torch.equal(none.cpu(), torch.zeros(T, C, dtype=dtype))
     with pytest.raises(ValueError, match="slots"):
         lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots[: T - 1].to(DEVICE) if T > 1 else token_slots[:0].to(DEVICE), width)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prologue", ["norm", "silu_mul"])
+@pytest.mark.parametrize("T,K", [(1, 96), (19, 200), (70, 64)])
+def test_lora_shrink_prologues_match_the_reference_norm_and_silu_mul_first(T, K, prologue, dtype, gen):
+    # the fused layer path's shrinks: the RMSNorm of the projection's input (two passes: the rows' statistics,
+    # then the normed tile, rounded where reference.rms_norm rounds) or SiLU(gate) * up of gate|up [T, 2K]
+    from pageserve.kernels.lora import lora_shrink
+    from pageserve.kernels.reference import lora_shrink as reference
+
+    slots, width = 3, 32
+    C = slots * width
+    x = (torch.randn(T, 2 * K if prologue == "silu_mul" else K, generator=gen) * 3).to(dtype)
+    a = (torch.randn(C, K, generator=gen) / K ** 0.5).to(dtype)
+    w = (1 + 0.5 * torch.randn(K, generator=gen)).to(dtype) if prologue == "norm" else None
+    token_slots = torch.randint(-1, slots, (T,), generator=gen)
+    token_slots[0] = 1
+    kw = dict(norm_weight=w, eps=1e-6) if prologue == "norm" else dict(silu_mul=True)
+    # the reference in float64 from the same inputs (the kernel rounds its prologue once, the reference twice)
+    want = reference(x.double(), a.double(), token_slots, width,
+                     **{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+    got = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width,
+                      **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
+    _ok(checks.rel_err(got.cpu().double(), want), dtype)
+    plain = reference(x, a, token_slots, width) if prologue == "norm" else None
+    if plain is not None:  # the prologue matters: without it the product is another one
+        assert checks.rel_err(got.cpu().double(), plain.double()) > 10 * TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="columns"):
+        lora_shrink(x.to(DEVICE), a[:, :-1].contiguous().to(DEVICE), token_slots.to(DEVICE), width, **{
+            k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})

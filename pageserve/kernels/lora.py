@@ -25,9 +25,9 @@ BLOCK_K = 64
 
 
 @triton.jit
-def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, C, width, stride_x, stride_a, stride_out,
+def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, w_ptr, out_ptr, T, K, C, width, eps, stride_x, stride_a, stride_out,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PREC: tl.constexpr, UPCAST: tl.constexpr):
+                        PREC: tl.constexpr, UPCAST: tl.constexpr, NORM: tl.constexpr, SILU_MUL: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     c0 = tl.program_id(1) * BLOCK_N
     rn = c0 + tl.arange(0, BLOCK_N)
@@ -40,9 +40,27 @@ def _lora_shrink_kernel(x_ptr, a_ptr, slots_ptr, out_ptr, T, K, C, width, stride
     if tl.sum(wanted.to(tl.int32), axis=0) > 0:
         x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_x
         a_cols = a_ptr + rn.to(tl.int64)[None, :] * stride_a
+        inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if NORM:  # a first pass for each row's RMS, as reference.rms_norm: statistics in fp32
+            ss = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk
+                xf = tl.load(x_rows + kk[None, :], mask=in_m[:, None] & (kk[None, :] < K), other=0.0).to(tl.float32)
+                ss += tl.sum(xf * xf, axis=1)
+            inv = 1.0 / tl.sqrt(ss / K + eps)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
-            xt = tl.load(x_rows + kk[None, :], mask=in_m[:, None] & (kk[None, :] < K), other=0.0)
+            xmask = in_m[:, None] & (kk[None, :] < K)
+            xt = tl.load(x_rows + kk[None, :], mask=xmask, other=0.0)
+            # each prologue in fp32, rounded to x's dtype once for the product (the reference rounds twice: the
+            # same values up to an ulp of its input, and the interpreter's bf16 conversions truncate)
+            if NORM:  # weight * x * inv, as reference.rms_norm
+                w = tl.load(w_ptr + kk, mask=kk < K, other=0.0)
+                xt = (xt.to(tl.float32) * inv[:, None] * w[None, :].to(tl.float32)).to(xt.dtype)
+            if SILU_MUL:  # x is gate|up [T, 2K]: SiLU(gate) * up, as reference.silu_and_mul
+                up = tl.load(x_rows + K + kk[None, :], mask=xmask, other=0.0)
+                g = xt.to(tl.float32)
+                xt = (g * tl.sigmoid(g) * up.to(tl.float32)).to(xt.dtype)
             at = tl.load(a_cols + kk[:, None], mask=in_n[None, :] & (kk[:, None] < K), other=0.0)
             acc += mma(xt, at, PREC, UPCAST)
     own = (rn[None, :] // width) == slot[:, None]
@@ -56,18 +74,27 @@ def block_m_for(rows: int) -> int:
     return 16 if rows <= 64 else 64
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> torch.Tensor:
     """[T, C]: ``x`` [T, K] @ ``a`` [C, K]^T where column c belongs to slot ``c // width`` and row t keeps only
     the columns of its slot ``token_slots[t]`` (-1, or any slot with no columns: a row of zeros). ``token_slots``:
-    [>= T] int64 (its first T entries are read). x and a: one float dtype, last dim contiguous."""
+    [>= T] int64 (its first T entries are read). x and a: one float dtype, last dim contiguous.
+    Prologues, so the base projection can stay fused: ``norm_weight`` [K]: x is first ``rms_norm(x, norm_weight,
+    eps)``; ``silu_mul``: x is gate|up [T, 2K] and the product's input is ``SiLU(gate) * up``."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     check("a", a, ndim=2, dtype=(x.dtype,))
     check("token_slots", token_slots, ndim=1, dtype=torch.int64)
     check_device(x=x, a=a, token_slots=token_slots)
-    T, K = x.shape
+    if norm_weight is not None and silu_mul:
+        raise ValueError("lora_shrink: one prologue at a time (norm_weight or silu_mul)")
+    T, K = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
     C = a.shape[0]
-    if a.shape[1] != K:
-        raise ValueError(f"lora_shrink: x has {K} columns but a has {a.shape[1]}")
+    if a.shape[1] != K or (silu_mul and x.shape[1] != 2 * K):
+        raise ValueError(f"lora_shrink: x has {x.shape[1]} columns{' (gate|up)' if silu_mul else ''} but a has "
+                         f"{a.shape[1]}")
+    if norm_weight is not None:
+        check("norm_weight", norm_weight, shape=(K,))
+        check_device(x=x, norm_weight=norm_weight)
     if token_slots.shape[0] < T:
         raise ValueError(f"lora_shrink: {T} rows but {token_slots.shape[0]} slots")
     if width <= 0:
@@ -75,8 +102,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, wid
     out = torch.empty(T, C, dtype=x.dtype, device=x.device)
     if T and C:
         bm = block_m_for(T)
+        w = x if norm_weight is None else norm_weight  # unread without NORM
         _lora_shrink_kernel[(cdiv(T, bm), cdiv(C, BLOCK_N))](
-            x, a, token_slots, out, T, K, C, width, x.stride(0), a.stride(0), out.stride(0),
+            x, a, token_slots, w, out, T, K, C, width, float(eps), x.stride(0), a.stride(0), out.stride(0),
             BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype),
-            num_warps=4)
+            NORM=norm_weight is not None, SILU_MUL=silu_mul, num_warps=4)
     return out

@@ -212,10 +212,16 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Te
     return logits
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int,
+                norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> torch.Tensor:
     """LoRA's first product for rows of different adapters: ``x`` [T, K] @ ``a`` [C, K]^T, each row keeping only
     the columns of its slot ``token_slots[t]`` (column c: slot ``c // width``; -1: none, a row of zeros). A select,
-    not a product with a mask: another slot's inf times 0 would be NaN."""
+    not a product with a mask: another slot's inf times 0 would be NaN. ``norm_weight``: x is
+    ``rms_norm(x, norm_weight, eps)`` first; ``silu_mul``: x is gate|up and the input ``silu_and_mul(x)``."""
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps)
+    elif silu_mul:
+        x = silu_and_mul(x)
     T = x.shape[0]
     cols = torch.arange(a.shape[0], device=x.device) // width
     own = cols[None, :] == token_slots[:T, None]

@@ -123,6 +123,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, silu_done=silu), residual
 
     def _forward_lora(self, x, residual, positions, cos_sin, attn):
+        if self.lora.fused_for(self.mlp.ops):
+            return self._forward_lora_fused(x, residual, positions, cos_sin, attn)
         # each projection's input is needed for its adapter's product, so nothing is fused into a projection
         lora, i, at, mlp = self.lora, self.self_attn.layer, self.self_attn, self.mlp
         ops = mlp.ops
@@ -134,6 +136,20 @@ class DecoderLayer(nn.Module):
         h = lora.add(ops, i, "gate_up", xn, ops.linear(xn, mlp.gate_up_proj.weight, None))
         act = ops.silu_and_mul(h)
         return lora.add(ops, i, "down", act, ops.linear(act, mlp.down_proj.weight, None)), residual
+
+    def _forward_lora_fused(self, x, residual, positions, cos_sin, attn):
+        # the plain path's fused projections (the norms in qkv's and gate_up's, SiLU·mul in down's), each adapter's
+        # first product taking the same prologue from the projection's input (LoRASlots.add), the second adding
+        # itself into the projection's output; gate_up's output stays unactivated, for its adapter to add to
+        lora, i, at, mlp = self.lora, self.self_attn.layer, self.self_attn, self.mlp
+        ops = mlp.ops
+        qkv, residual = self.input_layernorm.project(x, residual, at.qkv_proj)
+        qkv = lora.add(ops, i, "qkv", residual, qkv, norm=self.input_layernorm)
+        o = at.attend(qkv, positions, cos_sin, attn)
+        x = lora.add(ops, i, "o", o, ops.linear(o, at.o_proj.weight, None))
+        h, residual = self.post_attention_layernorm.project(x, residual, mlp.gate_up_proj, silu_mul=False)
+        h = lora.add(ops, i, "gate_up", residual, h, norm=self.post_attention_layernorm)
+        return lora.add(ops, i, "down", h, mlp(h, silu_done=False), silu_mul=True), residual
 
 
 class Decoder(nn.Module):
@@ -186,7 +202,7 @@ class Decoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         # input_ids, positions: [T]
         if self.lora is not None:
-            self.lora.begin(input_ids.shape[0])
+            self.lora.begin(input_ids.shape[0], self.ops)
         x = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:

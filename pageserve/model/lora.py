@@ -11,10 +11,12 @@ masked to the columns of each row's own slot, then every slot's B stacked [out, 
 in. A row with no adapter (slot -1) gets an exact zero. The shapes never change, and the row -> slot map is a
 device buffer written before each forward, so the same code runs eagerly and inside a captured CUDA graph
 (vLLM's punica kernels gather per-row adapters instead; this costs S times the rank's flops, small at the
-ranks adapters use). On the Triton ops (sm_80+) the masked first product is one launch (``kernels/lora.py``, which
-skips the tiles no row needs) and the second adds itself into the base projection (``addmm_``); on the reference
-and the deterministic ops both go through the ops' ``linear``, so the deterministic mode keeps each row's bits
-independent of the batch here too.
+ranks adapters use). On the Triton ops the layers keep their fused projections (the norms inside qkv's and
+gate_up's, SiLU·mul inside down's): the masked first product is one launch that applies the same norm or SiLU·mul
+to its input itself (``kernels/lora.py``, which also skips the tiles no row needs; the reference below sm_80), and
+the second adds itself into the projection's output (``addmm_``). On the reference and the deterministic ops the
+layers run unfused and both products go through the ops' ``linear``, so the deterministic mode keeps each row's
+bits independent of the batch here too.
 """
 from __future__ import annotations
 
@@ -241,23 +243,37 @@ class LoRASlots:
                 self.a[layer][proj][slot * width:(slot + 1) * width].zero_()
                 self.b[layer][proj][:, slot * width:(slot + 1) * width].zero_()
 
-    def begin(self, num_rows: int) -> None:
-        """A forward of ``num_rows`` rows starts: build each row's column mask from ``token_slots``."""
+    def begin(self, num_rows: int, ops=None) -> None:
+        """A forward of ``num_rows`` rows starts: build each row's column mask from ``token_slots`` (not on the
+        fused path, ``fused_for(ops)``, whose kernel reads the slots itself)."""
         if num_rows > self.max_tokens:
             raise RuntimeError(f"a forward of {num_rows} rows is over the LoRA row buffer ({self.max_tokens})")
+        if ops is not None and self.fused_for(ops):
+            return
         rows = self.token_slots[:num_rows, None]
         self._masks = {n: cols[None, :] == rows for n, cols in self.column_slots.items()}
 
-    def add(self, ops, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def fused_for(self, ops) -> bool:
+        """Whether a layer may keep its fused projections (``DecoderLayer._forward_lora_fused``): the Triton ops,
+        unless ``use_kernels`` is off. Otherwise (the reference and the deterministic ops) every product goes through
+        ``ops.linear`` on unfused inputs."""
+        return self.use_kernels and ops.lora_kernels
+
+    def add(self, ops, layer: int, proj: str, x: torch.Tensor, y: torch.Tensor, norm=None,
+            silu_mul: bool = False) -> torch.Tensor:
         """``y`` (the base projection of ``x``) plus each row's adapter: y + ((x A^T) masked) B^T (a select, not a
-        product with the mask: another slot's inf times 0 would be NaN). With ``ops.lora_kernels`` (the Triton ops,
-        unless ``use_kernels`` is off) the masked product is one launch and the second product adds itself into
-        ``y`` (``addmm_``: a row of zeros adds exactly 0); otherwise both go through ``ops.linear`` (the reference,
-        and the deterministic ops' invariant products)."""
+        product with the mask: another slot's inf times 0 would be NaN). With ``fused_for(ops)`` the masked product
+        is one launch (``ops.lora_shrink``) and the second adds itself into ``y`` (``addmm_``: a row of zeros adds
+        exactly 0); there ``norm`` (an ``RMSNorm``: x is its input) or ``silu_mul`` (x is gate|up) is applied to x
+        inside that launch. Otherwise both go through ``ops.linear`` (the reference, the deterministic ops'
+        invariant products), and x is the product's input as it is."""
         a, b = self.a[layer][proj], self.b[layer][proj]
-        if self.use_kernels and ops.lora_kernels:
-            low = ops.lora_shrink(x, a, self.token_slots, PROJ_PARTS[proj] * self.max_rank)  # [T, S*P*R]
-            return y.addmm_(low, b.t())
+        if self.fused_for(ops):
+            low = ops.lora_shrink(x, a, self.token_slots, PROJ_PARTS[proj] * self.max_rank,
+                                  None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, silu_mul)
+            return y.addmm_(low, b.t())  # [T, S*P*R] @ [S*P*R, out] into y
+        if norm is not None or silu_mul:
+            raise RuntimeError("LoRASlots.add: a prologue needs the fused path (fused_for)")
         low = torch.where(self._masks[PROJ_PARTS[proj]], ops.linear(x, a, None), 0.0)  # [T, S*P*R]
         return y + ops.linear(low, b, None)
 

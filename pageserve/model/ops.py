@@ -45,9 +45,11 @@ class TorchOps:
             return reference.linear_int8(x, weight.qweight, weight.scale, bias)
         return reference.linear(x, weight, bias)
 
-    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int) -> torch.Tensor:
-        """LoRA's first product, each row keeping its own slot's columns (``reference.lora_shrink``)."""
-        return reference.lora_shrink(x, a, token_slots, width)
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int,
+                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> torch.Tensor:
+        """LoRA's first product, each row keeping its own slot's columns, after an RMSNorm or SiLU·mul of x where
+        asked (``reference.lora_shrink``)."""
+        return reference.lora_shrink(x, a, token_slots, width, norm_weight, eps, silu_mul)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return reference.rms_norm(x, weight, eps)
