@@ -317,11 +317,13 @@ def test_engine_stats_name_the_running_and_waiting_adapters(base, adapters):
     assert "lora_running" not in LLM.from_model(copy.deepcopy(base), device="cpu", num_blocks=16).get_stats()
 
 
-def test_graph_padding_rows_read_stale_slots_without_changing_real_rows(base, adapters, tiny_qwen2_config):
+@pytest.mark.parametrize("use_triton", [None, True], ids=["torch", "triton"])
+def test_graph_padding_rows_read_stale_slots_without_changing_real_rows(base, adapters, tiny_qwen2_config, use_triton):
     """The decode graphs' bookkeeping on the CPU (``capture=False``: static buffers and padding, run eagerly):
-    a batch of 3 runs in the bucket of 4, whose 4th row reads whatever slot an earlier step left there."""
+    a batch of 3 runs in the bucket of 4, whose 4th row reads whatever slot an earlier step left there (the
+    Triton ops: the fused layer path, whose shrink kernel reads the slots buffer itself)."""
     llm = LLM.from_model(copy.deepcopy(base), device="cpu", num_blocks=64, enable_lora=True, max_loras=2,
-                         async_scheduling=False)
+                         async_scheduling=False, use_triton=use_triton)
     llm.engine.runner.enable_graphs(capture=False)
     loras = [adapters["b"], adapters["a"], None]
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=loras)
@@ -484,10 +486,12 @@ def test_generate_with_lora_uses_the_adapter_and_a_bad_one_is_one_line(tmp_path,
     assert "no such folder" in err and "Traceback" not in err
 
 
-def test_adapters_run_over_int8_weights_and_rows_without_one_are_the_int8_models(base, adapters):
+@pytest.mark.parametrize("use_triton", [None, True], ids=["torch", "triton"])
+def test_adapters_run_over_int8_weights_and_rows_without_one_are_the_int8_models(base, adapters, use_triton):
     """The adapter's product is added to whatever the base projection is, int8 weights included (vLLM serves LoRA
-    over quantized models too): rows with no adapter are the int8 model's, rows with one differ from them."""
-    q = dict(device="cpu", num_blocks=64, quantization="int8")
+    over quantized models too): rows with no adapter are the int8 model's, rows with one differ from them (the
+    Triton ops: the fused layer path over the int8 kernels)."""
+    q = dict(device="cpu", num_blocks=64, quantization="int8", use_triton=use_triton)
     plain = LLM.from_model(copy.deepcopy(base), **q).generate(PROMPTS, SCORE, use_tqdm=False)
     llm = LLM.from_model(copy.deepcopy(base), enable_lora=True, **q)
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=[adapters["a"], None, None])
