@@ -168,7 +168,7 @@ for st in $stages; do
     lora) # LoRA adapters at the 3B shape (scripts/lora_bench.py): adapter rows vs merged weights in a graphed mixed
         # batch, and the decode step's cost with LoRA on (no adapter / one / max_loras in turn) against plain
         timeout "$t" python3 scripts/lora_bench.py --out "$RES/diagnostics/lora" ${LORA_BENCH_ARGS:-} > "$RES/lora_bench.log" 2>&1
-        echo "lora rc=$?"; tail -n 14 "$RES/lora_bench.log" ;;
+        echo "lora rc=$?"; tail -n 20 "$RES/lora_bench.log" ;;
     vllmcost) timeout "$t" python3 scripts/vllm_cost.py --out "$RES/diagnostics" ${VLLM_COST_ARGS:-} > "$RES/vllm_cost.log" 2>&1
               echo "vllmcost rc=$?"; grep -E "Error|error|vllm_" "$RES/vllm_cost.log" | tail -n 20 ;;
     invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" ${INV_SWEEP_SHAPES:+--shapes "$INV_SWEEP_SHAPES"} ${INV_SWEEP_ARGS:-} \
