@@ -144,7 +144,7 @@ for st in $stages; do
           -p NUM_BLOCKS 4096 -p SHAPE_MODEL qwen2.5-3b -p BATCH_OTHERS 63 -p LOGIT_TOKENS 16 -p PROBE_LEN 512 \
           -p W1_NUM_REQUESTS 500 -y "TIMING_BATCHES: [1, 64]" -p TIMING_CONTEXT 512 -p TIMING_STEPS 32 \
           -p MAX_NUM_SEQS 512 -y "SHAPE_NUM_BLOCKS: null" -p MAX_MODEL_LEN 2048 \
-          -p VLLM_COST "$([ -d /tmp/site/vllm ] && echo True || echo False)" ;;  # vLLM's cost too where carried (+~200 s)
+          -p VLLM_COST "$([ -d /tmp/site/vllm ] && [ -z "${NO_VLLM_COST09:-}" ] && echo True || echo False)" ;;  # vLLM's cost too where carried (+~200 s; NO_VLLM_COST09=1 skips it)
     structured) # what structured outputs cost (scripts/structured_bench.py): the 3B shape lent the real weights' tokenizer,
                 # then the real 135M model (host cost against a ~2 ms step); needs the realw carries (no tokenizer offline)
         realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf
