@@ -81,16 +81,18 @@ def main() -> None:
         requests.append(LoRARequest(f"a{i}", i + 1, str(folder / f"a{i}")))
     common = dict(device=args.device, num_blocks=args.num_blocks, max_num_seqs=max(batches))
     plain = LLM.from_model(loaded.model, **common)
-    lora = LLM.from_model(_copy(loaded.model), enable_lora=True, max_loras=args.max_loras,
-                          max_lora_rank=args.rank, **common)
-    lora_ref = None
-    if not args.no_ref:
-        LoRASlots.USE_KERNELS = False  # read when the engine builds its slots, before its graphs are captured
+
+    def lora_engine(use_kernels: bool) -> LLM:
+        shipped = LoRASlots.USE_KERNELS
+        LoRASlots.USE_KERNELS = use_kernels  # read when the engine builds its slots, before its graphs are captured
         try:
-            lora_ref = LLM.from_model(_copy(loaded.model), enable_lora=True, max_loras=args.max_loras,
-                                      max_lora_rank=args.rank, **common)
+            return LLM.from_model(_copy(loaded.model), enable_lora=True, max_loras=args.max_loras,
+                                  max_lora_rank=args.rank, **common)
         finally:
-            LoRASlots.USE_KERNELS = True
+            LoRASlots.USE_KERNELS = shipped
+
+    lora = lora_engine(True)  # the kernel path (where the ops have it), whatever the shipped default
+    lora_ref = None if args.no_ref else lora_engine(False)
     record = {"script": "lora_bench", "hardware": hardware_name(), **provenance(), "date": time.strftime("%Y-%m-%d"),
               "model": args.model, "dtype": args.dtype, "rank": args.rank, "max_loras": args.max_loras,
               "context": args.context}

@@ -375,7 +375,9 @@ class Sampler:
         if ban_rows:
             logits, owned = logits if owned else logits.clone(), True
             idx = self._to_device(torch.tensor([ban_rows, ban_ids], dtype=torch.int64))
-            logits[idx[0], idx[1]] = float("-inf")
+            # the fill value made on the device: ``logits[...] = float("-inf")`` copies a CPU scalar from pageable
+            # memory, which waits for the device (the GPU sync test, session 48)
+            logits.index_put_((idx[0], idx[1]), logits.new_full((), float("-inf")))
 
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if pen_rows:
