@@ -674,13 +674,16 @@ def test_decode_attention_replays_in_a_cuda_graph_with_new_lengths(gen):
     _ok(checks.rel_err(out, checks.attention_reference(q, kc, vc, meta, D**-0.5)), torch.bfloat16)
 
 
+@pytest.mark.parametrize("splits", [None, 1, 3], ids=["auto", "whole_k", "three_slices"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,K,slots,rank,parts", [(1, 96, 4, 16, 1), (5, 200, 4, 16, 3), (37, 64, 2, 8, 2),
-                                                  (70, 130, 3, 16, 1)])
-def test_lora_shrink_keeps_each_rows_slot_columns_of_the_reference_product(T, K, slots, rank, parts, dtype, gen):
+                                                  (70, 330, 3, 16, 1)])
+def test_lora_shrink_keeps_each_rows_slot_columns_of_the_reference_product(T, K, slots, rank, parts, dtype, splits,
+                                                                           gen):
     # rows of every slot, of none (-1) and of a slot past the stack (no columns: zeros); K and the column count
     # not multiples of the tiles; another slot's A holding inf must not reach a row (the select, not a product);
-    # a batch of no adapter at all takes the tiles' skip and gives exact zeros
+    # a batch of no adapter at all takes the tiles' skip and gives exact zeros; K whole in one program or in
+    # slices summed by the tile's last one (the counters it was given are left zeros)
     from pageserve.kernels.lora import lora_shrink
     from pageserve.kernels.reference import lora_shrink as reference
 
@@ -692,22 +695,32 @@ def test_lora_shrink_keeps_each_rows_slot_columns_of_the_reference_product(T, K,
     token_slots[0] = slots - 1
     a[0] = float("inf") if slots > 1 else a[0]  # slot 0's first column; row 0 (the last slot) must stay finite
     want = reference(x, a, token_slots, width)
-    got = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width)
+    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    got = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width, counters=counters, splits=splits)
     assert got.shape == (T, C) and got.dtype == dtype
+    assert torch.equal(counters.cpu(), torch.zeros(64, dtype=torch.int32))
+    again = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width, counters=counters, splits=splits)
+    # the slices are summed in one order, whichever finished last (a row of slot 0 holds inf / NaN: equal_nan)
+    torch.testing.assert_close(again.cpu(), got.cpu(), rtol=0, atol=0, equal_nan=True)
     own = (torch.arange(C)[None, :] // width) == token_slots[:T, None]
     assert torch.equal(got.cpu()[~own], torch.zeros_like(got.cpu()[~own]))  # exact zeros off a row's slot
     finite = torch.isfinite(want).all(dim=1)
     _ok(checks.rel_err(got.cpu()[finite].float(), want[finite].float()), dtype)
-    none = lora_shrink(x.to(DEVICE), a.to(DEVICE), torch.full((T,), -1, device=DEVICE), width)
+    none = lora_shrink(x.to(DEVICE), a.to(DEVICE), torch.full((T,), -1, device=DEVICE), width, splits=splits)
     assert torch.equal(none.cpu(), torch.zeros(T, C, dtype=dtype))
+    if splits == 3 and K > 128:  # a split launch needs a counter for each of its tiles
+        with pytest.raises(ValueError, match="counters"):
+            lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width, splits=splits,
+                        counters=counters[:0])
     with pytest.raises(ValueError, match="slots"):
         lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots[: T - 1].to(DEVICE) if T > 1 else token_slots[:0].to(DEVICE), width)
 
 
+@pytest.mark.parametrize("splits", [None, 3], ids=["auto", "three_slices"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("prologue", ["norm", "silu_mul"])
-@pytest.mark.parametrize("T,K", [(1, 96), (19, 200), (70, 64)])
-def test_lora_shrink_prologues_match_the_reference_norm_and_silu_mul_first(T, K, prologue, dtype, gen):
+@pytest.mark.parametrize("T,K", [(1, 96), (19, 200), (70, 300)])
+def test_lora_shrink_prologues_match_the_reference_norm_and_silu_mul_first(T, K, prologue, dtype, splits, gen):
     # the fused layer path's shrinks: the RMSNorm of the projection's input (two passes: the rows' statistics,
     # then the normed tile, rounded where reference.rms_norm rounds) or SiLU(gate) * up of gate|up [T, 2K]
     from pageserve.kernels.lora import lora_shrink
@@ -724,7 +737,7 @@ def test_lora_shrink_prologues_match_the_reference_norm_and_silu_mul_first(T, K,
     # the reference in float64 from the same inputs (the kernel rounds its prologue once, the reference twice)
     want = reference(x.double(), a.double(), token_slots, width,
                      **{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
-    got = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width,
+    got = lora_shrink(x.to(DEVICE), a.to(DEVICE), token_slots.to(DEVICE), width, splits=splits,
                       **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
     _ok(checks.rel_err(got.cpu().double(), want), dtype)
     plain = reference(x, a, token_slots, width) if prologue == "norm" else None

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.lora import COUNTERS as LORA_COUNTERS
 from .config import ModelConfig
 
 # PEFT module name -> (fused projection, part index)
@@ -208,6 +209,8 @@ class LoRASlots:
                              for n in set(PROJ_PARTS.values())}
         self._masks: dict[int, torch.Tensor] = {}
         self.use_kernels = LoRASlots.USE_KERNELS
+        # the shrink kernel's split-K tickets (zeros at rest), made here, before any graph is captured
+        self.counters = torch.zeros(LORA_COUNTERS, dtype=torch.int32, device=device)
 
     @property
     def max_tokens(self) -> int:
@@ -270,7 +273,8 @@ class LoRASlots:
         a, b = self.a[layer][proj], self.b[layer][proj]
         if self.fused_for(ops):
             low = ops.lora_shrink(x, a, self.token_slots, PROJ_PARTS[proj] * self.max_rank,
-                                  None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, silu_mul)
+                                  None if norm is None else norm.weight, 0.0 if norm is None else norm.eps, silu_mul,
+                                  counters=self.counters)
             return y.addmm_(low, b.t())  # [T, S*P*R] @ [S*P*R, out] into y
         if norm is not None or silu_mul:
             raise RuntimeError("LoRASlots.add: a prologue needs the fused path (fused_for)")

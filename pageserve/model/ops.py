@@ -46,9 +46,11 @@ class TorchOps:
         return reference.linear(x, weight, bias)
 
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int,
-                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> torch.Tensor:
+                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
         """LoRA's first product, each row keeping its own slot's columns, after an RMSNorm or SiLU·mul of x where
-        asked (``reference.lora_shrink``)."""
+        asked (``reference.lora_shrink``). ``counters``: the kernel's split-K tickets (``kernels.lora``), unused
+        here."""
         return reference.lora_shrink(x, a, token_slots, width, norm_weight, eps, silu_mul)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

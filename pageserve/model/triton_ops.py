@@ -266,11 +266,12 @@ class TritonOps(TorchOps):
         return self.use_gemv and x.dim() == 2 and 0 < x.shape[0] <= max_m and x.stride(-1) == 1
 
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int,
-                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False) -> torch.Tensor:
+                    norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
+                    counters: torch.Tensor | None = None) -> torch.Tensor:
         if not mma_dot_for(x):  # below sm_80 its dot tiles run on FMAs and spill (t4_compile_audit): the reference
             return super().lora_shrink(x, a, token_slots, width, norm_weight, eps, silu_mul)
         return lora_shrink(x if x.stride(-1) == 1 else x.contiguous(), a, token_slots, width, norm_weight, eps,
-                           silu_mul)
+                           silu_mul, counters=counters)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
