@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -21,6 +22,18 @@ from pageserve.model.decoder import Decoder
 from pageserve.model.lora import LoRAAdapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: one intra-op thread for this module
+# Triton launches on CPU tensors need the interpreter, which conftest turns on only where there is no GPU
+CPU_TRITON = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (the GPU tests cover CUDA)")
+TRITON_PARAM = pytest.param(True, marks=CPU_TRITON, id="triton")
+
+
+@pytest.fixture
+def fused_lora(monkeypatch):
+    """The fused layer path (``kernels/lora.py``), off by default since session 48: its tests turn it on."""
+    from pageserve.model.lora import LoRASlots
+
+    monkeypatch.setattr(LoRASlots, "USE_KERNELS", True)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22], [20, 21, 22, 23],
            [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
@@ -270,14 +283,19 @@ def test_lora_with_tensor_parallelism_is_refused():
 
 
 # ----------------------------------------------------------------------------- other paths
-def test_the_triton_kernels_apply_adapters_as_the_reference(base, adapters, tiny_qwen2_config):
+@CPU_TRITON
+@pytest.mark.parametrize("fused", [False, True], ids=["reference_products", "fused_kernel"])
+def test_the_triton_kernels_apply_adapters_as_the_reference(base, adapters, tiny_qwen2_config, fused, request):
+    if fused:
+        request.getfixturevalue("fused_lora")
     llm = lora_llm(base, max_loras=2, use_triton=True)
+    assert any(layer.lora.fused_for(llm.engine.runner.ops) for layer in llm.engine.runner.model.layers) == fused
     loras = [adapters["a"], None, adapters["b"]]
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=loras)
     assert_like_reference(outs, loras, base, tiny_qwen2_config, atol=1e-4)
 
 
-@pytest.mark.parametrize("use_triton", [None, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("use_triton", [None, TRITON_PARAM], ids=["torch", "triton"])
 def test_the_deterministic_mode_keeps_an_adapters_rows_batch_invariant(base, adapters, use_triton):
     llm = lora_llm(base, max_loras=2, deterministic=True, use_triton=use_triton)
     assert llm.engine.runner.ops.name == {None: "torch-deterministic", True: "deterministic"}[use_triton]
@@ -317,7 +335,8 @@ def test_engine_stats_name_the_running_and_waiting_adapters(base, adapters):
     assert "lora_running" not in LLM.from_model(copy.deepcopy(base), device="cpu", num_blocks=16).get_stats()
 
 
-@pytest.mark.parametrize("use_triton", [None, True], ids=["torch", "triton"])
+@pytest.mark.usefixtures("fused_lora")
+@pytest.mark.parametrize("use_triton", [None, TRITON_PARAM], ids=["torch", "triton"])
 def test_graph_padding_rows_read_stale_slots_without_changing_real_rows(base, adapters, tiny_qwen2_config, use_triton):
     """The decode graphs' bookkeeping on the CPU (``capture=False``: static buffers and padding, run eagerly):
     a batch of 3 runs in the bucket of 4, whose 4th row reads whatever slot an earlier step left there (the
@@ -438,8 +457,10 @@ def test_the_serve_command_takes_lora_modules_in_both_forms_and_a_bad_one_exits_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("fused", [False, True], ids=["reference_products", "fused_kernel"])
 @pytest.mark.parametrize("dtype, atol", [("float32", 2e-3), ("bfloat16", None)])
-def test_on_the_gpu_graphed_mixed_batches_apply_each_rows_adapter(base, adapters, tiny_qwen2_config, dtype, atol):
+def test_on_the_gpu_graphed_mixed_batches_apply_each_rows_adapter(base, adapters, tiny_qwen2_config, dtype, atol,
+                                                                   fused, request):
     """The CUDA path as served: Triton kernels, decode and mixed-step graphs captured with the slots in them, async
     scheduling. fp32: every row within rounding of its merged reference. bf16 (no tight bound at this size): each
     adapter row nearer its own merged reference than the base model is."""
@@ -449,8 +470,11 @@ def test_on_the_gpu_graphed_mixed_batches_apply_each_rows_adapter(base, adapters
     def on_gpu(model):
         return model.to("cuda", dt)
 
+    if fused:
+        request.getfixturevalue("fused_lora")
     llm = LLM.from_model(on_gpu(copy.deepcopy(base)), enable_lora=True, max_loras=2, **kw)
     assert llm.engine.runner.graphs is not None and llm.engine.runner.ops.name == "triton"
+    assert any(layer.lora.fused_for(llm.engine.runner.ops) for layer in llm.engine.runner.model.layers) == fused
     loras = [adapters["a"], None, adapters["b"]]
     outs = llm.generate(PROMPTS, SCORE, use_tqdm=False, lora_request=loras)
     for out, lora in zip(outs, loras):
@@ -486,7 +510,8 @@ def test_generate_with_lora_uses_the_adapter_and_a_bad_one_is_one_line(tmp_path,
     assert "no such folder" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("use_triton", [None, True], ids=["torch", "triton"])
+@pytest.mark.usefixtures("fused_lora")
+@pytest.mark.parametrize("use_triton", [None, TRITON_PARAM], ids=["torch", "triton"])
 def test_adapters_run_over_int8_weights_and_rows_without_one_are_the_int8_models(base, adapters, use_triton):
     """The adapter's product is added to whatever the base projection is, int8 weights included (vLLM serves LoRA
     over quantized models too): rows with no adapter are the int8 model's, rows with one differ from them (the

@@ -186,7 +186,12 @@ class LoRASlots:
     before the forward (``set_token_slots``); rows past the step's real ones (graph padding) hold stale values,
     which only change those rows."""
 
-    USE_KERNELS = True  # new slots' ``use_kernels``: off, the reference products even on the Triton ops (an A/B)
+    # new slots' ``use_kernels``: the fused layer path with ``kernels/lora.py`` on the Triton ops. Off by default:
+    # on the H100 (session 48, ``scripts/lora_bench.py``) it cost 1.70x plain at batch 1 with adapters in use
+    # against the reference path's 1.54x (1.66 / 1.63 at 16, 1.63 / 1.66 at 64); it wins only when no row uses an
+    # adapter (1.35x). The reference's products run the engine's tuned GEMVs, which one masked kernel launch with
+    # its prologue and split-K tickets does not beat at decode sizes.
+    USE_KERNELS = False
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_tokens: int,
                  dtype: torch.dtype, device: torch.device) -> None:
