@@ -15,10 +15,11 @@ fp32 check is ``tests/test_lora.py``'s GPU test.
 
 Cost: the decode step (ms, ``lab.decode_bench.decode_step_ms``) at each batch for: ``plain`` (enable_lora off),
 ``lora_none`` (on, no request uses an adapter), ``lora_one`` (every request the same adapter) and ``lora_mixed``
-(the requests take ``max_loras`` adapters in turn), the engines alternating over ``rounds``. ``lora_none_ref`` and
-``lora_mixed_ref``: a third engine whose slots run the reference products (``LoRASlots.USE_KERNELS`` off: both
+(the requests take ``max_loras`` adapters in turn), the engines alternating over ``rounds``. These run the fused
+kernel path (``LoRASlots.USE_KERNELS`` on, whatever the shipped default). ``lora_none_ref`` and ``lora_mixed_ref``:
+a third engine whose slots run the reference products (``USE_KERNELS`` off, the default since session 48: both
 products through ``ops.linear``, a select and an add: four launches a projection against the kernels' two), the
-A/B of ``kernels/lora.py`` (``--no-ref`` leaves it out).
+A/B of ``kernels/lora.py`` (``--no-ref`` leaves it out). The rows check runs on the kernel path's engine.
 
 Writes DIR/lora_bench.json (commit and hardware from ``pageserve.lab.results``) and prints one line a figure.
 """
