@@ -542,6 +542,52 @@ def test_mixed_steps_through_the_graph_runner_match_eager_ones(tiny_qwen2_config
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
+def test_deterministic_mixed_steps_through_the_graph_runner_keep_the_eager_steps_bits(tiny_qwen2_config, monkeypatch):
+    # the deterministic ops' mixed steps from the runner's static tile maps (graphs on CUDA, the same buffers run
+    # eagerly on the CPU) against their eager steps: the same bits in every sampling step (the mode's promise:
+    # the bucket's padding and the static maps' sentinel tiles change no real row), the runner really used, and
+    # off unless DeterministicOps.mixed_graphs is on. With tall prefill tiles (Hopper's "auto", forced here on
+    # the CPU) the attention reads three maps: small tiles for decodes, tall ones for chunks, and the merge's
+    from pageserve.lab.decode_bench import capture_logits
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    model = Decoder(tiny_qwen2_config).to(DEVICE)
+    model.init_dummy_weights(seed=5, std=0.3)
+    g = torch.Generator().manual_seed(3)
+    small = DEVICE == "cpu"
+    lengths = torch.randint(20, 70, (4,), generator=g) if small else torch.randint(3, 40, (40,), generator=g)
+    prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_tokens=3 if small else 16, ignore_eos=True)
+    runs = {}
+    for mixed, tall in ((False, 64), (True, 64), (True, None)):
+        llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
+                             max_num_seqs=40, max_num_batched_tokens=61, max_model_len=256, enforce_eager=True,
+                             use_triton=True, deterministic=True,
+                             triton_options={"attention_prefill_block_m": tall} if small else {})
+        runner = llm.engine.runner
+        assert runner.ops.name == "deterministic" and not runner.mixed_graphs_supported()
+        used = []
+        if mixed:
+            monkeypatch.setattr(DeterministicOps, "mixed_graphs", True)
+            assert runner.mixed_graphs_supported()
+            runner.enable_mixed_graphs(capture=DEVICE == "cuda")
+            assert len(runner.mixed_graphs.maps) == (3 if runner.ops.prefill_block_m_for(runner.device) else 1)
+            real_run = runner.mixed_graphs.run
+            runner.mixed_graphs.run = lambda x, d, ids: used.append(x.num_tokens) or real_run(x, d, ids)
+            monkeypatch.undo()
+        with capture_logits(runner) as steps:
+            out = llm.generate(prompts, params)
+        runs[mixed, tall] = ([o.outputs[0].token_ids for o in out], steps.logits, used)
+    tokens, logits, _ = runs[False, 64]
+    for key in ((True, 64), (True, None)) if small else ((True, 64),):
+        tokens_m, logits_m, used = runs[key]
+        assert len(used) >= 3 and any(n not in (16, 32, 48, 61) for n in used)  # steps off the buckets, padded
+        assert tokens == tokens_m and len(logits) == len(logits_m)
+        if key[1] == 64 or not small:  # the same tiles: the same bits (other tile heights give other bits)
+            for a, b in zip(logits, logits_m):
+                assert torch.equal(a, b)
+
+
 def test_mixed_graph_options_are_validated_and_their_defaults_are_the_measured_ones():
     from pageserve.engine.config import EngineConfig
 

@@ -52,12 +52,22 @@ def mixed_bucket_sizes(max_tokens: int) -> list[int]:
 
 
 class MixedGraphRunner:
+    """``maps``: the query tile maps the ops' attention reads in a chunked step, as (tokens a tile, part, short
+    length) of ``query_tile_map``; default one map of every sequence's tiles, ``q_tok`` tokens a tile (the default
+    prefill kernel's). The deterministic ops name three (``DeterministicOps.mixed_tile_maps``: small tiles for
+    the step's decodes, tall ones for its chunks, and the merge's). Each gets a static buffer per bucket."""
+
     def __init__(self, model, kv_cache: torch.Tensor, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 q_tok: int, heavy_first: bool, capture: bool | None = None) -> None:
+                 q_tok: int, heavy_first: bool, capture: bool | None = None,
+                 maps: list[tuple[int, str, int]] | None = None) -> None:
         self.model, self.kv_cache, self.device = model, kv_cache, kv_cache.device
         self.capture_enabled = (self.device.type == "cuda") if capture is None else capture
         self.max_tokens, self.max_seqs = max_tokens, max_seqs
         self.q_tok, self.heavy_first = q_tok, heavy_first
+        # (scratch key, tokens a tile, part, short length, heavy first) of each map: the key query_tile_map looks up
+        specs = [(q_tok, "all", 0, heavy_first)] if maps is None else [(q, part, n, False) for q, part, n in maps]
+        self.maps = [(("query_tiles", q, part, n if part != "all" else 0, heavy), q, part, n, heavy)
+                     for q, part, n, heavy in specs]
         self.buckets = mixed_bucket_sizes(max_tokens)
         dev, i32, i64 = self.device, torch.int32, torch.int64
         S = max_seqs + 1  # the last sequence is always padding: the sentinel tiles name it
@@ -68,18 +78,17 @@ class MixedGraphRunner:
         self.seq_lens = torch.zeros(S, dtype=i32, device=dev)
         self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=i32, device=dev)
         # every entry a sentinel until a step fills in its tiles (see ``run``)
-        self.tiles = {t: torch.tensor([[max_seqs], [0]], dtype=i32, device=dev).repeat(1, self.num_tiles(t))
-                      for t in self.buckets}
+        self.tiles = {t: {key: torch.tensor([[max_seqs], [0]], dtype=i32, device=dev).repeat(1, self.num_tiles(t, q))
+                          for key, q, *_ in self.maps} for t in self.buckets}
         self.hidden = {}  # bucket -> its graph's output [bucket, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
-        self.key = ("query_tiles", q_tok, "all", 0, heavy_first)  # query_tile_map's scratch key
 
-    def num_tiles(self, tokens: int) -> int:
+    def num_tiles(self, tokens: int, q_tok: int | None = None) -> int:
         """Tile buffer length of a bucket: each sequence's chunk adds at most one partial tile."""
-        return -(-tokens // self.q_tok) + self.max_seqs + 1
+        return -(-tokens // (q_tok or self.q_tok)) + self.max_seqs + 1
 
     def can_run(self, num_tokens: int, num_seqs: int) -> bool:
         return 0 < num_tokens <= self.max_tokens and num_seqs <= self.max_seqs
@@ -91,7 +100,7 @@ class MixedGraphRunner:
             max_query_len=2,  # any chunk: the prefill kernel, from the static map
             max_seq_len=self.max_seq_len,
         )
-        meta.scratch[self.key] = self.tiles[tokens]
+        meta.scratch.update(self.tiles[tokens])
         meta.scratch["static_tiles"] = True
         return PagedAttention(self.kv_cache, meta, self.model.ops)
 
@@ -124,15 +133,16 @@ class MixedGraphRunner:
         self.seq_lens[:B].copy_(d.seq_lens)
         self.seq_lens[B:].fill_(0)
         self.block_tables[:B, :d.block_tables.shape[1]].copy_(d.block_tables)
-        real = query_tile_arrays(x.query_start_loc, x.seq_lens if self.heavy_first else None, self.q_tok, B)
-        tiles = np.zeros((2, self.num_tiles(t)), dtype=np.int32)
-        tiles[0] = self.max_seqs  # sentinels: the last padding sequence, an empty chunk
-        tiles[:, :real.shape[1]] = real
-        host = torch.from_numpy(tiles)
-        if self.device.type == "cuda":
-            self.tiles[t].copy_(host.pin_memory(), non_blocking=True)
-        else:
-            self.tiles[t].copy_(host)
+        for key, q_tok, part, short_len, heavy in self.maps:
+            real = query_tile_arrays(x.query_start_loc, x.seq_lens if heavy else None, q_tok, B, part, short_len)
+            tiles = np.zeros((2, self.num_tiles(t, q_tok)), dtype=np.int32)
+            tiles[0] = self.max_seqs  # sentinels: the last padding sequence, an empty chunk
+            tiles[:, :real.shape[1]] = real
+            host = torch.from_numpy(tiles)
+            if self.device.type == "cuda":
+                self.tiles[t][key].copy_(host.pin_memory(), non_blocking=True)
+            else:
+                self.tiles[t][key].copy_(host)
         if t in self.graphs:
             self.graphs[t].replay()
             return self.hidden[t][:T]

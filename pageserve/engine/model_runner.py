@@ -314,10 +314,12 @@ class ModelRunner:
         return seconds
 
     def mixed_graphs_supported(self) -> bool:
-        """The Triton ops on one GPU, int8 weights included (not deterministic, not a shard). Int8 had them off
-        until session 25, whose serving record found its mixed steps eager (08_serving_int8_a2e8d86: TPOT p50
-        11.1 ms at 32 req/s against bf16's 3.4)."""
-        return self.ops.name == "triton" and self.config.tensor_parallel_size == 1
+        """The Triton ops on one GPU, int8 weights included (not a shard). Int8 had them off until session 25,
+        whose serving record found its mixed steps eager (08_serving_int8_a2e8d86: TPOT p50 11.1 ms at 32 req/s
+        against bf16's 3.4). The deterministic ops where their ``mixed_graphs`` is on (off until a GPU has
+        checked their graphed mixed steps' bits: ``DeterministicOps.mixed_graphs``)."""
+        ops_ok = self.ops.name == "triton" or getattr(self.ops, "mixed_graphs", False)
+        return ops_ok and self.config.tensor_parallel_size == 1
 
     def enable_mixed_graphs(self, capture: bool | None = None) -> None:
         """Build the mixed-step graph runner and capture its buckets (``capture=False``: the same
@@ -328,9 +330,10 @@ class ModelRunner:
         c, cfg = self.config, self.cfg
         group = cfg.num_heads // cfg.num_kv_heads
         heavy_first = getattr(self.ops, "prefill_tile_order", "heavy_first") == "heavy_first"
+        maps = self.ops.mixed_tile_maps(group, self.device) if hasattr(self.ops, "mixed_tile_maps") else None
         self.mixed_graphs = MixedGraphRunner(
             self.model, self.kv_cache, min(c.mixed_graph_max_tokens, c.max_num_batched_tokens), c.max_num_seqs,
-            self.max_blocks_per_seq(), prefill_block_m(group) // group, heavy_first, capture=capture)
+            self.max_blocks_per_seq(), prefill_block_m(group) // group, heavy_first, capture=capture, maps=maps)
         self.mixed_graphs.capture()
 
     # ------------------------------------------------------------------ KV pool size

@@ -31,7 +31,7 @@ from ..kernels import reference
 from ..kernels._util import use_pdl
 from ..kernels.matmul_invariant import PDL_RELEASES
 from ..kernels.paged_decode import rope_supported
-from ..kernels.paged_invariant import LAUNCH_OPTIONS
+from ..kernels.paged_invariant import LAUNCH_OPTIONS, invariant_block_m
 from .ops import TorchOps
 from .quant import QuantizedWeight
 from .triton_ops import TritonOps
@@ -94,6 +94,22 @@ class DeterministicOps(TritonOps):
 
     name = "deterministic"
     lora_kernels = False  # LoRA's products through the invariant ``linear`` (cuBLAS's addmm_ is not invariant)
+    # mixed steps (chunks, speculative verify steps) replayed from CUDA graphs (engine/mixed_graphs.py, the
+    # static tile maps of ``mixed_tile_maps``). Off: CPU-checked bit for bit against eager steps on the
+    # interpreter, not yet on a GPU. Without them a 3B verify step ran eagerly, ~30 ms on the H100 (session 48).
+    mixed_graphs = False
+
+    def mixed_tile_maps(self, group: int, device: torch.device) -> list[tuple[int, str, int]]:
+        """The query tile maps ``paged_attention`` reads in a chunked step, as (tokens a tile, part, short
+        length) of ``query_tile_map``: the small tiles' map of every sequence (the merge's, and the one launch's
+        without tall tiles) and, with tall tiles (``prefill_block_m_for``), the decodes' small-tile map and the
+        chunks' tall-tile map (``paged_attention_invariant``'s two launches)."""
+        small = invariant_block_m(group)
+        maps = [(small // group, "all", 0)]
+        tall = self.prefill_block_m_for(device)
+        if tall is not None:
+            maps += [(small // group, "short", small // group), (tall // group, "long", small // group)]
+        return maps
 
     def eager_row_buckets_for(self, device: torch.device) -> bool:
         """On where cuBLAS may be probed (``cublas_rows`` on CUDA): eager steps' rows padded to buckets, and
