@@ -108,7 +108,14 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=2048,
                     help="KV blocks per engine: several engines share the GPU, so none may size itself from memory")
     ap.add_argument("--deterministic", action="store_true", help="every engine in the batch-invariant mode")
+    ap.add_argument("--det-mixed-graphs", action="store_true",
+                    help="with --deterministic: the deterministic ops' mixed-step graphs on (DeterministicOps."
+                         "mixed_graphs, off by default until checked on a GPU): verify steps replayed, not eager")
     args = ap.parse_args()
+    if args.det_mixed_graphs:
+        from pageserve.model.deterministic_ops import DeterministicOps
+
+        DeterministicOps.mixed_graphs = True  # read when each engine starts, before its graphs are captured
     ks = [int(x) for x in args.ks.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
