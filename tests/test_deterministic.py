@@ -87,11 +87,16 @@ def test_deterministic_triton_path_same_logprobs_alone_batched_chunked_and_prefi
     assert {k: r[k] for k in want} == want
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["eager_verify", "mixed_graph_verify"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16] if not ON_GPU else [torch.bfloat16, torch.float16])
-def test_deterministic_speculative_decoding_gives_plain_decodings_logprobs_bit_for_bit(tiny_qwen2_config, dtype):
+def test_deterministic_speculative_decoding_gives_plain_decodings_logprobs_bit_for_bit(tiny_qwen2_config, dtype,
+                                                                                     mixed, monkeypatch):
     """A draft-verifying step computes a sequence's newest token and its drafts as one chunk; in the
-    deterministic mode that chunk's logits are bitwise the one-token steps' (engine/speculative.py)."""
+    deterministic mode that chunk's logits are bitwise the one-token steps' (engine/speculative.py), also when
+    the verify steps go through the mixed-step graph runner (``DeterministicOps.mixed_graphs``; its static
+    buffers run eagerly on the CPU)."""
     from pageserve.engine.speculative import can_draft
+    from pageserve.model.deterministic_ops import DeterministicOps
 
     device = "cuda" if ON_GPU else "cpu"
     model = _tiny_model(tiny_qwen2_config, dtype, device)
@@ -112,8 +117,15 @@ def test_deterministic_speculative_decoding_gives_plain_decodings_logprobs_bit_f
                 seq.spec_token_ids[2] = (seq.spec_token_ids[2] + 1) % 256
 
     llm.engine.proposer.propose = propose
+    used = []
+    if mixed:
+        monkeypatch.setattr(DeterministicOps, "mixed_graphs", True)
+        runner = llm.engine.runner
+        runner.enable_mixed_graphs(capture=ON_GPU)
+        real_run = runner.mixed_graphs.run
+        runner.mixed_graphs.run = lambda x, d, ids: used.append(x.num_tokens) or real_run(x, d, ids)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.get_stats()["spec_accepted_tokens"] > 0
+    assert llm.get_stats()["spec_accepted_tokens"] > 0 and (len(used) >= 2) == mixed  # the prompts, then verifies
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.outputs[0].logprobs for o in got] == [o.outputs[0].logprobs for o in want]  # every float equal
 
