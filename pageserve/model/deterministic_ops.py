@@ -24,6 +24,8 @@ whatever the batch. Slow, and meant for the CPU smoke runs and tests.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -97,7 +99,8 @@ class DeterministicOps(TritonOps):
     # mixed steps (chunks, speculative verify steps) replayed from CUDA graphs (engine/mixed_graphs.py, the
     # static tile maps of ``mixed_tile_maps``). Off: CPU-checked bit for bit against eager steps on the
     # interpreter, not yet on a GPU. Without them a 3B verify step ran eagerly, ~30 ms on the H100 (session 48).
-    mixed_graphs = False
+    # PAGESERVE_DET_MIXED_GRAPHS=1 turns them on for a whole process (the GPU stages' A/B).
+    mixed_graphs = os.environ.get("PAGESERVE_DET_MIXED_GRAPHS", "0") == "1"
 
     def mixed_tile_maps(self, group: int, device: torch.device) -> list[tuple[int, str, int]]:
         """The query tile maps ``paged_attention`` reads in a chunked step, as (tokens a tile, part, short
