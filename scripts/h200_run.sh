@@ -31,6 +31,7 @@ if [ -z "${PAGESERVE_GIT_COMMIT:-}" ] && [ -f .run_stamp ]; then
   export PAGESERVE_GIT_COMMIT PAGESERVE_GIT_DIRTY=$(( n_changed > 0 ))
 fi
 echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"
+env | grep "^PAGESERVE_DET_" || true  # the switches a run was under (DeterministicOps.mixed_graphs)
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$RES/nvidia-smi.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 

@@ -559,6 +559,7 @@ def test_deterministic_mixed_steps_through_the_graph_runner_keep_the_eager_steps
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=3 if small else 16, ignore_eos=True)
     runs = {}
+    monkeypatch.setattr(DeterministicOps, "mixed_graphs", False)  # the default (PAGESERVE_DET_MIXED_GRAPHS may set it)
     for mixed, tall in ((False, 64), (True, 64), (True, None)):
         llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
                              max_num_seqs=40, max_num_batched_tokens=61, max_model_len=256, enforce_eager=True,
@@ -574,7 +575,7 @@ def test_deterministic_mixed_steps_through_the_graph_runner_keep_the_eager_steps
             assert len(runner.mixed_graphs.maps) == (3 if runner.ops.prefill_block_m_for(runner.device) else 1)
             real_run = runner.mixed_graphs.run
             runner.mixed_graphs.run = lambda x, d, ids: used.append(x.num_tokens) or real_run(x, d, ids)
-            monkeypatch.undo()
+            monkeypatch.setattr(DeterministicOps, "mixed_graphs", False)
         with capture_logits(runner) as steps:
             out = llm.generate(prompts, params)
         runs[mixed, tall] = ([o.outputs[0].token_ids for o in out], steps.logits, used)
