@@ -546,7 +546,7 @@ def test_deterministic_mixed_steps_through_the_graph_runner_keep_the_eager_steps
     # the deterministic ops' mixed steps from the runner's static tile maps (graphs on CUDA, the same buffers run
     # eagerly on the CPU) against their eager steps: the same bits in every sampling step (the mode's promise:
     # the bucket's padding and the static maps' sentinel tiles change no real row), the runner really used, and
-    # off unless DeterministicOps.mixed_graphs is on. With tall prefill tiles (Hopper's "auto", forced here on
+    # off when DeterministicOps.mixed_graphs is (on by default). With tall prefill tiles (Hopper's "auto", forced here on
     # the CPU) the attention reads three maps: small tiles for decodes, tall ones for chunks, and the merge's
     from pageserve.lab.decode_bench import capture_logits
     from pageserve.model.deterministic_ops import DeterministicOps
@@ -559,7 +559,7 @@ def test_deterministic_mixed_steps_through_the_graph_runner_keep_the_eager_steps
     prompts = [torch.randint(0, 256, (int(n),), generator=g).tolist() for n in lengths]
     params = SamplingParams(temperature=0.0, max_tokens=3 if small else 16, ignore_eos=True)
     runs = {}
-    monkeypatch.setattr(DeterministicOps, "mixed_graphs", False)  # the default (PAGESERVE_DET_MIXED_GRAPHS may set it)
+    monkeypatch.setattr(DeterministicOps, "mixed_graphs", False)  # the eager side first (the switch off)
     for mixed, tall in ((False, 64), (True, 64), (True, None)):
         llm = LLM.from_model(model.eval(), device=DEVICE, dtype="float32", block_size=8, num_blocks=512,
                              max_num_seqs=40, max_num_batched_tokens=61, max_model_len=256, enforce_eager=True,

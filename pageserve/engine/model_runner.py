@@ -316,8 +316,8 @@ class ModelRunner:
     def mixed_graphs_supported(self) -> bool:
         """The Triton ops on one GPU, int8 weights included (not a shard). Int8 had them off until session 25,
         whose serving record found its mixed steps eager (08_serving_int8_a2e8d86: TPOT p50 11.1 ms at 32 req/s
-        against bf16's 3.4). The deterministic ops where their ``mixed_graphs`` is on (off until a GPU has
-        checked their graphed mixed steps' bits: ``DeterministicOps.mixed_graphs``)."""
+        against bf16's 3.4). The deterministic ops where their ``mixed_graphs`` is on (the default since a GPU
+        checked their graphed mixed steps' bits, session 49: ``DeterministicOps.mixed_graphs``)."""
         ops_ok = self.ops.name == "triton" or getattr(self.ops, "mixed_graphs", False)
         return ops_ok and self.config.tensor_parallel_size == 1
 
