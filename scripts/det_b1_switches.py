@@ -185,7 +185,8 @@ def use_old_paths(runner, paths) -> None:
         runner.sampler._argmax = sampler._torch_argmax
 
 
-MIXES = {"attention": ("paged_attention",),
+MIXES = {"attention": ("paged_attention", "rope_in_decode_attention", "rope_decode_attention", "chunk_attention_for",
+                       "mixed_tile_maps"),
          "linears": ("linear", "silu_mul_linear", "gate_up_silu_mul", "silu_in_gate_up_for")}
 
 
@@ -196,7 +197,8 @@ def mixed_select_ops(select, names):
 
         ops, plain = select(*args, **kwargs), TritonOps()
         for name in names:
-            setattr(ops, name, getattr(plain, name))
+            # the default ops read one tile map in a mixed graph (the runner's default when the ops name none)
+            setattr(ops, name, (lambda group, device: None) if name == "mixed_tile_maps" else getattr(plain, name))
         return ops
     return mixed
 
