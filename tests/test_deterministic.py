@@ -403,7 +403,7 @@ def test_a_serving_step_queues_its_cublas_probe_instead_of_waiting_for_it(tiny_q
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_deterministic_engine_with_cublas_at_every_row_count_stays_invariant(tiny_qwen2_config):
-    # cuBLAS tried from one row (the default is 128-2,048): wherever it is taken, alone = batched = chunked
+    # cuBLAS tried from one row (the default is 128-8,192): wherever it is taken, alone = batched = chunked
     model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")
 
     def make(**kw):

@@ -89,9 +89,10 @@ class DeterministicOps(TritonOps):
     tok/s against 71.5k for its second, diagnostics/det_w1_switches_4c8457e.*)."""
 
     # cuBLAS tried from 128 rows (where the probe timed it faster on every 3B shape but o, which is level)
-    # to 2,048 (the largest graphed step; eager chunks above stay on the invariant kernel, which the
-    # sweeps timed at ~0.98x cuBLAS's time at 8,192 rows, and each new row count would cost a check)
-    CUBLAS_ROWS = (128, 2048)
+    # to 8,192, the default token budget: eager steps' rows are padded to buckets in this mode and every
+    # bucket is probed at start-up. Up to session 48 the top was 2,048 (the largest graphed step); on an
+    # H100, 8,192 took det W1 from 0.900 to 0.923 of the default mode (session 49, det_w1_switches_ec91ff9)
+    CUBLAS_ROWS = (128, 8192)
     fast_linear = staticmethod(F.linear)
 
     name = "deterministic"
