@@ -225,6 +225,23 @@ def test_deterministic_flag_reaches_the_ops(tiny_qwen2_config):
     assert len(out[0].outputs[0].token_ids) == 2
 
 
+def test_deterministic_mixed_graphs_are_on_unless_the_environment_turns_them_off():
+    # PAGESERVE_DET_MIXED_GRAPHS is read once, when the ops' module is imported: a fresh interpreter per setting
+    import os
+    import subprocess
+    import sys
+
+    code = "from pageserve.model.deterministic_ops import DeterministicOps as O; print(O.mixed_graphs)"
+    seen = {}
+    for value in (None, "0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "PAGESERVE_DET_MIXED_GRAPHS"}
+        if value is not None:
+            env["PAGESERVE_DET_MIXED_GRAPHS"] = value
+        seen[value] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.strip()
+    assert seen == {None: "True", "0": "False", "1": "True"}
+
+
 def test_taller_prefill_tiles_are_on_by_default_only_where_the_h200_measured_them():
     from pageserve.model.deterministic_ops import DeterministicOps
 
