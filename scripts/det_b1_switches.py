@@ -116,6 +116,8 @@ VARIANTS = {
     # session 49: cuBLAS tried up to the default token budget (eager prefill steps of 2,049-8,192 rows too, each
     # bucket probed at start-up like the rest), against CUBLAS_ROWS' 2,048
     "det_cublas_to_8192": (True, {"cublas_rows": (128, 8192)}),
+    # session 49: the paired gate_up + SiLU·mul kernel where its bits are this mode's (on by default on Hopper)
+    "det_no_paired": (True, {"paired_rows": None}),
     # session 38: decode steps' RoPE and K/V write inside the invariant attention's split launch (the default up
     # to 4 rows since then: diagnostics/det_b1_switches_rope_in_attention_02b5869.*); rope_kv's launch before the
     # attention at every row count, as before, or the fused launch at every row count (as "det" ran at 02b5869)

@@ -337,6 +337,64 @@ def test_cublas_runs_a_linear_only_where_its_bits_equal_the_invariant_kernels():
     assert set(ops.cublas_checked.values()) == {False}
 
 
+def test_the_paired_gate_up_kernel_runs_only_where_its_bits_equal_this_modes_path():
+    # kernels.gate_up_silu (the default mode's gate_up + SiLU·mul for prefill-sized steps) is taken per (shape,
+    # rows) only where a probe gives the bits of this mode's own path: the invariant product, then SiLU·mul
+    from pageserve.kernels import matmul_invariant
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    dev = "cuda" if ON_GPU else "cpu"
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(9, 64, generator=gen).to(dev, torch.bfloat16)
+    w = (torch.randn(96, 64, generator=gen) * 0.2).to(dev, torch.bfloat16)  # gate|up: 2 x 48 rows
+    calls = []
+
+    def same_bits(x, w, config=None, pdl=None):  # a paired kernel that computes this mode's very bits: taken
+        calls.append(x.shape[0])
+        return ops.silu_and_mul(matmul_invariant(x, w))
+
+    ops = DeterministicOps(cublas_rows=None, paired_rows=(2, 8))
+    ops.fast_gate_up_silu = same_bits
+    want = ops.silu_and_mul(matmul_invariant(x, w))
+    assert torch.equal(ops.gate_up_silu_mul(x[:8], w), want[:8])
+    assert calls == [8, 8]  # the probe, then the product
+    assert torch.equal(ops.gate_up_silu_mul(x[:8], w), want[:8]) and calls == [8, 8, 8]  # probed once
+    assert torch.equal(ops.gate_up_silu_mul(x, w), want) and calls == [8, 8, 8]  # 9 rows: outside (2, 8)
+    assert ops.paired_checked == {((96, 64), 8, torch.bfloat16, x.device): True}
+
+    def other_bits(x, w, config=None, pdl=None):  # the products summed in two K halves: other bits, refused
+        return ops.silu_and_mul(_split_k_linear(x, w, None))
+
+    ops = DeterministicOps(cublas_rows=None, paired_rows=(2, 8))
+    ops.fast_gate_up_silu = other_bits
+    assert not torch.equal(other_bits(x[:8], w), want[:8])  # the fake really differs
+    assert torch.equal(ops.gate_up_silu_mul(x[:8], w), want[:8])
+    assert set(ops.paired_checked.values()) == {False}
+    assert DeterministicOps().paired_rows is None or ON_GPU  # "auto": Hopper GPUs only, never the interpreter
+    with pytest.raises(ValueError, match="paired_rows"):
+        DeterministicOps(paired_rows=(8, 2))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_paired_gate_up_kernel_where_taken_gives_this_modes_bits_on_fresh_inputs_at_the_3b_shape(dtype):
+    # the real kernel (not a fake): whatever the probe decided per row count, fresh inputs come out with the
+    # bits of the invariant product followed by SiLU·mul
+    from pageserve.kernels import matmul_invariant
+    from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    ops = DeterministicOps(paired_rows=(1, 4096))
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    N, K = GEMV_SHAPES["gate_up"]
+    w = torch.randn(N, K, device="cuda", dtype=dtype, generator=gen) * K**-0.5
+    for M in (3, 300, 2048, 2100, 4096):
+        x = (torch.randn(M, K, device="cuda", generator=gen) * 4).to(dtype)
+        want = ops.silu_and_mul(matmul_invariant(x, w))
+        assert torch.equal(ops.gate_up_silu_mul(x, w).view(torch.int16), want.view(torch.int16))
+    print("paired kernel taken at", sorted(k[1] for k, ok in ops.paired_checked.items() if ok))
+
+
 def test_cublas_rows_default_to_the_gpu_only_and_refuse_a_malformed_range():
     from pageserve.model.deterministic_ops import DeterministicOps
 
@@ -420,11 +478,13 @@ def test_a_serving_step_queues_its_cublas_probe_instead_of_waiting_for_it(tiny_q
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 def test_deterministic_engine_with_cublas_at_every_row_count_stays_invariant(tiny_qwen2_config):
-    # cuBLAS tried from one row (the default is 128-8,192): wherever it is taken, alone = batched = chunked
+    # cuBLAS and the paired gate_up kernel tried from one row (the defaults: 128-8,192 and, on Hopper, 2,048
+    # up): wherever they are taken, alone = batched = chunked
     model = _tiny_model(tiny_qwen2_config, torch.bfloat16, "cuda")
 
     def make(**kw):
-        cfg = dict(num_blocks=128, max_model_len=256, deterministic=True, triton_options={"cublas_rows": (1, 2048)})
+        cfg = dict(num_blocks=128, max_model_len=256, deterministic=True,
+                   triton_options={"cublas_rows": (1, 2048), "paired_rows": (1, 2048)})
         return LLM.from_model(model, None, **(cfg | kw))
 
     g = torch.Generator().manual_seed(7)

@@ -301,6 +301,15 @@ class ModelRunner:
             x = torch.zeros(rows[-1], proj.weight.shape[1], dtype=self.dtype, device=self.device)
             for m in rows:
                 self.ops.linear(x[:m], proj.weight, proj.bias)
+        # the deterministic ops' paired gate_up + SiLU·mul kernel, probed per row count as cuBLAS is
+        # (``DeterministicOps.paired_rows``): the MLP's call at each bucket in its range
+        paired = getattr(self.ops, "paired_rows", None)
+        if paired is not None:
+            w = layer.mlp.gate_up_proj.weight
+            x = torch.zeros(rows[-1], w.shape[1], dtype=self.dtype, device=self.device)
+            for m in rows:
+                if paired[0] <= m <= paired[1]:
+                    self.ops.gate_up_silu_mul(x[:m], w)
         # the head's local product only (a tensor-parallel shard's compute_logits also gathers)
         head = self.model.embed_tokens.weight if self.model.lm_head is None else self.model.lm_head.weight
         x = torch.zeros(rows[-1], head.shape[1], dtype=self.dtype, device=self.device)

@@ -29,14 +29,15 @@ import os
 import torch
 import torch.nn.functional as F
 
-from ..kernels import reference
+from ..kernels import interpreting, reference
 from ..kernels._util import use_pdl
+from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.matmul_invariant import PDL_RELEASES
 from ..kernels.paged_decode import rope_supported
 from ..kernels.paged_invariant import LAUNCH_OPTIONS, invariant_block_m
 from .ops import TorchOps
 from .quant import QuantizedWeight
-from .triton_ops import TritonOps
+from .triton_ops import PAIRED_SILU_ROWS, TritonOps, _row_range
 
 
 def _refuse_int8(weight) -> None:
@@ -86,7 +87,16 @@ class DeterministicOps(TritonOps):
     once its graphs are captured), the probe is queued on the GPU with its answer copied to a pinned host
     flag, and the call, and every call of that (shape, M) until the answer is back, runs the invariant
     kernel: no host sync in a serving step (on the H200 the waiting probes cost W1's first pass 59.0k
-    tok/s against 71.5k for its second, diagnostics/det_w1_switches_4c8457e.*)."""
+    tok/s against 71.5k for its second, diagnostics/det_w1_switches_4c8457e.*).
+
+    ``paired_rows``: (lo, hi), the row counts at which the MLP's gate_up product and its SiLU·mul may run as
+    ``kernels.gate_up_silu`` (the default mode's kernel for prefill-sized steps: gate and up rows in one tile,
+    one MMA chain, SiLU·mul in the epilogue) instead of the product followed by the SiLU·mul kernel; checked
+    per (shape, rows) by a probe as cuBLAS is, against what this mode computes otherwise (the invariant
+    product, then ``silu_and_mul``), so taken only where every bit is that path's. "auto": the default mode's
+    ``PAIRED_SILU_ROWS`` (2,048 rows up) on Hopper GPUs, never elsewhere; None: never. On the H200 the kernel
+    took 974 µs at 8,192 rows of the 3B gate_up against 1,203 for cuBLAS + the SiLU·mul kernel
+    (diagnostics/gate_up_silu_probe_c3d080f.*): W1's prefill steps are 8,192 rows."""
 
     # cuBLAS tried from 128 rows (where the probe timed it faster on every 3B shape but o, which is level)
     # to 8,192, the default token budget: eager steps' rows are padded to buckets in this mode and every
@@ -94,6 +104,7 @@ class DeterministicOps(TritonOps):
     # H100, 8,192 took det W1 from 0.900 to 0.923 of the default mode (session 49, det_w1_switches_ec91ff9)
     CUBLAS_ROWS = (128, 8192)
     fast_linear = staticmethod(F.linear)
+    fast_gate_up_silu = staticmethod(gate_up_silu)  # the paired kernel ``paired_rows`` tries (tests substitute it)
 
     name = "deterministic"
     lora_kernels = False  # LoRA's products through the invariant ``linear`` (cuBLAS's addmm_ is not invariant)
@@ -128,7 +139,7 @@ class DeterministicOps(TritonOps):
                  matmul_specialize: bool | None = None, attention_launch: dict | None = None,
                  cublas_rows: tuple[int, int] | str | None = "auto", rope_in_attention: int = 4,
                  silu_in_gate_up_pdl: bool = True, gate_up_pdl_release: str = "after_loop",
-                 **triton_options) -> None:
+                 paired_rows: tuple[int, int] | str | None = "auto", **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
@@ -141,7 +152,9 @@ class DeterministicOps(TritonOps):
         # that policy inherited, batch 4 ran the epilogue under PDL: 3.07 ms a graphed 3B step against 2.74,
         # diagnostics/det_b1_switches_det_b1_parts_3416e93.*)
         triton_options.setdefault("gate_up_silu_rows", None)
-        triton_options.setdefault("paired_silu_rows", None)  # its bits are measured for the default mode only
+        # the default mode's paired gate_up + SiLU·mul kernel: not by its row policy, but where a probe finds
+        # this mode's bits (``paired_rows``)
+        triton_options.setdefault("paired_silu_rows", None)
         # PDL up to 4 rows: on the H200 the graphed 3B decode step at batch 8 took 3.17 ms with it,
         # 3.01 without; at 1-4 rows it gains 0.17-0.19 ms (diagnostics/det_b1_switches_6bad32f.*)
         triton_options.setdefault("pdl_max_rows", 4)
@@ -176,6 +189,11 @@ class DeterministicOps(TritonOps):
         # probes whose answer is still on its way from the GPU (non-blocking probes): key -> (event, pinned flag)
         self.cublas_pending: dict[tuple, tuple[torch.cuda.Event, torch.Tensor]] = {}
         self.probe_blocking = True
+        hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
+        self.paired_rows = _row_range("paired_rows", paired_rows, PAIRED_SILU_ROWS if hopper else None)
+        # (gate|up shape, row count, dtype, device) -> the paired kernel gave this mode's bits on the probe
+        self.paired_checked: dict[tuple, bool] = {}
+        self.paired_pending: dict[tuple, tuple[torch.cuda.Event, torch.Tensor]] = {}
 
     def linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
         from ..kernels import matmul_invariant
@@ -205,29 +223,37 @@ class DeterministicOps(TritonOps):
         if rows is None or not rows[0] <= M <= rows[1] or x.dim() != 2 or x.data_ptr() % 16:
             return False
         key = (tuple(weight.shape), M, x.dtype, bias is not None, x.device)
-        ok = self.cublas_checked.get(key)
+        return self._probed(self.cublas_checked, self.cublas_pending, key, x,
+                            lambda: self._probe_bits_equal(M, weight, bias, x.dtype))
+
+    def _probed(self, checked: dict, pending: dict, key: tuple, x: torch.Tensor, probe) -> bool:
+        """A fast path's answer for ``key`` (``checked``), or its probe: ``probe()`` gives a bool tensor on
+        the device (all bits equal?). Blocking (start-up) it waits for it; else it queues the answer to a
+        pinned host flag and says False (the invariant path) until the flag is back (``pending``). Never
+        probes, and never asks an event, inside a CUDA-graph capture."""
+        ok = checked.get(key)
         if ok is not None:
             return ok
         # undecided inside a capture: the invariant kernel (the same bits); no event queried there
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        pending = self.cublas_pending.get(key)
-        if pending is not None:
-            if capturing or not pending[0].query():
+        waiting = pending.get(key)
+        if waiting is not None:
+            if capturing or not waiting[0].query():
                 return False  # the answer is not back yet: the invariant kernel meanwhile
-            ok = self.cublas_checked[key] = bool(pending[1].item())  # a pinned host flag: no sync
-            del self.cublas_pending[key]
+            ok = checked[key] = bool(waiting[1].item())  # a pinned host flag: no sync
+            del pending[key]
             return ok
         if capturing:
             return False
-        equal = self._probe_bits_equal(M, weight, bias, x.dtype)
+        equal = probe()
         if self.probe_blocking or not x.is_cuda:
-            ok = self.cublas_checked[key] = bool(equal)  # waits for the probe
+            ok = checked[key] = bool(equal)  # waits for the probe
             return ok
         flag = torch.empty((), dtype=torch.bool, pin_memory=True)
         flag.copy_(equal, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self.cublas_pending[key] = (done, flag)
+        pending[key] = (done, flag)
         return False
 
     def _probe_bits_equal(self, M: int, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -244,6 +270,37 @@ class DeterministicOps(TritonOps):
         x = (torch.randn(M, K, device=weight.device, generator=gen) * scale).to(dtype)
         fast = self.fast_linear(x, weight, bias)
         ref = matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, specialize=self.matmul_specialize)
+        if fast.shape != ref.shape:
+            return torch.zeros((), dtype=torch.bool, device=weight.device)
+        bits = torch.int16 if fast.element_size() == 2 else torch.int32
+        return (fast.view(bits) == ref.view(bits)).all()
+
+    def paired_bits_equal(self, x: torch.Tensor, weight) -> bool:
+        """Whether gate_up + SiLU·mul may run on ``fast_gate_up_silu`` at these rows: M within
+        ``paired_rows`` and the probe for (shape, M) gave every bit of the product-then-``silu_and_mul`` path."""
+        rows, M = self.paired_rows, x.shape[0]
+        if (rows is None or not rows[0] <= M <= rows[1] or x.dim() != 2 or x.data_ptr() % 16
+                or isinstance(weight, QuantizedWeight)):
+            return False
+        key = (tuple(weight.shape), M, x.dtype, x.device)
+        return self._probed(self.paired_checked, self.paired_pending, key, x,
+                            lambda: self._probe_paired_equal(M, weight, x.dtype))
+
+    def _paired(self, x: torch.Tensor, weight) -> torch.Tensor:
+        return self.fast_gate_up_silu(x, weight, config=self.paired_silu_config, pdl=False)
+
+    def _probe_paired_equal(self, M: int, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """M random rows through the paired kernel and through this mode's own path at M rows (the invariant
+        product, whose bits cuBLAS keeps where it runs, then the SiLU·mul kernel): all bits equal? (a bool
+        tensor on the device: asking costs no sync)."""
+        from ..kernels import matmul_invariant
+
+        gen = torch.Generator(device=weight.device).manual_seed(M + 1)
+        scale = torch.rand(M, 1, device=weight.device, generator=gen) * 8
+        x = (torch.randn(M, weight.shape[1], device=weight.device, generator=gen) * scale).to(dtype)
+        fast = self._paired(x, weight)
+        ref = self.silu_and_mul(matmul_invariant(x, weight, None, block_m=self.matmul_block_m,
+                                                 specialize=self.matmul_specialize))
         if fast.shape != ref.shape:
             return torch.zeros((), dtype=torch.bool, device=weight.device)
         bits = torch.int16 if fast.element_size() == 2 else torch.int32
@@ -281,6 +338,8 @@ class DeterministicOps(TritonOps):
         _refuse_int8(weight)
         rows = x.shape[0]
         x = x if x.stride(-1) == 1 else x.contiguous()
+        if self.paired_bits_equal(x, weight):
+            return self._paired(x, weight)  # the paired kernel, where its bits are this path's (``paired_rows``)
         pdl = use_pdl(x, rows, self.pdl_for(rows))
         if (rows > self.silu_in_gate_up_max_rows or (pdl and not self.silu_in_gate_up_pdl)
                 or self.cublas_bits_equal(x, weight, None)):
