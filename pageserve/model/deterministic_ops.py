@@ -40,6 +40,21 @@ from .quant import QuantizedWeight
 from .triton_ops import PAIRED_SILU_ROWS, TritonOps, _row_range
 
 
+def _probe_rows(M: int, weight: torch.Tensor, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A bit probe's input: M random rows for ``weight``'s K, each scaled by up to 8 (mixed magnitudes)."""
+    gen = torch.Generator(device=weight.device).manual_seed(seed)
+    scale = torch.rand(M, 1, device=weight.device, generator=gen) * 8
+    return (torch.randn(M, weight.shape[1], device=weight.device, generator=gen) * scale).to(dtype)
+
+
+def _all_bits_equal(fast: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Every element of ``fast`` has ``ref``'s bits: a bool tensor on their device (asking costs no sync)."""
+    if fast.shape != ref.shape:
+        return torch.zeros((), dtype=torch.bool, device=ref.device)
+    bits = torch.int16 if fast.element_size() == 2 else torch.int32
+    return (fast.view(bits) == ref.view(bits)).all()
+
+
 def _refuse_int8(weight) -> None:
     if isinstance(weight, QuantizedWeight):
         raise ValueError("deterministic mode does not support int8 weights (its kernels split by batch)")
@@ -264,16 +279,10 @@ class DeterministicOps(TritonOps):
         of M equal)."""
         from ..kernels import matmul_invariant
 
-        gen = torch.Generator(device=weight.device).manual_seed(M)
-        K = weight.shape[1]
-        scale = torch.rand(M, 1, device=weight.device, generator=gen) * 8
-        x = (torch.randn(M, K, device=weight.device, generator=gen) * scale).to(dtype)
-        fast = self.fast_linear(x, weight, bias)
-        ref = matmul_invariant(x, weight, bias, block_m=self.matmul_block_m, specialize=self.matmul_specialize)
-        if fast.shape != ref.shape:
-            return torch.zeros((), dtype=torch.bool, device=weight.device)
-        bits = torch.int16 if fast.element_size() == 2 else torch.int32
-        return (fast.view(bits) == ref.view(bits)).all()
+        x = _probe_rows(M, weight, dtype, seed=M)
+        return _all_bits_equal(self.fast_linear(x, weight, bias),
+                               matmul_invariant(x, weight, bias, block_m=self.matmul_block_m,
+                                                specialize=self.matmul_specialize))
 
     def paired_bits_equal(self, x: torch.Tensor, weight) -> bool:
         """Whether gate_up + SiLU·mul may run on ``fast_gate_up_silu`` at these rows: M within
@@ -295,16 +304,10 @@ class DeterministicOps(TritonOps):
         tensor on the device: asking costs no sync)."""
         from ..kernels import matmul_invariant
 
-        gen = torch.Generator(device=weight.device).manual_seed(M + 1)
-        scale = torch.rand(M, 1, device=weight.device, generator=gen) * 8
-        x = (torch.randn(M, weight.shape[1], device=weight.device, generator=gen) * scale).to(dtype)
-        fast = self._paired(x, weight)
-        ref = self.silu_and_mul(matmul_invariant(x, weight, None, block_m=self.matmul_block_m,
-                                                 specialize=self.matmul_specialize))
-        if fast.shape != ref.shape:
-            return torch.zeros((), dtype=torch.bool, device=weight.device)
-        bits = torch.int16 if fast.element_size() == 2 else torch.int32
-        return (fast.view(bits) == ref.view(bits)).all()
+        x = _probe_rows(M, weight, dtype, seed=M + 1)
+        return _all_bits_equal(self._paired(x, weight),
+                               self.silu_and_mul(matmul_invariant(x, weight, None, block_m=self.matmul_block_m,
+                                                                  specialize=self.matmul_specialize)))
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
         return self.linear(self.silu_and_mul(gate_up), weight, None)
