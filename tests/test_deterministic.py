@@ -87,6 +87,52 @@ def test_deterministic_triton_path_same_logprobs_alone_batched_chunked_and_prefi
     assert {k: r[k] for k in want} == want
 
 
+def test_deterministic_engine_with_the_paired_gate_up_kernel_from_one_row_stays_invariant(tiny_qwen2_config):
+    # the default mode's paired gate_up + SiLU·mul kernel tried at every row count (on a GPU: Hopper, 2,048 rows
+    # up): wherever its probe takes it, alone = batched = chunked = from the prefix cache; on the interpreter it
+    # is taken at this shape (K = 64: one K tile, the invariant product's), so the engine really runs it
+    device = "cuda" if ON_GPU else "cpu"
+    model = _tiny_model(tiny_qwen2_config, torch.bfloat16, device)
+    engines = []
+
+    def make(**kw):
+        cfg = dict(device=device, num_blocks=128, max_model_len=256, deterministic=True, use_triton=True,
+                   enforce_eager=not ON_GPU, triton_options={"paired_rows": (1, 64)}) | kw
+        llm = LLM.from_model(model, None, **cfg)
+        engines.append(llm.engine.runner.ops)
+        return llm
+
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    r = D.invariance_suite(make, prompts, max_tokens=4, logprobs=3, chunk_budgets=(7, 16), graphs=ON_GPU)
+    want = {k: 3 for k in ("alone", "chunk_7", "chunk_16", "prefix", "sync") + (("eager",) if ON_GPU else ())}
+    assert {k: r[k] for k in want} == want
+    taken = {key[1] for ops in engines for key, ok in ops.paired_checked.items() if ok}
+    assert ON_GPU or {1, 3} <= taken  # decode rows and chunks went through the paired kernel
+
+
+def test_the_paired_kernel_is_refused_where_its_bits_differ_on_the_interpreter():
+    # at K = 320 the paired kernel sums K in other tiles than the invariant product on the interpreter (a tile's
+    # product is a separate sum there): the bf16 rounding hides most of it, but 3 of this probe's 16,384 outputs
+    # differ (seeds fixed), and the probe must see them and keep this mode's own path
+    import os
+
+    from pageserve.kernels import matmul_invariant
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    if ON_GPU or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter's tiling (on a GPU every tile is the same MMA chain)")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(512, 320, generator=g) * 320**-0.5).to(torch.bfloat16)
+    x = torch.randn(64, 320, generator=g).to(torch.bfloat16)
+    ops = DeterministicOps(cublas_rows=None, paired_rows=(1, 64))
+    want = ops.silu_and_mul(matmul_invariant(x, w))
+    assert torch.equal(ops.gate_up_silu_mul(x, w), want)
+    assert ops.paired_checked == {((512, 320), 64, x.dtype, x.device): False}  # refused by its probe
+    assert torch.equal(ops.gate_up_silu_mul(x[:16], w), want[:16])  # other row counts: probed on their own
+    assert ((512, 320), 16, x.dtype, x.device) in ops.paired_checked
+
+
 @pytest.mark.parametrize("mixed", [False, True], ids=["eager_verify", "mixed_graph_verify"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16] if not ON_GPU else [torch.bfloat16, torch.float16])
 def test_deterministic_speculative_decoding_gives_plain_decodings_logprobs_bit_for_bit(tiny_qwen2_config, dtype,
