@@ -77,14 +77,36 @@ class MixedGraphRunner:
         self.query_start_loc = torch.zeros(S + 1, dtype=i32, device=dev)
         self.seq_lens = torch.zeros(S, dtype=i32, device=dev)
         self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=i32, device=dev)
-        # every entry a sentinel until a step fills in its tiles (see ``run``)
-        self.tiles = {t: {key: torch.tensor([[max_seqs], [0]], dtype=i32, device=dev).repeat(1, self.num_tiles(t, q))
-                          for key, q, *_ in self.maps} for t in self.buckets}
+        # every entry a sentinel until a step fills in its tiles (see ``run``). A bucket's maps lie end to end in one
+        # buffer (``tile_buffers``), each map a [2, n] view of its stretch, so a step fills them with one copy
+        self.tile_buffers, self.tiles = {}, {}
+        for t in self.buckets:
+            host = self._sentinel_tiles(t)
+            self.tile_buffers[t] = torch.from_numpy(host).to(dev)
+            self.tiles[t] = self._map_views(t, self.tile_buffers[t])
         self.hidden = {}  # bucket -> its graph's output [bucket, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_s, self.capture_bytes = None, None  # seconds and reserved bytes the capture took
         self.max_seq_len = max_blocks_per_seq * kv_cache.shape[3]
+
+    def _sentinel_tiles(self, tokens: int) -> np.ndarray:
+        """A bucket's flat tile buffer on the host, every entry a sentinel: the last padding sequence (an empty
+        chunk), tile 0."""
+        n = [self.num_tiles(tokens, q) for _, q, *_ in self.maps]
+        flat = np.zeros(2 * sum(n), dtype=np.int32)
+        for view in self._map_views(tokens, flat).values():
+            view[0] = self.max_seqs
+        return flat
+
+    def _map_views(self, tokens: int, flat):
+        """Each map's [2, n] view of a bucket's flat tile buffer (a numpy array or a tensor), by scratch key."""
+        views, at = {}, 0
+        for key, q, *_ in self.maps:
+            n = self.num_tiles(tokens, q)
+            views[key] = flat[at:at + 2 * n].reshape(2, n)
+            at += 2 * n
+        return views
 
     def num_tiles(self, tokens: int, q_tok: int | None = None) -> int:
         """Tile buffer length of a bucket: each sequence's chunk adds at most one partial tile."""
@@ -133,16 +155,16 @@ class MixedGraphRunner:
         self.seq_lens[:B].copy_(d.seq_lens)
         self.seq_lens[B:].fill_(0)
         self.block_tables[:B, :d.block_tables.shape[1]].copy_(d.block_tables)
+        flat = self._sentinel_tiles(t)
+        views = self._map_views(t, flat)
         for key, q_tok, part, short_len, heavy in self.maps:
             real = query_tile_arrays(x.query_start_loc, x.seq_lens if heavy else None, q_tok, B, part, short_len)
-            tiles = np.zeros((2, self.num_tiles(t, q_tok)), dtype=np.int32)
-            tiles[0] = self.max_seqs  # sentinels: the last padding sequence, an empty chunk
-            tiles[:, :real.shape[1]] = real
-            host = torch.from_numpy(tiles)
-            if self.device.type == "cuda":
-                self.tiles[t][key].copy_(host.pin_memory(), non_blocking=True)
-            else:
-                self.tiles[t][key].copy_(host)
+            views[key][:, :real.shape[1]] = real
+        host = torch.from_numpy(flat)  # every map of the bucket in one copy
+        if self.device.type == "cuda":
+            self.tile_buffers[t].copy_(host.pin_memory(), non_blocking=True)
+        else:
+            self.tile_buffers[t].copy_(host)
         if t in self.graphs:
             self.graphs[t].replay()
             return self.hidden[t][:T]
