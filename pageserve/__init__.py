@@ -1,4 +1,5 @@
 """pageserve: a paged-KV LLM serving engine written from scratch in PyTorch + Triton."""
+from .engine.beam_search import BeamSearchParams
 from .engine.config import EngineConfig
 from .engine.sampling_params import SamplingParams
 
@@ -20,4 +21,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'pageserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "LoRARequest", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "BeamSearchParams", "EngineConfig", "LoRARequest", "SamplingParams"]

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Sequence as Seq
 
+from .beam_search import BeamSearch, BeamSearchParams, beam_search_output
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .lora import LoRARequest
-from .outputs import RequestOutput
+from .outputs import RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -128,6 +130,84 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt, chat_template=chat_template, **kwargs)
                    for c in convs]
         return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
+
+    def beam_search(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        params: BeamSearchParams,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Beam search for every prompt (text or token ids), as vLLM's ``LLM.beam_search``; results in input
+        order, each ``RequestOutput`` holding ``params.beam_width`` beams best first (``beam_search.py`` has
+        the rules: Hugging Face's ``num_beams`` search with ``early_stopping="never"``). The searches of all
+        prompts share each round's engine steps; with prefix caching on (the default) a round recomputes only
+        each beam's tail past its last full block."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        engine = self.engine
+        searches: list[BeamSearch] = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"model {self.config.model!r} has no tokenizer; pass token ids")
+                ids = list(self.tokenizer.encode(p))  # as add_request encodes a text prompt
+            else:
+                ids = [int(t) for t in p]
+            searches.append(BeamSearch(ids, params, engine.eos_token_ids, engine.max_model_len))
+        start = time.perf_counter()
+        metrics = [RequestMetrics(arrival_time=start) for _ in searches]
+        pbar = None
+        if use_tqdm and len(searches) > 1:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=len(searches), desc="beam search", unit="req")
+        try:
+            while True:
+                active = [i for i, s in enumerate(searches) if not s.done]
+                if not active:
+                    break
+                asks = [(i, ids) for i in active for ids in searches[i].requests()]
+                outs = self._run([ids for _, ids in asks], [searches[i].round_params for i, _ in asks], False,
+                                 None, [loras[i] for i, _ in asks])
+                now = time.perf_counter()
+                at = 0
+                for i in active:
+                    search = searches[i]
+                    mine = outs[at: at + len(search.live)]
+                    at += len(mine)
+                    failed = [o.request_id for o in mine if o.outputs[0].finish_reason == "error"]
+                    if failed:
+                        raise RuntimeError(f"beam search: the engine failed the round's requests {failed}")
+                    if metrics[i].first_token_time is None:
+                        metrics[i].first_token_time = now
+                        metrics[i].num_cached_tokens = mine[0].metrics.num_cached_tokens
+                    search.advance([o.outputs[0].logprobs[0] for o in mine])
+                    if search.done:
+                        metrics[i].finish_time = now
+                        if pbar is not None:
+                            pbar.update(1)
+        finally:
+            if pbar is not None:
+                pbar.close()
+        tok = self.tokenizer
+
+        def decode(ids: list[int], skip: bool) -> str:
+            return "" if tok is None else tok.decode(ids, skip_special_tokens=skip)
+
+        return [beam_search_output(f"beam-{next(self._ids)}", p if isinstance(p, str) else None, s, decode, m)
+                for p, s, m in zip(prompts, searches, metrics)]
 
     def _run(self, prompts: list, sampling_params, use_tqdm: bool, priority: Seq[int] | None = None,
              lora_request=None) -> list[RequestOutput]:

@@ -29,9 +29,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pageserve.engine.beam_search import BeamSearch, BeamSearchParams, beam_search_output
 from pageserve.engine.llm_engine import LLMEngine
 from pageserve.engine.lora import LoRARequest
-from pageserve.engine.outputs import CompletionOutput, RequestOutput
+from pageserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, QueueFullError, RequestStream, TextPrompt
 from .logprobs import TokenTable, chat_logprobs, completion_logprobs
@@ -383,6 +384,55 @@ class _Server:
             for s in streams:
                 s.close()
 
+    async def _beam_search(self, rid: str, prompts: list, params: BeamSearchParams, request: Request,
+                           priority: int = 0, model: str | None = None,
+                           cache_salt: str | None = None) -> list[RequestOutput]:
+        """Each prompt's beam search (``engine/beam_search.py``), round by round: a round's requests (one a live
+        beam of every unfinished prompt, one token each with its top log-probabilities) go in together and
+        share the engine's steps with every other request. The final outputs, one a prompt."""
+        engine = self.engine.engine
+        try:
+            ids = await self.engine.call(lambda eng: [
+                eng.tokenizer.encode(p.text, add_special_tokens=p.add_special_tokens) if isinstance(p, TextPrompt)
+                else list(p) for p in prompts])
+            searches = [BeamSearch(p, params, engine.eos_token_ids, engine.max_model_len) for p in ids]
+        except ValueError as e:
+            self.metrics.count("rejected")
+            raise OpenAIError(400, str(e), param="prompt") from None
+        except EngineDeadError as e:
+            raise OpenAIError(503, str(e), "server_error") from None
+        metrics = [RequestMetrics(arrival_time=time.perf_counter()) for _ in searches]
+        for round_ in itertools.count():
+            active = [i for i, s in enumerate(searches) if not s.done]
+            if not active:
+                break
+            asks = [beam for i in active for beam in searches[i].requests()]
+            streams = await self._submit(f"{rid}-round{round_}", asks, searches[active[0]].round_params, priority,
+                                         model, cache_salt)
+            outs = await self._collect(streams, request)
+            if any(o.outputs[0].finish_reason == "error" for o in outs):
+                self.metrics.count("error")
+                raise OpenAIError(500, "the engine failed this request while generating it", "server_error")
+            now, at = time.perf_counter(), 0
+            for i in active:
+                mine = outs[at: at + len(searches[i].live)]
+                at += len(mine)
+                if metrics[i].first_token_time is None:
+                    metrics[i].first_token_time = now
+                    metrics[i].num_cached_tokens = mine[0].metrics.num_cached_tokens
+                searches[i].advance([o.outputs[0].logprobs[0] for o in mine])
+                if searches[i].done:
+                    metrics[i].finish_time = now
+
+        def build(eng: LLMEngine) -> list[RequestOutput]:  # on the engine thread, which owns the tokenizer
+            def decode(ids: list[int], skip: bool) -> str:
+                return "" if eng.tokenizer is None else eng.tokenizer.decode(ids, skip_special_tokens=skip)
+
+            return [beam_search_output(f"{rid}-{i}", None, s, decode, m)
+                    for i, (s, m) in enumerate(zip(searches, metrics))]
+
+        return await self.engine.call(build)
+
     def _finish(self, outs: list[RequestOutput]) -> None:
         for out in outs:
             self.metrics.observe(out.metrics)
@@ -473,31 +523,38 @@ class _Server:
         return {"prompt": tok.decode(body.tokens, skip_special_tokens=False)}
 
     # ---------------------------------------------------------------- chat
-    async def _start_chat(self, body: ChatCompletionRequest, rid: str):
-        """Queue a chat request: (the model name, its SamplingParams, its ChatTools, its streams)."""
+    async def _start_chat(self, body: ChatCompletionRequest, rid: str, request: Request):
+        """Queue a chat request: (the model name, its choice count n, its top-logprob count k or None, its
+        ChatTools, its streams). A beam search runs to its end here; its stream then holds the final output."""
         model = self._check_model(body.model)
         tok = self.engine.tokenizer
         if tok is None:
             raise OpenAIError(400, f"model {model!r} has no tokenizer, so no chat template: use /v1/completions "
                                    "with token ids", param="messages")
         try:
-            params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
+            if body.use_beam_search:
+                params = body.to_beam_search_params(self.sampling_defaults, self.max_tokens_limit)
+            else:
+                params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
             tools = ChatTools(body, self.tool_parser)
         except ValueError as e:
             raise OpenAIError(400, str(e), param="tool_choice" if "tool" in str(e) else None) from None
         prompt = TextPrompt(self._render_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                                               body.template_tools(), body.continue_final_message),
                             add_special_tokens=False)
-        return model, params, tools, await self._submit(rid, [prompt], params, body.priority, model, body.cache_salt)
+        if isinstance(params, BeamSearchParams):
+            outs = await self._beam_search(rid, [prompt], params, request, body.priority, model, body.cache_salt)
+            return model, params.beam_width, None, tools, [_Finished(outs[0])]
+        streams = await self._submit(rid, [prompt], params, body.priority, model, body.cache_salt)
+        return model, params.n, params.logprobs, tools, streams
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        model, params, tools, streams = await self._start_chat(body, rid)
+        model, n, k, tools, streams = await self._start_chat(body, rid, request)
         echo = _echoed(body)
         created = int(time.time())
-        k = params.logprobs
         if body.stream:
-            return _sse(self._chat_events(streams, rid, created, model, params.n, k, _usage_mode(body), tools, echo))
+            return _sse(self._chat_events(streams, rid, created, model, n, k, _usage_mode(body), tools, echo))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
@@ -521,7 +578,7 @@ class _Server:
             choices.append(choice)
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": self._usage(outs, params.n, chat=True),
+            "choices": choices, "usage": self._usage(outs, n, chat=True),
         })
 
     async def _chat_events(self, streams, rid, created, model, n, k, usage: str | None,
@@ -573,7 +630,7 @@ class _Server:
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
         rid = f"resp_{uuid.uuid4().hex}"
-        model, params, tools, streams = await self._start_chat(chat, rid)
+        model, _, _, tools, streams = await self._start_chat(chat, rid, request)
         created = int(time.time())
         if body.stream:
             return _sse_named(self._response_events(streams, tools, ResponseEvents(body, rid, created, model)))
@@ -633,7 +690,10 @@ class _Server:
     async def complete(self, body: CompletionRequest, request: Request):
         model = self._check_model(body.model)
         try:
-            params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
+            if body.use_beam_search:
+                params = body.to_beam_search_params(self.sampling_defaults, self.max_tokens_limit)
+            else:
+                params = body.to_sampling_params(self.sampling_defaults, self.max_tokens_limit)
             raw = body.prompts()
         except ValueError as e:
             raise OpenAIError(400, str(e)) from None
@@ -641,23 +701,28 @@ class _Server:
             raise OpenAIError(400, f"model {model!r} has no tokenizer: send the prompt as token ids", param="prompt")
         prompts = [TextPrompt(p) if isinstance(p, str) else p for p in raw]
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit(rid, prompts, params, body.priority, model, body.cache_salt)
+        if isinstance(params, BeamSearchParams):
+            n, k = params.beam_width, None
+            outs = await self._beam_search(rid, prompts, params, request, body.priority, model, body.cache_salt)
+            streams = [_Finished(out) for out in outs]
+        else:
+            n, k = params.n, params.logprobs
+            streams = await self._submit(rid, prompts, params, body.priority, model, body.cache_salt)
         created = int(time.time())
-        k = params.logprobs
         extras = _CompletionExtras(body.echo, body.prompt_logprobs is not None, raw)
         if body.stream:
-            return _sse(self._completion_events(streams, rid, created, model, params.n, k, _usage_mode(body), extras))
+            return _sse(self._completion_events(streams, rid, created, model, n, k, _usage_mode(body), extras))
         outs = await self._collect(streams, request)
         self._finish(outs)
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
-                choice = self._completion_choice(i * params.n + c.index, c.text, c.token_ids, c.logprobs, k,
+                choice = self._completion_choice(i * n + c.index, c.text, c.token_ids, c.logprobs, k,
                                                  c.finish_reason, c.stop_reason)
                 choices.append(self._with_prompt(choice, out, extras.prompt_text(i, self.table), extras, k))
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": self._usage(outs, params.n),
+            "choices": choices, "usage": self._usage(outs, n),
         })
 
     def _completion_choice(self, index, text, ids, lps, k, finish_reason, stop_reason, offset=0) -> dict:
@@ -774,6 +839,25 @@ class _CompletionExtras:
         if isinstance(p, str):
             return p
         return b"".join(table.token_bytes(t) for t in p).decode("utf-8", errors="replace")
+
+
+class _Finished:
+    """A stream whose one output is already final (a beam search's result), read as a ``RequestStream``."""
+
+    def __init__(self, out: RequestOutput) -> None:
+        self._out: RequestOutput | None = out
+
+    def __aiter__(self) -> "_Finished":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out, self._out = self._out, None
+        if out is None:
+            raise StopAsyncIteration
+        return out
+
+    def close(self) -> None:
+        self._out = None
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -5,7 +5,8 @@ Requests are parsed leniently where OpenAI is lenient (``stop`` as a string or a
 ``max_completion_tokens`` beside the older ``max_tokens``) and carry the usual extensions of
 open servers: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``,
-``bad_words``, ``truncate_prompt_tokens``. A sampling field the
+``bad_words``, ``truncate_prompt_tokens``; and vLLM's ``use_beam_search`` (``n`` beams, with
+``length_penalty``; ``engine/beam_search.py``). A sampling field the
 request leaves unset takes the model's generation_config.json default when the engine has one
 (``EngineConfig.generation_config``), as vLLM's server does.
 
@@ -29,6 +30,7 @@ from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pageserve.engine.beam_search import BeamSearchParams
 from pageserve.engine.sampling_params import SamplingParams
 from pageserve.engine.structured_output import StructuredOutputsParams
 
@@ -88,6 +90,9 @@ class _Request(BaseModel):
     # vLLM's: requests with different salts never share prefix-cache blocks (multi-tenant privacy)
     cache_salt: str | None = None
     user: str | None = None
+    # vLLM's beam search: n beams, ranked by the model's log-probabilities (engine/beam_search.py)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's extension, and its older names below
     guided_json: dict[str, Any] | str | None = None
@@ -166,6 +171,41 @@ class _Request(BaseModel):
             raise ValueError(f"n must be at most 128, got {kw['n']}")
         kw["structured_outputs"] = self.structured()
         return SamplingParams(**kw)
+
+
+    def beam_search_params(self, max_tokens: int | None, defaults: Mapping[str, Any] | None = None,
+                           max_tokens_limit: int | None = None, *, other: tuple[str, ...] = ()) -> BeamSearchParams:
+        """``BeamSearchParams`` for a ``use_beam_search`` request: ``n`` beams, ``max_tokens`` as for sampling
+        (the model's default when unset, capped by ``max_tokens_limit``). A beam search samples nothing, so a
+        sampling field set to anything but its neutral value is refused by name (``other``: the route's own
+        fields the request set that beam search cannot honour), never ignored."""
+        self._refuse_unsupported()
+        set_fields = [name for name, neutral in _BEAM_NEUTRAL.items()
+                      if getattr(self, name) is not None and getattr(self, name) not in neutral]
+        set_fields += [name for name in ("seed", "stop", "stop_token_ids", "logit_bias", "allowed_token_ids",
+                                         "bad_words", "truncate_prompt_tokens") if getattr(self, name)]
+        if self.structured() is not None:
+            set_fields.append("an output constraint")
+        set_fields += other
+        if set_fields:
+            raise ValueError(f"use_beam_search ranks beams by the model's own log-probabilities and takes no "
+                             f"{', '.join(set_fields)}; leave them unset")
+        if self.n > 128:
+            raise ValueError(f"n (the beam width) must be at most 128, got {self.n}")
+        if max_tokens is None:
+            max_tokens = (defaults or {}).get("max_tokens")
+        if max_tokens_limit is not None:
+            max_tokens = max_tokens_limit if max_tokens is None else min(max_tokens, max_tokens_limit)
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=bool(self.ignore_eos),
+                                length_penalty=self.length_penalty,
+                                skip_special_tokens=self.skip_special_tokens is not False)
+
+
+# the sampling fields a beam search accepts only at their neutral values (unset: None, always accepted)
+_BEAM_NEUTRAL: dict[str, tuple] = {
+    "temperature": (0,), "top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,), "include_stop_str_in_output": (False,),
+}
 
 
 class FunctionDefinition(BaseModel):
@@ -297,6 +337,13 @@ class ChatCompletionRequest(_Request):
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(limit, top if self.logprobs else None, defaults, max_tokens_limit)
 
+    def to_beam_search_params(self, defaults: Mapping[str, Any] | None = None,
+                              max_tokens_limit: int | None = None) -> BeamSearchParams:
+        check_continuation(self.add_generation_prompt, self.continue_final_message)
+        other = tuple(name for name in ("logprobs", "top_logprobs") if getattr(self, name))
+        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.beam_search_params(limit, defaults, max_tokens_limit, other=other)
+
 
 def required_calls_schema(functions: list[FunctionDefinition]) -> dict[str, Any]:
     """tool_choice "required": a JSON array of one or more calls, each ``{"name", "parameters"}`` of one of
@@ -338,6 +385,15 @@ class CompletionRequest(_Request):
         if asked:
             params.prompt_logprobs = max(asked)
         return params
+
+    def to_beam_search_params(self, defaults: Mapping[str, Any] | None = None,
+                              max_tokens_limit: int | None = None) -> BeamSearchParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (only best_of == n)")
+        other = tuple(name for name in ("logprobs", "prompt_logprobs") if getattr(self, name) is not None)
+        return self.beam_search_params(self.max_tokens, defaults, max_tokens_limit, other=other)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (each text or token ids)."""
