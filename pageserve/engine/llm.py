@@ -150,12 +150,7 @@ class LLM:
         ):
             prompts = [prompts]
         prompts = list(prompts)
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        loras = _per_prompt(lora_request, len(prompts))
         engine = self.engine
         searches: list[BeamSearch] = []
         for p in prompts:
@@ -222,12 +217,7 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
-        if lora_request is None or isinstance(lora_request, LoRARequest):
-            loras = [lora_request] * len(prompts)
-        else:
-            loras = list(lora_request)
-            if len(loras) != len(prompts):
-                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
+        loras = _per_prompt(lora_request, len(prompts))
         engine = self.engine
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
@@ -262,3 +252,13 @@ class LLM:
             if pbar is not None:
                 pbar.close()
         return results  # type: ignore[return-value]
+
+
+def _per_prompt(lora_request, count: int) -> list:
+    """One LoRA request (or None) for every prompt, or the list given with one a prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {count} prompts but {len(loras)} LoRA requests")
+    return loras
