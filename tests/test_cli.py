@@ -115,3 +115,24 @@ def test_generate_none_is_a_value_error(tiny_qwen2_config):
     with pytest.raises(ValueError, match="prompt must be a string or a list of token ids"):
         llm.generate([None])
     assert llm.engine.num_unfinished_requests == 0  # a rejected batch leaves nothing behind
+
+
+def test_generate_takes_vllm_prompt_dicts_and_refuses_other_keys(tiny_qwen2_config):
+    from pageserve import BeamSearchParams, SamplingParams
+    from pageserve.engine.llm import LLM
+    from pageserve.model.decoder import Decoder
+
+    model = Decoder(tiny_qwen2_config)
+    model.init_dummy_weights(seed=0)
+    llm = LLM.from_model(model.eval(), device="cpu", dtype="float32", num_blocks=16, max_model_len=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    ids = [3, 1, 4, 1, 5]
+    want = llm.generate([ids], greedy)[0].outputs[0].token_ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": ids}, ids], greedy)] == [want, want]
+    beams = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+    assert [c.token_ids for c in llm.beam_search({"prompt_token_ids": ids}, beams)[0].outputs] == \
+        [c.token_ids for c in llm.beam_search([ids], beams)[0].outputs]
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": ids, "multi_modal_data": {}}, greedy)
+    assert llm.engine.num_unfinished_requests == 0

@@ -72,28 +72,19 @@ class LLM:
     # ------------------------------------------------------------------ generation
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Seq[int] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in input order. With no
+        """Generate for every prompt (text or token ids; vLLM's ``{"prompt": text}`` and ``{"prompt_token_ids":
+        ids}`` dicts too); results in input order. With no
         ``sampling_params``: ``SamplingParams`` with the engine's ``sampling_defaults`` (the model's
         generation_config.json, see ``EngineConfig.generation_config``) over its own defaults.
         ``priority``: one a prompt, lower first (``scheduling_policy="priority"``). ``lora_request``: a LoRA
         adapter for every prompt, or one (or None) a prompt (``enable_lora=True``)."""
-        if not isinstance(prompts, (str, list, tuple)):
-            raise ValueError(
-                "prompts must be a string, a list of token ids, or a list of those; "
-                f"got {type(prompts).__name__}"
-            )
-        if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
-        return self._run(prompts, sampling_params, use_tqdm, priority, lora_request)
+        return self._run(_prompt_list(prompts), sampling_params, use_tqdm, priority, lora_request)
 
     def chat(
         self,
@@ -133,23 +124,19 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: str | dict | list[str] | list[int] | list[list[int]] | list[dict],
         params: BeamSearchParams,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Beam search for every prompt (text or token ids), as vLLM's ``LLM.beam_search``; results in input
+        """Beam search for every prompt (as ``generate`` takes them), as vLLM's ``LLM.beam_search``; results in input
         order, each ``RequestOutput`` holding ``params.beam_width`` beams best first (``beam_search.py`` has
         the rules: Hugging Face's ``num_beams`` search with ``early_stopping="never"``). The searches of all
         prompts share each round's engine steps; with prefix caching on (the default) a round recomputes only
         each beam's tail past its last full block."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        if isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts))
         engine = self.engine
         searches: list[BeamSearch] = []
@@ -262,3 +249,28 @@ def _per_prompt(lora_request, count: int) -> list:
     if len(loras) != count:
         raise ValueError(f"got {count} prompts but {len(loras)} LoRA requests")
     return loras
+
+
+def _prompt_list(prompts) -> list[str | list[int]]:
+    """The prompts as a list, each text or token ids: one prompt (a string, a list of token ids, or vLLM's
+    ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a string, a list of token ids, a {'prompt': ...} or "
+                         f"{{'prompt_token_ids': ...}} dict, or a list of those; got {type(prompts).__name__}")
+    out = []
+    for p in prompts:
+        if isinstance(p, dict):
+            keys = set(p)
+            if keys == {"prompt_token_ids"}:
+                p = list(p["prompt_token_ids"])
+            elif keys == {"prompt"}:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"a prompt dict holds either 'prompt' (text) or 'prompt_token_ids', and nothing "
+                                 f"else; got keys {sorted(keys)}")
+        out.append(p)
+    return out
