@@ -9,7 +9,7 @@
 # or, better, run scripts/stamp_commit.sh here first and carry .run_stamp (no sha typed by hand),
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests pytest structured spec specoracle lora shrinkprobe cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
+# Stages: tests pytest structured spec beambench specoracle lora shrinkprobe cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -161,6 +161,12 @@ for st in $stages; do
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_bench" --model "$realw" --device cuda \
           --dtype bfloat16 ${SPEC_BENCH_ARGS:-} > "$RES/spec_bench.log" 2>&1
         echo "spec rc=$?"; grep -E "_speedup|_acceptance|_equal|Error" "$RES/spec_bench.log" | tail -n 30 ;;
+    beambench) # beam search against transformers' num_beams (scripts/beam_bench.py) on the real 135M model, bf16
+        realw=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf
+        [ -f "$realw" ] || { echo "beambench: $realw missing: carry .realw1/.realw2 first"; continue; }
+        timeout "$t" python3 scripts/beam_bench.py --out "$RES/diagnostics/beam_bench" --model "$realw" --device cuda \
+          --dtype bfloat16 ${BEAM_BENCH_ARGS:-} > "$RES/beam_bench.log" 2>&1
+        echo "beambench rc=$?"; tail -n 3 "$RES/beam_bench.log" ;;
     specoracle) # the verify step's cost at the 3B shape (random weights): drafts from the plain run, all accepted
                 # (the deterministic mode: in the default one a near-tie flips at once; session 47)
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_oracle" --model qwen2.5-3b --device cuda \
