@@ -79,11 +79,9 @@ class MixedGraphRunner:
         self.block_tables = torch.zeros(S, max_blocks_per_seq, dtype=i32, device=dev)
         # every entry a sentinel until a step fills in its tiles (see ``run``). A bucket's maps lie end to end in one
         # buffer (``tile_buffers``), each map a [2, n] view of its stretch, so a step fills them with one copy
-        self.tile_buffers, self.tiles = {}, {}
-        for t in self.buckets:
-            host = self._sentinel_tiles(t)
-            self.tile_buffers[t] = torch.from_numpy(host).to(dev)
-            self.tiles[t] = self._map_views(t, self.tile_buffers[t])
+        self.sentinels = {t: self._sentinel_tiles(t) for t in self.buckets}  # host templates a step copies
+        self.tile_buffers = {t: torch.from_numpy(self.sentinels[t].copy()).to(dev) for t in self.buckets}
+        self.tiles = {t: self._map_views(t, self.tile_buffers[t]) for t in self.buckets}
         self.hidden = {}  # bucket -> its graph's output [bucket, H]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -155,7 +153,7 @@ class MixedGraphRunner:
         self.seq_lens[:B].copy_(d.seq_lens)
         self.seq_lens[B:].fill_(0)
         self.block_tables[:B, :d.block_tables.shape[1]].copy_(d.block_tables)
-        flat = self._sentinel_tiles(t)
+        flat = self.sentinels[t].copy()
         views = self._map_views(t, flat)
         for key, q_tok, part, short_len, heavy in self.maps:
             real = query_tile_arrays(x.query_start_loc, x.seq_lens if heavy else None, q_tok, B, part, short_len)
