@@ -151,6 +151,22 @@ class BeamSearch:
         return list(self.finished)
 
 
+def take_round(searches: list[BeamSearch], active: list[int], outs: list[RequestOutput], metrics: list,
+               now: float) -> None:
+    """Hand a round's outputs (one a live beam of each search in ``active``, in ``requests()`` order) to their
+    searches; ``metrics[i]`` (a ``RequestMetrics``) takes search i's first-token and finish times."""
+    at = 0
+    for i in active:
+        mine = outs[at: at + len(searches[i].live)]
+        at += len(mine)
+        if metrics[i].first_token_time is None:
+            metrics[i].first_token_time = now
+            metrics[i].num_cached_tokens = mine[0].metrics.num_cached_tokens
+        searches[i].advance([o.outputs[0].logprobs[0] for o in mine])
+        if searches[i].done:
+            metrics[i].finish_time = now
+
+
 def beam_search_output(request_id: str, prompt: str | None, search: BeamSearch, decode, metrics) -> RequestOutput:
     """A finished search as the engine's ``RequestOutput``: its beams best first, one ``CompletionOutput`` each
     (``index`` its rank); ``decode(ids, skip_special_tokens)`` gives a beam's text (a final EOS left out, as

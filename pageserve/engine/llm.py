@@ -5,7 +5,7 @@ import itertools
 import time
 from typing import Any, Sequence as Seq
 
-from .beam_search import BeamSearch, BeamSearchParams, beam_search_output
+from .beam_search import BeamSearch, BeamSearchParams, beam_search_output, take_round
 from .config import EngineConfig
 from .llm_engine import LLMEngine
 from .lora import LoRARequest
@@ -163,23 +163,12 @@ class LLM:
                 asks = [(i, ids) for i in active for ids in searches[i].requests()]
                 outs = self._run([ids for _, ids in asks], [searches[i].round_params for i, _ in asks], False,
                                  None, [loras[i] for i, _ in asks])
-                now = time.perf_counter()
-                at = 0
-                for i in active:
-                    search = searches[i]
-                    mine = outs[at: at + len(search.live)]
-                    at += len(mine)
-                    failed = [o.request_id for o in mine if o.outputs[0].finish_reason == "error"]
-                    if failed:
-                        raise RuntimeError(f"beam search: the engine failed the round's requests {failed}")
-                    if metrics[i].first_token_time is None:
-                        metrics[i].first_token_time = now
-                        metrics[i].num_cached_tokens = mine[0].metrics.num_cached_tokens
-                    search.advance([o.outputs[0].logprobs[0] for o in mine])
-                    if search.done:
-                        metrics[i].finish_time = now
-                        if pbar is not None:
-                            pbar.update(1)
+                failed = [o.request_id for o in outs if o.outputs[0].finish_reason == "error"]
+                if failed:
+                    raise RuntimeError(f"beam search: the engine failed the round's requests {failed}")
+                take_round(searches, active, outs, metrics, time.perf_counter())
+                if pbar is not None:
+                    pbar.update(sum(searches[i].done for i in active))
         finally:
             if pbar is not None:
                 pbar.close()

@@ -29,7 +29,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pageserve.engine.beam_search import BeamSearch, BeamSearchParams, beam_search_output
+from pageserve.engine.beam_search import BeamSearch, BeamSearchParams, beam_search_output, take_round
 from pageserve.engine.llm_engine import LLMEngine
 from pageserve.engine.lora import LoRARequest
 from pageserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -413,16 +413,7 @@ class _Server:
             if any(o.outputs[0].finish_reason == "error" for o in outs):
                 self.metrics.count("error")
                 raise OpenAIError(500, "the engine failed this request while generating it", "server_error")
-            now, at = time.perf_counter(), 0
-            for i in active:
-                mine = outs[at: at + len(searches[i].live)]
-                at += len(mine)
-                if metrics[i].first_token_time is None:
-                    metrics[i].first_token_time = now
-                    metrics[i].num_cached_tokens = mine[0].metrics.num_cached_tokens
-                searches[i].advance([o.outputs[0].logprobs[0] for o in mine])
-                if searches[i].done:
-                    metrics[i].finish_time = now
+            take_round(searches, active, outs, metrics, time.perf_counter())
 
         def build(eng: LLMEngine) -> list[RequestOutput]:  # on the engine thread, which owns the tokenizer
             def decode(ids: list[int], skip: bool) -> str:
