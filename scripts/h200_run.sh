@@ -167,6 +167,11 @@ for st in $stages; do
         timeout "$t" python3 scripts/beam_bench.py --out "$RES/diagnostics/beam_bench" --model "$realw" --device cuda \
           --dtype bfloat16 ${BEAM_BENCH_ARGS:-} > "$RES/beam_bench.log" 2>&1
         echo "beambench rc=$?"; tail -n 3 "$RES/beam_bench.log" ;;
+    samplingbench) # what the sampling a user gets by default costs at the 3B shape (scripts/sampling_bench.py): greedy,
+                   # penalised, sampled, Qwen2.5-Instruct's defaults, seeded; allocator counters and sampler op profiles
+        timeout "$t" python3 scripts/sampling_bench.py --out "$RES/diagnostics/sampling_bench" --model qwen2.5-3b --device cuda \
+          --dtype bfloat16 ${SAMPLING_BENCH_ARGS:-} > "$RES/sampling_bench.log" 2>&1
+        echo "samplingbench rc=$?"; grep -v USDT "$RES/sampling_bench.log" | tail -n 3 | cut -c1-1500 ;;
     specoracle) # the verify step's cost at the 3B shape (random weights): drafts from the plain run, all accepted
                 # (the deterministic mode: in the default one a near-tie flips at once; session 47)
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_oracle" --model qwen2.5-3b --device cuda \

@@ -1,0 +1,176 @@
+"""What the sampling a user gets by default costs: the same token-id requests through one engine, greedy with no
+penalty, greedy with Qwen2.5-Instruct's repetition penalty (1.05), sampled with its temperature / top_p / top_k
+(0.7 / 0.8 / 20), and both at once, which is what every server request to Qwen2.5-3B-Instruct gets from its
+``generation_config.json`` (unseeded, as most requests are; ``sampled_seeded``: each request its own seed, whose
+rows draw hashed noise instead of the generator's); each mode ``--rounds`` times in alternation, in one process, after a warm-up round.
+
+    python scripts/sampling_bench.py --out DIR [--model qwen2.5-3b] [--device cuda] [--requests 256]
+        [--prompt-len 512] [--max-tokens 128] [--rounds 2] [--modes plain,penalised,sampled,qwen_default]
+
+Token-id prompts (random ids, one seed), so a random-weight shape needs no tokenizer. Every request ignores
+eos and yields ``--max-tokens`` tokens, so every mode runs the same steps at the same batch sizes.
+
+Per mode and round: output tok/s, the engine's host split of a step (``structured_bench.run``), and the CUDA
+caching allocator's counters over the run (``num_alloc_retries``: a miss that freed cached blocks, i.e. a
+``cudaFree``, which waits for the device; ``num_device_alloc`` / ``num_device_free``: ``cudaMalloc`` /
+``cudaFree`` calls). Then, per mode, the first ``--profile-calls`` sampler calls under ``torch.profiler``: each
+op's host and device time a call, and the CUDA runtime calls among them (a ``cudaStreamSynchronize``,
+``cudaMalloc``, ``cudaFree`` or ``cudaHostAlloc`` shows there). Session 47 (H100, 3B shape, 256 rows) saw a
+penalised step's sample launch take 3.4-4.4 ms of host time against plain's 0.5; this says where.
+
+Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from structured_bench import run  # noqa: E402  (the engine's host split of a mode's run)
+
+from pageserve.engine.llm import LLM  # noqa: E402
+from pageserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pageserve.lab.results import provenance  # noqa: E402
+
+MODES = {  # Qwen2.5-3B-Instruct's generation_config.json: temperature 0.7, top_p 0.8, top_k 20, repetition 1.05
+    "plain": {},
+    "penalised": {"repetition_penalty": 1.05},
+    "sampled": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+    "qwen_default": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+    "sampled_seeded": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "seed": 0},  # each request its own seed
+}
+ALLOC_KEYS = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
+
+
+def requests(n: int, prompt_len: int, max_tokens: int, vocab: int, mode: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [{"prompt_token_ids": rng.integers(0, vocab, prompt_len).tolist()} for _ in range(n)]
+    kw = {"temperature": 0.0, **MODES[mode]}
+    seeded = kw.pop("seed", None) is not None  # seeded rows draw hashed noise; the rest the engine's generator
+    params = [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=i if seeded else None, **kw)
+              for i in range(n)]
+    return prompts, params
+
+
+def alloc_counters(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {k: stats.get(k, 0) for k in ALLOC_KEYS}
+
+
+def op_profile(llm: LLM, prompts, params, calls: int, top: int = 20) -> dict:
+    """The first ``calls`` sampler calls of these requests under ``torch.profiler``: the ``top`` ops by host
+    time and by device time (ms a call), and every CUDA runtime call's host time (``cuda*`` keys)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sampler = llm.engine.runner.sampler
+    real = sampler.sample
+    cuda = sampler.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    host: dict[str, float] = {}
+    device: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    walls: list[float] = []
+
+    def profiled(*a, **k):
+        if len(walls) >= calls:
+            return real(*a, **k)
+        t = time.perf_counter()
+        with profile(activities=activities) as prof:
+            out = real(*a, **k)
+        walls.append(1e3 * (time.perf_counter() - t))
+        if cuda:
+            torch.cuda.synchronize()  # the device times of this call's kernels, before the profile closes
+        for e in prof.key_averages():
+            host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total / 1e3
+            dev = getattr(e, "self_device_time_total", None)
+            if dev is None:
+                dev = getattr(e, "self_cuda_time_total", 0.0)
+            device[e.key] = device.get(e.key, 0.0) + dev / 1e3
+            counts[e.key] = counts.get(e.key, 0) + e.count
+        return out
+
+    sampler.sample = profiled
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del sampler.sample
+    n = max(len(walls), 1)
+
+    def per_call(d: dict, keys) -> dict:
+        return {k: round(d[k] / n, 4) for k in keys}
+
+    by_host = sorted(host, key=lambda k: -host[k])[:top]
+    by_device = sorted((k for k in device if device[k] > 0), key=lambda k: -device[k])[:top]
+    runtime = sorted((k for k in host if k.startswith("cuda")), key=lambda k: -host[k])
+    return {"calls": len(walls), "wall_ms_median": statistics.median(walls) if walls else None,
+            "host_ms_per_call": per_call(host, by_host), "device_ms_per_call": per_call(device, by_device),
+            "runtime_host_ms_per_call": per_call(host, runtime),
+            "runtime_calls_per_call": {k: round(counts[k] / n, 2) for k in runtime}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="qwen2.5-3b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--profile-calls", type=int, default=8)
+    ap.add_argument("--num-blocks", type=int, default=None)
+    args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; choose from {list(MODES)}")
+
+    kw = {"num_blocks": args.num_blocks} if args.num_blocks else {}
+    # the same prompts in every mode: without the prefix cache each run does its own prefills, as a first run
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, enable_prefix_caching=False, **kw)
+    dev = llm.engine.runner.device
+    vocab = llm.engine.model_config.vocab_size
+    rows = []
+    for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
+        for mode in (modes if rnd % 2 else modes[::-1]):
+            before = alloc_counters(dev)
+            row = {"mode": mode, "round": rnd,
+                   **run(llm, *requests(args.requests, args.prompt_len, args.max_tokens, vocab, mode))}
+            after = alloc_counters(dev)
+            row["allocator"] = {k: after[k] - before[k] for k in after}
+            if rnd:
+                rows.append(row)
+            print(json.dumps(row), flush=True)
+    median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in modes}
+    profiles = {}
+    for mode in modes:
+        try:
+            profiles[mode] = op_profile(llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32),
+                                                       vocab, mode), calls=args.profile_calls)
+        except Exception as e:  # the runs above stand; the record says why the profile is missing
+            profiles[mode] = {"error": repr(e)[:300]}
+        print(json.dumps({"profile": mode, **profiles[mode]}), flush=True)
+    record = {**provenance(), "args": vars(args), "device_name": (torch.cuda.get_device_name(dev)
+                                                                   if dev.type == "cuda" else "cpu"),
+              "runs": rows, "median_output_tok_s": median,
+              "ratio_to_plain": ({m: median[m] / median["plain"] for m in modes} if "plain" in median else {}),
+              "sampler_profiles": profiles}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sampling_bench.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["ratio_to_plain"]))
+
+
+if __name__ == "__main__":
+    main()
