@@ -18,6 +18,9 @@ op's host and device time a call, and the CUDA runtime calls among them (a ``cud
 ``cudaMalloc``, ``cudaFree`` or ``cudaHostAlloc`` shows there). Session 47 (H100, 3B shape, 256 rows) saw a
 penalised step's sample launch take 3.4-4.4 ms of host time against plain's 0.5; this says where.
 
+A mode with a top-k runs twice: as the engine samples (each row's top-k candidates, ``Sampler._candidates``) and
+as ``<mode>/whole``, the whole-row sort the sampler used before session 51 (``Sampler.candidates = False``).
+
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
 from __future__ import annotations
@@ -129,6 +132,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--profile-calls", type=int, default=8)
+    ap.add_argument("--no-whole", dest="whole", action="store_false",
+                    help="skip the whole-row-sort runs of the modes with a top-k")
     ap.add_argument("--num-blocks", type=int, default=None)
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -142,29 +147,38 @@ def main() -> None:
     dev = llm.engine.runner.device
     vocab = llm.engine.model_config.vocab_size
     rows = []
+    sampler = llm.engine.runner.sampler
+    # a mode with a top-k also runs as "<mode>/whole": the sampler's whole-row sort in place of its candidates
+    runs = [m for mode in modes for m in ([mode, f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [mode])]
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
-        for mode in (modes if rnd % 2 else modes[::-1]):
+        for name in (runs if rnd % 2 else runs[::-1]):
+            mode, _, variant = name.partition("/")
+            sampler.candidates = variant != "whole"
             before = alloc_counters(dev)
-            row = {"mode": mode, "round": rnd,
+            row = {"mode": name, "round": rnd,
                    **run(llm, *requests(args.requests, args.prompt_len, args.max_tokens, vocab, mode))}
             after = alloc_counters(dev)
             row["allocator"] = {k: after[k] - before[k] for k in after}
             if rnd:
                 rows.append(row)
             print(json.dumps(row), flush=True)
-    median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in modes}
+    sampler.candidates = True
+    median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in runs}
     profiles = {}
-    for mode in modes:
+    for name in runs:
+        mode, _, variant = name.partition("/")
+        sampler.candidates = variant != "whole"
         try:
-            profiles[mode] = op_profile(llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32),
+            profiles[name] = op_profile(llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32),
                                                        vocab, mode), calls=args.profile_calls)
         except Exception as e:  # the runs above stand; the record says why the profile is missing
-            profiles[mode] = {"error": repr(e)[:300]}
-        print(json.dumps({"profile": mode, **profiles[mode]}), flush=True)
+            profiles[name] = {"error": repr(e)[:300]}
+        print(json.dumps({"profile": name, **profiles[name]}), flush=True)
+    sampler.candidates = True
     record = {**provenance(), "args": vars(args), "device_name": (torch.cuda.get_device_name(dev)
                                                                    if dev.type == "cuda" else "cpu"),
               "runs": rows, "median_output_tok_s": median,
-              "ratio_to_plain": ({m: median[m] / median["plain"] for m in modes} if "plain" in median else {}),
+              "ratio_to_plain": ({m: median[m] / median["plain"] for m in runs} if "plain" in median else {}),
               "sampler_profiles": profiles}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

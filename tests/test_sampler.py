@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_tensor
+from pageserve.engine import sampler as sampler_module
+from pageserve.engine.sampler import Candidates, Sampler, seeded_uniform, seeded_uniform_at, seeded_uniform_tensor
 from pageserve.kernels.reference import unpack_token_bits
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.lab.sampling_reference import penalties_dense, sample_reference, sampler_probs
@@ -483,6 +484,117 @@ def test_top_logprobs_sorted_and_k_long():
         assert ids == raw[i].topk(len(ids)).indices.tolist()
         for t, v in tops:
             assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
+
+
+# ------------------------------------------------- top-k candidates
+def whole_rows(device="cpu", **kw) -> Sampler:
+    s = Sampler(V if "V" not in kw else kw.pop("V"), device, **kw)
+    s.candidates = False
+    return s
+
+
+def tied_logits(B, seed=0, V=V):
+    """bf16-rounded logits (what the LM head gives): many values tie, across the top-k cut among them."""
+    return (rand_logits(B, V, seed) * 0.5).bfloat16().float()
+
+
+CANDIDATE_CASES = [
+    dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),  # Qwen2.5-Instruct's generation_config
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=0.5, top_k=40, min_p=0.05),
+    dict(temperature=1.3, top_k=90, top_p=0.95, frequency_penalty=0.4),
+]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("kw", CANDIDATE_CASES)
+def test_top_k_candidates_give_the_whole_row_paths_distribution(kw, tied):
+    B = 6
+    logits = tied_logits(B, seed=5) if tied else rand_logits(B, seed=5)
+    params = [SamplingParams(**kw)] * (B - 1) + [SamplingParams(temperature=0)]  # a greedy row among them
+    prompts, outs = token_lists(B, 10, seed=6), token_lists(B, 4, seed=7)
+    fast = Sampler(V, "cpu")
+    assert isinstance(fast._process(logits, params, prompts, outs)[1], Candidates)  # the path under test is taken
+    got = sampler_probs(fast, logits, params, prompts, outs)
+    for want in (sampler_probs(whole_rows(), logits, params, prompts, outs),
+                 sample_reference(logits, params, prompts, outs, [None] * B).probs):
+        if tied:
+            # values tied at a top-p cut: the CPU's sort of a whole row is not stable, so it may keep another of
+            # them than the candidates do (the lowest id, as the GPU's stable radix sort): the same probabilities
+            torch.testing.assert_close(got.sort(dim=-1).values, want.sort(dim=-1).values, atol=1e-6, rtol=1e-5)
+        else:
+            assert torch.equal(got > 0, want > 0)  # the same tokens survive the filters
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kw", CANDIDATE_CASES)
+def test_top_k_candidates_draw_the_whole_row_paths_seeded_tokens(kw):
+    B = 64
+    logits = rand_logits(B, seed=8)
+    params = [SamplingParams(**kw)] * B
+    prompts, outs = token_lists(B, 10, seed=9), token_lists(B, 3, seed=10)
+    seeds = [1000 + i for i in range(B)]
+    got = Sampler(V, "cpu").sample(logits, params, prompts, outs, seeds).token_ids
+    assert got == whole_rows().sample(logits, params, prompts, outs, seeds).token_ids
+    assert got == sample_reference(logits, params, prompts, outs, seeds).token_ids
+    assert len(set(got)) > 3  # rows really sample
+
+
+def test_rows_without_top_k_keep_the_whole_row_path():
+    logits = rand_logits(3)
+    params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0)]
+    assert not isinstance(Sampler(V, "cpu")._process(logits, params, [[1]] * 3, [[]] * 3)[1], Candidates)
+    big = [SamplingParams(temperature=0.7, top_k=sampler_module.CANDIDATE_MAX_TOP_K + 1)]
+    assert not isinstance(Sampler(V, "cpu")._process(logits[:1], big, [[1]], [[]])[1], Candidates)
+
+
+@pytest.mark.parametrize("slack", [None, 0])
+def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut(monkeypatch, slack):
+    # 40 values tie for the 11th place and top_k = 20: the candidates are the ten above them, then the tied
+    # values with the lowest ids, as a stable descending sort of the whole row puts them (``topk`` alone may
+    # keep any of the tied ones: with no slack the candidates are not the sort's, which the test must see)
+    Vb = 5000
+    x = torch.zeros(2, Vb)
+    x[:, 100:140] = 5.0
+    x[:, 4000:4010] = 6.0
+    x[1] = x[1].roll(7)
+    if slack is not None:
+        monkeypatch.setattr(sampler_module, "CANDIDATE_SLACK", slack)
+    params = [SamplingParams(temperature=1.0, top_k=20)] * 2
+    cand = Sampler(Vb, "cpu")._process(x, params, [[]] * 2, [[]] * 2)[1]
+    want = x.sort(dim=-1, descending=True, stable=True).indices[:, :20]
+    same = torch.equal(cand.ids, want)
+    assert same if slack is None else not same
+
+
+def test_seeded_noise_at_candidate_ids_is_the_whole_rows_bits():
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.randint(-2**62, 2**62, (5,), generator=g)
+    steps = torch.randint(0, 4000, (5,), generator=g)
+    ids = torch.randint(0, 151936, (5, 33), generator=g)
+    whole = seeded_uniform_tensor(seeds, steps, 151936)
+    assert torch.equal(seeded_uniform_at(seeds, steps, ids), whole.gather(1, ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_top_k_candidates_draw_the_cpus_tokens_alone_or_in_a_big_batch(dtype):
+    # Qwen2.5's vocabulary and its generation_config; 256 rows, where ``topk`` may take another algorithm than at
+    # one row, and bf16 logits, whose ties cross the cut: the seeded tokens are the CPU's and the whole-row path's
+    Vq, B = 151936, 256
+    g = torch.Generator().manual_seed(31)
+    logits = (torch.randn(B, Vq, generator=g) * 2).to(dtype).float()
+    params = [SamplingParams(**CANDIDATE_CASES[0])] * B
+    prompts, outs = token_lists(B, 64, seed=32, V=Vq), token_lists(B, 16, seed=33, V=Vq)
+    seeds = [7 * i + 3 for i in range(B)]
+    gpu = Sampler(Vq, "cuda").sample(logits.cuda(), params, prompts, outs, seeds).token_ids
+    assert gpu == Sampler(Vq, "cpu").sample(logits, params, prompts, outs, seeds).token_ids
+    assert gpu == whole_rows("cuda", V=Vq).sample(logits.cuda(), params, prompts, outs, seeds).token_ids
+    for i in (0, 77, 255):
+        alone = Sampler(Vq, "cuda").sample(logits[i:i + 1].cuda(), params[:1], prompts[i:i + 1], outs[i:i + 1],
+                                           seeds[i:i + 1]).token_ids
+        assert alone == [gpu[i]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

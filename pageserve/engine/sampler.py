@@ -8,6 +8,12 @@ one device->host sync (the final read of the packed results). The pipeline, per 
       -> temperature -> top-k -> top-p -> min-p -> softmax          ("sampling probs")
       -> exponential race: argmax(probs / q), q ~ Exp(1) per token
 
+Where every sampled row of a step has a top-k (Qwen2.5-Instruct's ``generation_config`` gives every request
+top_k 20), the filters and the race run over each row's k highest penalised logits only (``Candidates``: ids best
+first, ties toward the lower id, as a stable sort of the whole row orders them), not over a sort of [B, V]; a
+token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's at
+that id, bit for bit.
+
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
 
@@ -77,6 +83,39 @@ def seeded_uniform_tensor(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tens
     tokens = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)
     h = _mix64_tensor(row[:, None] + tokens.mul(_signed64(_TOKEN_MUL))[None, :])  # [S, V]
     return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
+
+
+def seeded_uniform_at(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
+    """``seeded_uniform`` at the given ids: seeds, steps int64 [S], token_ids int64 [S, k] -> fp32 [S, k]; each value
+    the bits ``seeded_uniform_tensor`` gives that row's column ``token_ids[s, j]`` (the same integer hash, the same
+    exact conversion)."""
+    row = _mix64_tensor(seeds + steps.add(1).mul(_signed64(_GOLDEN)))  # [S]
+    h = _mix64_tensor(row[:, None] + token_ids.add(1).mul(_signed64(_TOKEN_MUL)))  # [S, k]
+    return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
+
+
+def _ordered_keys(values: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys, one per (fp32 value, token id), ordered as the values with ties broken toward the lower id (the
+    order a stable descending sort of the whole row gives): the value's bits mapped to a signed int that orders as
+    the floats do (negatives' magnitude bits flipped), then the id below them, reversed so a lower id ranks higher."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return bits * (1 << 32) + (0xFFFFFFFF - ids)
+
+
+class Candidates:
+    """A sampled row's tokens worth drawing from, when every sampled row has a top-k: ``ids`` [B, k] (each row's
+    highest penalised logits, best first, ties toward the lower id) and ``probs`` [B, k], their unnormalised
+    sampling probabilities after temperature, top-k, top-p and min-p (every other token's is 0)."""
+
+    __slots__ = ("ids", "probs")
+
+    def __init__(self, ids: Tensor, probs: Tensor) -> None:
+        self.ids, self.probs = ids, probs
+
+    def dense(self, vocab_size: int) -> Tensor:
+        """The [B, vocab_size] probabilities these stand for (zeros elsewhere): for references and tests."""
+        return self.probs.new_zeros(self.probs.shape[0], vocab_size).scatter_(1, self.ids, self.probs)
 
 
 def _triton_or(device: torch.device, module: str, name: str, fallback):
@@ -181,6 +220,13 @@ class SamplerOutput:
 # rows of the per-step float parameter pack
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(7)
 
+# A step whose sampled rows all have 0 < top_k <= CANDIDATE_MAX_TOP_K draws from each row's top-k candidates only
+# (``Sampler._candidates``) instead of sorting whole rows. CANDIDATE_SLACK extra values are selected first, so the
+# candidates are the stable sort's first k whatever order ``topk`` leaves ties in, unless more than that many
+# values tie with the k-th (then the ties it kept stand; a tie at -inf has probability 0 either way).
+CANDIDATE_MAX_TOP_K = 1024
+CANDIDATE_SLACK = 64
+
 
 class Sampler:
     """Samples B next tokens from ``logits[B, V]`` under per-row ``SamplingParams``.
@@ -204,6 +250,9 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self._argmax = _row_argmax(self.device)
         self._apply_token_bitmask = _token_bitmask(self.device)
+        # draw from each row's top-k candidates where every sampled row has a top-k (``_candidates``); False: sort
+        # whole rows always (the path before session 51, kept for A/B runs)
+        self.candidates = True
         if seed is None:
             self.generator.seed()
         else:
@@ -248,6 +297,15 @@ class Sampler:
         B = logits.shape[0]
         if probs is None:  # every row greedy
             token_ids_gpu = self._argmax(penalised)
+        elif isinstance(probs, Candidates):
+            q = self._exponential_noise(probs.probs, seeds, num_outputs, token_ids=probs.ids)
+            choice = self._argmax(probs.probs.div_(q))
+            token_ids_gpu = probs.ids.gather(1, choice[:, None]).squeeze(1)
+            if greedy_rows:
+                is_greedy = torch.zeros(B, dtype=torch.bool)
+                is_greedy[greedy_rows] = True
+                is_greedy = self._to_device(is_greedy)
+                token_ids_gpu = torch.where(is_greedy, self._argmax(penalised), token_ids_gpu)
         else:
             q = self._exponential_noise(probs, seeds, num_outputs)
             token_ids_gpu = self._argmax(probs.div_(q))
@@ -395,6 +453,9 @@ class Sampler:
         if len(greedy_rows) == B:
             return logits, None, greedy_rows
 
+        sampled = [p for p in params if p.temperature > 0]
+        if self.candidates and all(0 < p.top_k <= CANDIDATE_MAX_TOP_K for p in sampled):
+            return logits, self._candidates(logits, table, max(p.top_k for p in sampled), params), greedy_rows
         x = logits / table[_TEMP][:, None]  # [B, V]
         need_top_k = any(p.top_k > 0 for p in params)
         need_top_p = any(p.top_p < 1.0 for p in params)
@@ -413,6 +474,31 @@ class Sampler:
             threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
         return logits, probs, greedy_rows
+
+    def _candidates(self, logits: Tensor, table: Tensor, k: int, params: list[SamplingParams]) -> Candidates:
+        """Temperature, top-k, top-p and min-p over each row's ``k`` highest penalised logits: the same filters as
+        the whole-row path, whose sort of [B, V] (~39M values at 256 rows of Qwen2.5's vocabulary) they avoid.
+        Temperature is monotonic, so the highest logits are the highest after it; the values divided are the
+        same fp32 values, so the same bits. The softmaxes and the cumulative mass sum k values instead of V (the
+        rest are zeros there): their roundings can differ in the last bit, so a top-p cut that sits within
+        rounding of the mass may fall the other way."""
+        V = logits.shape[1]
+        sel = min(V, k + CANDIDATE_SLACK)
+        values, ids = logits.topk(sel, dim=-1, sorted=False)  # [B, sel]
+        order = _ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order
+        ids, values = ids.gather(1, order), values.gather(1, order)  # [B, k], best first
+        x = values / table[_TEMP][:, None]
+        rank = torch.arange(k, device=x.device)
+        x = x.masked_fill(rank[None, :] >= table[_TOP_K][:, None], float("-inf"))
+        if any(p.top_p < 1.0 for p in params):
+            p_sorted = x.softmax(dim=-1)
+            mass_before = p_sorted.cumsum(dim=-1) - p_sorted
+            x = x.masked_fill(mass_before >= table[_TOP_P][:, None], float("-inf"))
+        probs = x.softmax(dim=-1)
+        if any(p.min_p > 0 for p in params):
+            threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return Candidates(ids, probs)
 
     def _with_bans(self, masks: TokenMasks, banned: list[list[int]]) -> np.ndarray:
         """``masks.bits`` with each guided row's bans (``_banned_tokens``) cleared from them, except where
@@ -481,8 +567,9 @@ class Sampler:
         logits.view(-1).index_put_((flat,), x)
         return logits
 
-    def _exponential_noise(self, probs, seeds, num_outputs) -> Tensor:
-        """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest."""
+    def _exponential_noise(self, probs, seeds, num_outputs, token_ids: Tensor | None = None) -> Tensor:
+        """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest. ``token_ids`` [B, k]: the
+        token each column of ``probs`` stands for (``Candidates``); None: column j is token j."""
         B, V = probs.shape
         seeded = [i for i, s in enumerate(seeds) if s is not None]
         q = torch.empty_like(probs)
@@ -500,7 +587,11 @@ class Sampler:
                     dtype=torch.int64,
                 )
             )
-            noise = seeded_uniform_tensor(packed[1], packed[2], V).log_().neg_()
+            if token_ids is None:
+                u = seeded_uniform_tensor(packed[1], packed[2], V)
+            else:
+                u = seeded_uniform_at(packed[1], packed[2], token_ids.index_select(0, packed[0]))
+            noise = u.log_().neg_()
             if len(seeded) == B:
                 q = noise
             else:
