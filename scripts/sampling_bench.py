@@ -19,7 +19,10 @@ op's host and device time a call, and the CUDA runtime calls among them (a ``cud
 penalised step's sample launch take 3.4-4.4 ms of host time against plain's 0.5; this says where.
 
 A mode with a top-k runs twice: as the engine samples (each row's top-k candidates, ``Sampler._candidates``) and
-as ``<mode>/whole``, the whole-row sort the sampler used before session 51 (``Sampler.candidates = False``).
+as ``<mode>/whole``, the whole-row sort the sampler used before session 51 (``Sampler.candidates = False``); a
+mode with a repetition penalty also as ``<mode>/heavy``, with the sampler's host work before session 51
+(``Sampler.lean_host = False``: the parameter table rebuilt and copied up every call, the output counts always
+found).
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
@@ -134,6 +137,8 @@ def main() -> None:
     ap.add_argument("--profile-calls", type=int, default=8)
     ap.add_argument("--no-whole", dest="whole", action="store_false",
                     help="skip the whole-row-sort runs of the modes with a top-k")
+    ap.add_argument("--no-heavy", dest="heavy", action="store_false",
+                    help="skip the runs of the penalised modes with the host work before session 51")
     ap.add_argument("--num-blocks", type=int, default=None)
     args = ap.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -148,12 +153,14 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     rows = []
     sampler = llm.engine.runner.sampler
-    # a mode with a top-k also runs as "<mode>/whole": the sampler's whole-row sort in place of its candidates
-    runs = [m for mode in modes for m in ([mode, f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [mode])]
+    # a mode with a top-k also runs as "<mode>/whole": the sampler's whole-row sort in place of its candidates; one
+    # with a repetition penalty as "<mode>/heavy": the table rebuilt every call and the output counts always found
+    runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
+            + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for name in (runs if rnd % 2 else runs[::-1]):
             mode, _, variant = name.partition("/")
-            sampler.candidates = variant != "whole"
+            sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
             before = alloc_counters(dev)
             row = {"mode": name, "round": rnd,
                    **run(llm, *requests(args.requests, args.prompt_len, args.max_tokens, vocab, mode))}
@@ -162,19 +169,19 @@ def main() -> None:
             if rnd:
                 rows.append(row)
             print(json.dumps(row), flush=True)
-    sampler.candidates = True
+    sampler.candidates, sampler.lean_host = True, True
     median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in runs}
     profiles = {}
     for name in runs:
         mode, _, variant = name.partition("/")
-        sampler.candidates = variant != "whole"
+        sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
         try:
             profiles[name] = op_profile(llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32),
                                                        vocab, mode), calls=args.profile_calls)
         except Exception as e:  # the runs above stand; the record says why the profile is missing
             profiles[name] = {"error": repr(e)[:300]}
         print(json.dumps({"profile": name, **profiles[name]}), flush=True)
-    sampler.candidates = True
+    sampler.candidates, sampler.lean_host = True, True
     record = {**provenance(), "args": vars(args), "device_name": (torch.cuda.get_device_name(dev)
                                                                    if dev.type == "cuda" else "cpu"),
               "runs": rows, "median_output_tok_s": median,

@@ -356,6 +356,14 @@ def test_sparse_penalties_give_the_dense_references_bits(device):
         assert not torch.equal(got, x)
         # the rows not penalised, and the tokens no penalised row has seen, keep their bits
         assert torch.equal(got[[1, 4]], x[[1, 4]])
+        # repetition penalties alone: the path without output counts gives the dense bits too, and would not
+        # with frequency / presence penalties present (the flag is what decides)
+        rep_only = tab.clone()
+        rep_only[_FREQ] = 0.0
+        rep_only[_PRES] = 0.0
+        got = sampler._apply_penalties(x.clone(), rep_only, rows, prompts, outputs, counts=False)
+        assert torch.equal(got, penalties_dense(x, rep_only, rows, prompts, outputs))
+        assert not torch.equal(sampler._apply_penalties(x.clone(), tab, rows, prompts, outputs, counts=False), want)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -400,6 +408,11 @@ def test_penalties_with_the_newest_token_on_the_device_give_the_dense_bits_of_th
         want = penalties_dense(x, tab, rows, prompts, outputs)
         got = sampler._apply_penalties(x.clone(), tab, rows, prompts, landed, (prev.to(device), pend))
         assert torch.equal(got, want)
+        rep_only = tab.clone()
+        rep_only[_FREQ] = 0.0
+        rep_only[_PRES] = 0.0
+        assert torch.equal(sampler._apply_penalties(x.clone(), rep_only, rows, prompts, landed, (prev.to(device), pend),
+                                                    counts=False), penalties_dense(x, rep_only, rows, prompts, outputs))
         # without the pending token the bits differ (the newest output matters), and rows not penalised keep theirs
         assert not torch.equal(sampler._apply_penalties(x.clone(), tab, rows, prompts, landed), want)
         assert torch.equal(got[3], x[3])
@@ -547,6 +560,20 @@ def test_rows_without_top_k_keep_the_whole_row_path():
     assert not isinstance(Sampler(V, "cpu")._process(logits, params, [[1]] * 3, [[]] * 3)[1], Candidates)
     big = [SamplingParams(temperature=0.7, top_k=sampler_module.CANDIDATE_MAX_TOP_K + 1)]
     assert not isinstance(Sampler(V, "cpu")._process(logits[:1], big, [[1]], [[]])[1], Candidates)
+
+
+def test_the_parameter_table_is_kept_only_while_the_steps_params_are_the_same_objects_in_the_same_order():
+    from pageserve.engine.sampler import _REP, _TEMP
+
+    s = Sampler(V, "cpu")
+    a, b = SamplingParams(temperature=0.5, repetition_penalty=1.1), SamplingParams(temperature=0.9)
+    first = s._param_table([a, b], V)
+    assert s._param_table([a, b], V) is first  # a decode step with the same batch: no rebuild, no copy
+    swapped = s._param_table([b, a], V)
+    assert swapped[_TEMP].tolist() == pytest.approx([0.9, 0.5])
+    c = SamplingParams(temperature=0.9, repetition_penalty=1.3)  # equal fields but one: another object
+    assert s._param_table([b, c], V)[_REP].tolist() == pytest.approx([1.0, 1.3])
+    assert s._param_table([b, c, a], V).shape == (7, 3)
 
 
 @pytest.mark.parametrize("slack", [None, 0])
