@@ -32,7 +32,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +42,7 @@ from structured_bench import run  # noqa: E402  (the engine's host split of a mo
 
 from pageserve.engine.llm import LLM  # noqa: E402
 from pageserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pageserve.lab.profiling import sampler_op_profile  # noqa: E402
 from pageserve.lab.results import provenance  # noqa: E402
 
 MODES = {  # Qwen2.5-3B-Instruct's generation_config.json: temperature 0.7, top_p 0.8, top_k 20, repetition 1.05
@@ -70,57 +70,6 @@ def alloc_counters(device: torch.device) -> dict:
         return {}
     stats = torch.cuda.memory_stats(device)
     return {k: stats.get(k, 0) for k in ALLOC_KEYS}
-
-
-def op_profile(llm: LLM, prompts, params, calls: int, top: int = 20) -> dict:
-    """The first ``calls`` sampler calls of these requests under ``torch.profiler``: the ``top`` ops by host
-    time and by device time (ms a call), and every CUDA runtime call's host time (``cuda*`` keys)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sampler = llm.engine.runner.sampler
-    real = sampler.sample
-    cuda = sampler.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    host: dict[str, float] = {}
-    device: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    walls: list[float] = []
-
-    def profiled(*a, **k):
-        if len(walls) >= calls:
-            return real(*a, **k)
-        t = time.perf_counter()
-        with profile(activities=activities) as prof:
-            out = real(*a, **k)
-        walls.append(1e3 * (time.perf_counter() - t))
-        if cuda:
-            torch.cuda.synchronize()  # the device times of this call's kernels, before the profile closes
-        for e in prof.key_averages():
-            host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total / 1e3
-            dev = getattr(e, "self_device_time_total", None)
-            if dev is None:
-                dev = getattr(e, "self_cuda_time_total", 0.0)
-            device[e.key] = device.get(e.key, 0.0) + dev / 1e3
-            counts[e.key] = counts.get(e.key, 0) + e.count
-        return out
-
-    sampler.sample = profiled
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del sampler.sample
-    n = max(len(walls), 1)
-
-    def per_call(d: dict, keys) -> dict:
-        return {k: round(d[k] / n, 4) for k in keys}
-
-    by_host = sorted(host, key=lambda k: -host[k])[:top]
-    by_device = sorted((k for k in device if device[k] > 0), key=lambda k: -device[k])[:top]
-    runtime = sorted((k for k in host if k.startswith("cuda")), key=lambda k: -host[k])
-    return {"calls": len(walls), "wall_ms_median": statistics.median(walls) if walls else None,
-            "host_ms_per_call": per_call(host, by_host), "device_ms_per_call": per_call(device, by_device),
-            "runtime_host_ms_per_call": per_call(host, runtime),
-            "runtime_calls_per_call": {k: round(counts[k] / n, 2) for k in runtime}}
 
 
 def main() -> None:
@@ -176,8 +125,9 @@ def main() -> None:
         mode, _, variant = name.partition("/")
         sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
         try:
-            profiles[name] = op_profile(llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32),
-                                                       vocab, mode), calls=args.profile_calls)
+            profiles[name] = sampler_op_profile(
+                llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32), vocab, mode),
+                calls=args.profile_calls)
         except Exception as e:  # the runs above stand; the record says why the profile is missing
             profiles[name] = {"error": repr(e)[:300]}
         print(json.dumps({"profile": name, **profiles[name]}), flush=True)

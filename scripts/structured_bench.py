@@ -34,6 +34,7 @@ from pathlib import Path
 
 from pageserve.engine.llm import LLM
 from pageserve.engine.sampling_params import SamplingParams
+from pageserve.lab.profiling import sampler_op_profile
 from pageserve.lab.results import provenance
 from pageserve.model.loader import load_model
 
@@ -115,46 +116,6 @@ def run(llm: LLM, prompts, params) -> dict:
             "ms_per_step": 1e3 * seconds / max(steps, 1), "host_ms_per_step": per_step,
             "lengths": sorted(lengths), "not_length_capped": len(bad),
             "first_text": outs[0].outputs[0].text[:60]}
-
-
-def sampler_op_profile(llm: LLM, prompts, params, calls: int = 16, top: int = 25) -> dict:
-    """The first ``calls`` sampler calls of these requests, each under ``torch.profiler`` (host activity, and the
-    CUDA runtime's calls on a GPU: a ``cudaStreamSynchronize`` or ``cudaHostAlloc`` shows there): the ``top`` ops
-    by host time (ms a call, summed over calls / calls), and the calls' wall ms with the profiler on. Session 47
-    (H100, 3B shape, 256 rows): a penalised step's sample launch took 3.4-4.4 ms of host time against plain's 0.5,
-    and this names where it goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    import torch
-
-    sampler = llm.engine.runner.sampler
-    real = sampler.sample
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if sampler.device.type == "cuda" else [])
-    totals: dict[str, float] = {}
-    walls: list[float] = []
-
-    def profiled(*a, **k):
-        if len(walls) >= calls:
-            return real(*a, **k)
-        t = time.perf_counter()
-        with profile(activities=activities) as prof:
-            out = real(*a, **k)
-        walls.append(1e3 * (time.perf_counter() - t))
-        for e in prof.key_averages():
-            totals[e.key] = totals.get(e.key, 0.0) + e.self_cpu_time_total / 1e3
-        return out
-
-    sampler.sample = profiled
-    try:
-        llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        del sampler.sample
-    n = max(len(walls), 1)
-    ops = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    # what no op accounts for is Python (the engine's and the sampler's own lines) and the profiler's overhead
-    return {"calls": len(walls), "wall_ms_median": statistics.median(walls) if walls else None,
-            "ops_ms_per_call": sum(totals.values()) / n, "host_ms_per_call": {k: v / n for k, v in ops},
-            "torch": torch.__version__}
 
 
 def mask_timing(llm: LLM, items: str, max_tokens: int, row_counts=(1, 32, 256), repeats: int = 20) -> dict:
@@ -288,7 +249,8 @@ def main() -> None:
     print(json.dumps(device_masks), flush=True)
     try:  # the penalised mode's sampler, op by op (async, as its timed runs)
         llm.engine.config.async_scheduling = True
-        sampler_ops = sampler_op_profile(llm, *requests(llm, args.requests, min(args.max_tokens, 32), 0, args.items))
+        sampler_ops = sampler_op_profile(llm, *requests(llm, args.requests, min(args.max_tokens, 32), 0, args.items),
+                                         calls=16, top=25)
     except Exception as e:
         sampler_ops = {"error": repr(e)[:300]}
     print(json.dumps(sampler_ops), flush=True)

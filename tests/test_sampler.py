@@ -821,3 +821,26 @@ def test_on_the_gpu_the_sampler_launches_a_step_without_waiting_for_the_device(k
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids == want  # and the step is the same step
+
+
+def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_records_them(tmp_path):
+    """scripts/sampling_bench.py on a random-weight shape on the CPU: each mode (and its whole-row and heavy
+    variants) yields exactly max_tokens tokens a request, so the modes run the same steps, and the record holds
+    the ratios and the sampler's op profiles."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "scripts/sampling_bench.py"), "--out", str(tmp_path), "--device", "cpu",
+                    "--model", "smollm2-135m", "--requests", "3", "--prompt-len", "8", "--max-tokens", "3",
+                    "--rounds", "1", "--profile-calls", "1"], check=True, cwd=root, capture_output=True)
+    record = json.loads((tmp_path / "sampling_bench.json").read_text())
+    names = {"plain", "penalised", "penalised/heavy", "sampled", "sampled/whole", "qwen_default", "qwen_default/whole",
+             "qwen_default/heavy", "sampled_seeded", "sampled_seeded/whole"}
+    assert set(record["ratio_to_plain"]) == names
+    assert {r["mode"] for r in record["runs"]} == names
+    assert all(r["output_tokens"] == 3 * 3 for r in record["runs"])
+    assert all(p.get("calls") == 1 for p in record["sampler_profiles"].values())
+    assert record["git_commit"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import statistics
 import subprocess
 import threading
 import time
@@ -613,3 +614,57 @@ class RunConditions:
         if self.clock is not None:
             out.update({f"sm_{k}": v for k, v in self.clock.summary().items()})
         return out
+
+
+def sampler_op_profile(llm, prompts, params, calls: int = 8, top: int = 20) -> dict:
+    """The first ``calls`` sampler calls of ``llm.generate(prompts, params)`` under ``torch.profiler``: the ``top``
+    ops by host time and by device time (ms a call), and every CUDA runtime call's host time and count a call
+    (``cuda*`` keys: a ``cudaStreamSynchronize``, ``cudaMalloc``, ``cudaFree`` or ``cudaHostAlloc`` shows there).
+    What no op accounts for in a call's wall time is Python and the profiler's overhead. Used by
+    ``scripts/sampling_bench.py`` and ``scripts/structured_bench.py``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sampler = llm.engine.runner.sampler
+    real = sampler.sample
+    cuda = sampler.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    host: dict[str, float] = {}
+    device: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    walls: list[float] = []
+
+    def profiled(*a, **k):
+        if len(walls) >= calls:
+            return real(*a, **k)
+        t = time.perf_counter()
+        with profile(activities=activities) as prof:
+            out = real(*a, **k)
+        walls.append(1e3 * (time.perf_counter() - t))
+        if cuda:
+            torch.cuda.synchronize()  # the device times of this call's kernels, before the profile closes
+        for e in prof.key_averages():
+            host[e.key] = host.get(e.key, 0.0) + e.self_cpu_time_total / 1e3
+            dev = getattr(e, "self_device_time_total", None)
+            if dev is None:
+                dev = getattr(e, "self_cuda_time_total", 0.0)
+            device[e.key] = device.get(e.key, 0.0) + dev / 1e3
+            counts[e.key] = counts.get(e.key, 0) + e.count
+        return out
+
+    sampler.sample = profiled
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del sampler.sample
+    n = max(len(walls), 1)
+
+    def per_call(d: dict, keys) -> dict:
+        return {k: round(d[k] / n, 4) for k in keys}
+
+    by_host = sorted(host, key=lambda k: -host[k])[:top]
+    by_device = sorted((k for k in device if device[k] > 0), key=lambda k: -device[k])[:top]
+    runtime = sorted((k for k in host if k.startswith("cuda")), key=lambda k: -host[k])
+    return {"calls": len(walls), "wall_ms_median": statistics.median(walls) if walls else None,
+            "host_ms_per_call": per_call(host, by_host), "device_ms_per_call": per_call(device, by_device),
+            "runtime_host_ms_per_call": per_call(host, runtime),
+            "runtime_calls_per_call": {k: round(counts[k] / n, 2) for k in runtime}}
