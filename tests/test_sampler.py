@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pageserve.engine import sampler as sampler_module
-from pageserve.engine.sampler import Candidates, Sampler, seeded_uniform, seeded_uniform_at, seeded_uniform_tensor
+from pageserve.engine.sampler import Draws, Sampler, seeded_uniform, seeded_uniform_at, seeded_uniform_tensor
 from pageserve.kernels.reference import unpack_token_bits
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.lab.sampling_reference import penalties_dense, sample_reference, sampler_probs
@@ -527,7 +527,8 @@ def test_top_k_candidates_give_the_whole_row_paths_distribution(kw, tied):
     params = [SamplingParams(**kw)] * (B - 1) + [SamplingParams(temperature=0)]  # a greedy row among them
     prompts, outs = token_lists(B, 10, seed=6), token_lists(B, 4, seed=7)
     fast = Sampler(V, "cpu")
-    assert isinstance(fast._process(logits, params, prompts, outs)[1], Candidates)  # the path under test is taken
+    draws = fast._process(logits, params, prompts, outs)[1]
+    assert draws.dense is None and draws.groups  # the path under test is taken
     got = sampler_probs(fast, logits, params, prompts, outs)
     for want in (sampler_probs(whole_rows(), logits, params, prompts, outs),
                  sample_reference(logits, params, prompts, outs, [None] * B).probs):
@@ -553,13 +554,33 @@ def test_top_k_candidates_draw_the_whole_row_paths_seeded_tokens(kw):
     assert len(set(got)) > 3  # rows really sample
 
 
-def test_rows_without_top_k_keep_the_whole_row_path():
-    logits = rand_logits(3)
+def test_each_row_takes_the_candidates_or_the_whole_row_by_its_own_top_k():
+    logits = rand_logits(5)
+    big = sampler_module.CANDIDATE_MAX_TOP_K + 1
     params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=90),
+              SamplingParams(temperature=0.7, top_k=big)]
+    draws = Sampler(V, "cpu")._process(logits, params, [[1]] * 5, [[]] * 5)[1]
+    assert draws.dense is not None  # rows 1 and 4 sort their whole rows
+    assert [(rows, cand.ids.shape[1]) for rows, cand in draws.groups] == [([0], 32), ([3], min(128, V))]
+
+
+def test_a_seeded_top_k_rows_draw_is_the_same_alone_or_beside_rows_of_other_paths_and_widths():
+    # the row's candidate width and path follow its own top_k, so its probabilities are the same bits and its
+    # token the same whatever the batch holds: a top-p-only row (the whole-row path), a wider top-k, greedy rows
+    logits = tied_logits(4, seed=12)
+    target = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    others = [SamplingParams(temperature=0.7, top_p=0.95, seed=1), SamplingParams(temperature=1.0, top_k=300),
               SamplingParams(temperature=0)]
-    assert not isinstance(Sampler(V, "cpu")._process(logits, params, [[1]] * 3, [[]] * 3)[1], Candidates)
-    big = [SamplingParams(temperature=0.7, top_k=sampler_module.CANDIDATE_MAX_TOP_K + 1)]
-    assert not isinstance(Sampler(V, "cpu")._process(logits[:1], big, [[1]], [[]])[1], Candidates)
+    s = Sampler(V, "cpu", seed=0)
+    alone = s._process(logits[2:3], [target], [[1]], [[]])[1].groups[0][1]
+    crowd = s._process(logits, others[:2] + [target] + others[2:], [[1]] * 4, [[]] * 4)[1]
+    rows, cand = next(g for g in crowd.groups if 2 in g[0])
+    assert torch.equal(cand.probs[rows.index(2)], alone.probs[0]) and torch.equal(cand.ids[rows.index(2)], alone.ids[0])
+    for step in range(20):
+        want = s.sample(logits[2:3], [target], [[1]], [[0] * step], [5]).token_ids
+        got = s.sample(logits, others[:2] + [target] + others[2:], [[1]] * 4, [[0] * step] * 4, [1, None, 5, None])
+        assert got.token_ids[2] == want[0]
 
 
 def test_the_parameter_table_is_kept_only_while_the_steps_params_are_the_same_objects_in_the_same_order():
@@ -589,9 +610,9 @@ def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut
     if slack is not None:
         monkeypatch.setattr(sampler_module, "CANDIDATE_SLACK", slack)
     params = [SamplingParams(temperature=1.0, top_k=20)] * 2
-    cand = Sampler(Vb, "cpu")._process(x, params, [[]] * 2, [[]] * 2)[1]
+    cand = Sampler(Vb, "cpu")._process(x, params, [[]] * 2, [[]] * 2)[1].groups[0][1]
     want = x.sort(dim=-1, descending=True, stable=True).indices[:, :20]
-    same = torch.equal(cand.ids, want)
+    same = torch.equal(cand.ids[:, :20], want)
     assert same if slack is None else not same
 
 

@@ -8,11 +8,11 @@ one device->host sync (the final read of the packed results). The pipeline, per 
       -> temperature -> top-k -> top-p -> min-p -> softmax          ("sampling probs")
       -> exponential race: argmax(probs / q), q ~ Exp(1) per token
 
-Where every sampled row of a step has a top-k (Qwen2.5-Instruct's ``generation_config`` gives every request
-top_k 20), the filters and the race run over each row's k highest penalised logits only (``Candidates``: ids best
-first, ties toward the lower id, as a stable sort of the whole row orders them), not over a sort of [B, V]; a
-token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's at
-that id, bit for bit.
+For a sampled row with a top-k (Qwen2.5-Instruct's ``generation_config`` gives every request top_k 20) the filters
+and the race run over its k highest penalised logits only (``Candidates``: ids best first, ties toward the lower
+id, as a stable sort of the whole row orders them, in a width fixed by its own top_k), not over a sort of its whole
+row; a token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's
+at that id, bit for bit. Which path a row takes depends on its own params only (``Draws``).
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
@@ -104,9 +104,9 @@ def _ordered_keys(values: Tensor, ids: Tensor) -> Tensor:
 
 
 class Candidates:
-    """A sampled row's tokens worth drawing from, when every sampled row has a top-k: ``ids`` [B, k] (each row's
-    highest penalised logits, best first, ties toward the lower id) and ``probs`` [B, k], their unnormalised
-    sampling probabilities after temperature, top-k, top-p and min-p (every other token's is 0)."""
+    """The tokens worth drawing from for rows with a top-k: ``ids`` [R, k] (each row's highest penalised logits,
+    best first, ties toward the lower id) and ``probs`` [R, k], their unnormalised sampling probabilities after
+    temperature, top-k, top-p and min-p (every other token's is 0)."""
 
     __slots__ = ("ids", "probs")
 
@@ -116,6 +116,27 @@ class Candidates:
     def dense(self, vocab_size: int) -> Tensor:
         """The [B, vocab_size] probabilities these stand for (zeros elsewhere): for references and tests."""
         return self.probs.new_zeros(self.probs.shape[0], vocab_size).scatter_(1, self.ids, self.probs)
+
+
+class Draws:
+    """What a step's sampled rows draw from. ``dense``: [B, V] unnormalised probabilities over the whole vocabulary,
+    for the rows with no top-k (or one above ``CANDIDATE_MAX_TOP_K``), None if there are none (its other rows are
+    not used); ``groups``: (batch rows, their ``Candidates``), one per candidate width among the other sampled rows.
+    Which of the two a row takes depends on its own params only, never on the rest of the batch."""
+
+    __slots__ = ("dense", "groups")
+
+    def __init__(self, dense: Tensor | None, groups: list[tuple[list[int], Candidates]]) -> None:
+        self.dense, self.groups = dense, groups
+
+    def probs(self, batch: int, vocab_size: int) -> Tensor:
+        """The [B, vocab_size] probabilities these stand for (unnormalised; greedy rows' meaningless): for
+        references and tests."""
+        ref = self.dense if self.dense is not None else self.groups[0][1].probs
+        out = self.dense.clone() if self.dense is not None else ref.new_zeros(batch, vocab_size)
+        for rows, cand in self.groups:
+            out[torch.tensor(rows, device=out.device)] = cand.dense(vocab_size)
+        return out
 
 
 def _triton_or(device: torch.device, module: str, name: str, fallback):
@@ -220,11 +241,14 @@ class SamplerOutput:
 # rows of the per-step float parameter pack
 _TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(7)
 
-# A step whose sampled rows all have 0 < top_k <= CANDIDATE_MAX_TOP_K draws from each row's top-k candidates only
-# (``Sampler._candidates``) instead of sorting whole rows. CANDIDATE_SLACK extra values are selected first, so the
-# candidates are the stable sort's first k whatever order ``topk`` leaves ties in, unless more than that many
-# values tie with the k-th (then the ties it kept stand; a tie at -inf has probability 0 either way).
-CANDIDATE_MAX_TOP_K = 1024
+# A sampled row with 0 < top_k <= CANDIDATE_MAX_TOP_K draws from its top-k candidates only (``Sampler._candidates``)
+# instead of a sort of its whole row. Its candidate width is the first of CANDIDATE_WIDTHS at or above its top_k,
+# whatever the other rows ask, so the width of the softmax and cumulative sum its bits come from depends on the row
+# alone. CANDIDATE_SLACK extra values are selected first, so the candidates are the stable sort's first ones
+# whatever order ``topk`` leaves ties in, unless more than that many values tie with the last (then the ties it kept
+# stand; a tie at -inf has probability 0 either way).
+CANDIDATE_WIDTHS = (32, 128, 1024)
+CANDIDATE_MAX_TOP_K = CANDIDATE_WIDTHS[-1]
 CANDIDATE_SLACK = 64
 
 
@@ -299,25 +323,32 @@ class Sampler:
             logits, params, prompt_token_ids, output_token_ids, num_outputs, masks, histories, pending
         )
         B = logits.shape[0]
-        if probs is None:  # every row greedy
+        draws = probs
+        if draws is None:  # every row greedy
             token_ids_gpu = self._argmax(penalised)
-        elif isinstance(probs, Candidates):
-            q = self._exponential_noise(probs.probs, seeds, num_outputs, token_ids=probs.ids)
-            choice = self._argmax(probs.probs.div_(q))
-            token_ids_gpu = probs.ids.gather(1, choice[:, None]).squeeze(1)
-            if greedy_rows:
-                is_greedy = torch.zeros(B, dtype=torch.bool)
-                is_greedy[greedy_rows] = True
-                is_greedy = self._to_device(is_greedy)
-                token_ids_gpu = torch.where(is_greedy, self._argmax(penalised), token_ids_gpu)
         else:
-            q = self._exponential_noise(probs, seeds, num_outputs)
-            token_ids_gpu = self._argmax(probs.div_(q))
-            if greedy_rows:
-                is_greedy = torch.zeros(B, dtype=torch.bool)
-                is_greedy[greedy_rows] = True
-                is_greedy = self._to_device(is_greedy)
-                token_ids_gpu = torch.where(is_greedy, self._argmax(penalised), token_ids_gpu)
+            token_ids_gpu = None
+            if draws.dense is not None:
+                q = self._exponential_noise(draws.dense, seeds, num_outputs)
+                token_ids_gpu = self._argmax(draws.dense.div_(q))
+                if greedy_rows:
+                    is_greedy = torch.zeros(B, dtype=torch.bool)
+                    is_greedy[greedy_rows] = True
+                    is_greedy = self._to_device(is_greedy)
+                    token_ids_gpu = torch.where(is_greedy, self._argmax(penalised), token_ids_gpu)
+            elif greedy_rows:
+                token_ids_gpu = self._argmax(penalised)
+            for rows, cand in draws.groups:
+                q = self._exponential_noise(cand.probs, [seeds[i] for i in rows], [num_outputs[i] for i in rows],
+                                            token_ids=cand.ids)
+                chosen = cand.ids.gather(1, self._argmax(cand.probs.div_(q))[:, None]).squeeze(1)  # [R]
+                if token_ids_gpu is None and len(rows) == B:
+                    token_ids_gpu = chosen
+                else:
+                    if token_ids_gpu is None:
+                        token_ids_gpu = torch.zeros(B, dtype=torch.int64, device=chosen.device)
+                    where = self._to_device(torch.tensor(rows, dtype=torch.int64))
+                    token_ids_gpu = token_ids_gpu.index_copy(0, where, chosen)
 
         want_logprobs = any(p.logprobs is not None for p in params)
         if not want_logprobs:
@@ -444,9 +475,26 @@ class Sampler:
         if len(greedy_rows) == B:
             return logits, None, greedy_rows
 
-        sampled = [p for p in params if p.temperature > 0]
-        if self.candidates and all(0 < p.top_k <= CANDIDATE_MAX_TOP_K for p in sampled):
-            return logits, self._candidates(logits, table, max(p.top_k for p in sampled), params), greedy_rows
+        # each sampled row with a top-k up to CANDIDATE_MAX_TOP_K draws from its candidates, grouped by width
+        by_width: dict[int, list[int]] = {}
+        dense_rows = []
+        for i, p in enumerate(params):
+            if p.temperature == 0:
+                continue
+            if self.candidates and 0 < p.top_k <= CANDIDATE_MAX_TOP_K:
+                by_width.setdefault(next(w for w in CANDIDATE_WIDTHS if w >= p.top_k), []).append(i)
+            else:
+                dense_rows.append(i)
+        groups = []
+        for width, rows in sorted(by_width.items()):
+            if len(rows) == B:
+                groups.append((rows, self._candidates(logits, table, width, params)))
+            else:
+                where = self._to_device(torch.tensor(rows, dtype=torch.int64))
+                groups.append((rows, self._candidates(logits.index_select(0, where), table.index_select(1, where),
+                                                      width, [params[i] for i in rows])))
+        if not dense_rows:
+            return logits, Draws(None, groups), greedy_rows
         x = logits / table[_TEMP][:, None]  # [B, V]
         need_top_k = any(p.top_k > 0 for p in params)
         need_top_p = any(p.top_p < 1.0 for p in params)
@@ -464,7 +512,7 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return logits, probs, greedy_rows
+        return logits, Draws(probs, groups), greedy_rows
 
     def _param_table(self, params: list[SamplingParams], V: int) -> Tensor:
         """The rows' float parameters as a [7, B] fp32 table on the device (``_TEMP`` ...). Kept from the step
@@ -495,13 +543,16 @@ class Sampler:
         return table
 
     def _candidates(self, logits: Tensor, table: Tensor, k: int, params: list[SamplingParams]) -> Candidates:
-        """Temperature, top-k, top-p and min-p over each row's ``k`` highest penalised logits: the same filters as
+        """Temperature, top-k, top-p and min-p over each row's ``k`` highest penalised logits (``logits`` [R, V],
+        ``table`` [7, R] and ``params`` those rows'; k a candidate width at or above each row's top-k, so its
+        own top-k masks the rest): the same filters as
         the whole-row path, whose sort of [B, V] (~39M values at 256 rows of Qwen2.5's vocabulary) they avoid.
         Temperature is monotonic, so the highest logits are the highest after it; the values divided are the
         same fp32 values, so the same bits. The softmaxes and the cumulative mass sum k values instead of V (the
         rest are zeros there): their roundings can differ in the last bit, so a top-p cut that sits within
         rounding of the mass may fall the other way."""
         V = logits.shape[1]
+        k = min(k, V)  # a width past a small vocabulary: the whole of it
         sel = min(V, k + CANDIDATE_SLACK)
         values, ids = logits.topk(sel, dim=-1, sorted=False)  # [B, sel]
         order = _ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order

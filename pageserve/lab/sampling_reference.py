@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..engine.sampler import _FREQ, _PRES, _REP, Candidates, Sampler, seeded_uniform
+from ..engine.sampler import _FREQ, _PRES, _REP, Draws, Sampler, seeded_uniform
 from ..engine.sampling_params import SamplingParams
 
 
@@ -41,8 +41,8 @@ def sampler_probs(
     one-hot for greedy rows."""
     logits = logits[:, : sampler.vocab_size]
     penalised, probs, greedy_rows = sampler._process(logits, params, prompt_token_ids, output_token_ids)
-    if isinstance(probs, Candidates):
-        probs = probs.dense(logits.shape[1])
+    if isinstance(probs, Draws):
+        probs = probs.probs(*logits.shape)
     if probs is None:
         probs = torch.zeros_like(penalised)
     else:
