@@ -544,9 +544,9 @@ class Sampler:
 
     def _candidates(self, logits: Tensor, table: Tensor, k: int, params: list[SamplingParams]) -> Candidates:
         """Temperature, top-k, top-p and min-p over each row's ``k`` highest penalised logits (``logits`` [R, V],
-        ``table`` [7, R] and ``params`` those rows'; k a candidate width at or above each row's top-k, so its
-        own top-k masks the rest): the same filters as
-        the whole-row path, whose sort of [B, V] (~39M values at 256 rows of Qwen2.5's vocabulary) they avoid.
+        ``table`` [7, R] and ``params`` those rows'; k a candidate width at or above each row's top-k, so its own
+        top-k masks the rest): the same filters as the whole-row path, whose sort of [R, V] (~39M values at 256
+        rows of Qwen2.5's vocabulary) they avoid.
         Temperature is monotonic, so the highest logits are the highest after it; the values divided are the
         same fp32 values, so the same bits. The softmaxes and the cumulative mass sum k values instead of V (the
         rest are zeros there): their roundings can differ in the last bit, so a top-p cut that sits within
