@@ -562,7 +562,7 @@ def test_each_row_takes_the_candidates_or_the_whole_row_by_its_own_top_k():
               SamplingParams(temperature=0.7, top_k=big)]
     draws = Sampler(V, "cpu")._process(logits, params, [[1]] * 5, [[]] * 5)[1]
     assert draws.dense is not None  # rows 1 and 4 sort their whole rows
-    assert [(rows, cand.ids.shape[1]) for rows, cand in draws.groups] == [([0], 32), ([3], min(128, V))]
+    assert [(rows, cand.ids.shape[1]) for rows, _, cand in draws.groups] == [([0], 32), ([3], min(128, V))]
 
 
 def test_a_seeded_top_k_rows_draw_is_the_same_alone_or_beside_rows_of_other_paths_and_widths():
@@ -573,9 +573,9 @@ def test_a_seeded_top_k_rows_draw_is_the_same_alone_or_beside_rows_of_other_path
     others = [SamplingParams(temperature=0.7, top_p=0.95, seed=1), SamplingParams(temperature=1.0, top_k=300),
               SamplingParams(temperature=0)]
     s = Sampler(V, "cpu", seed=0)
-    alone = s._process(logits[2:3], [target], [[1]], [[]])[1].groups[0][1]
+    alone = s._process(logits[2:3], [target], [[1]], [[]])[1].groups[0][2]
     crowd = s._process(logits, others[:2] + [target] + others[2:], [[1]] * 4, [[]] * 4)[1]
-    rows, cand = next(g for g in crowd.groups if 2 in g[0])
+    rows, _, cand = next(g for g in crowd.groups if 2 in g[0])
     assert torch.equal(cand.probs[rows.index(2)], alone.probs[0]) and torch.equal(cand.ids[rows.index(2)], alone.ids[0])
     for step in range(20):
         want = s.sample(logits[2:3], [target], [[1]], [[0] * step], [5]).token_ids
@@ -610,7 +610,7 @@ def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut
     if slack is not None:
         monkeypatch.setattr(sampler_module, "CANDIDATE_SLACK", slack)
     params = [SamplingParams(temperature=1.0, top_k=20)] * 2
-    cand = Sampler(Vb, "cpu")._process(x, params, [[]] * 2, [[]] * 2)[1].groups[0][1]
+    cand = Sampler(Vb, "cpu")._process(x, params, [[]] * 2, [[]] * 2)[1].groups[0][2]
     want = x.sort(dim=-1, descending=True, stable=True).indices[:, :20]
     same = torch.equal(cand.ids[:, :20], want)
     assert same if slack is None else not same

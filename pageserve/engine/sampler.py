@@ -121,7 +121,8 @@ class Candidates:
 class Draws:
     """What a step's sampled rows draw from. ``dense``: [B, V] unnormalised probabilities over the whole vocabulary,
     for the rows with no top-k (or one above ``CANDIDATE_MAX_TOP_K``), None if there are none (its other rows are
-    not used); ``groups``: (batch rows, their ``Candidates``), one per candidate width among the other sampled rows.
+    not used); ``groups``: (batch rows, those rows on the device or None where they are every row, their
+    ``Candidates``), one per candidate width among the other sampled rows.
     Which of the two a row takes depends on its own params only, never on the rest of the batch."""
 
     __slots__ = ("dense", "groups")
@@ -132,9 +133,9 @@ class Draws:
     def probs(self, batch: int, vocab_size: int) -> Tensor:
         """The [B, vocab_size] probabilities these stand for (unnormalised; greedy rows' meaningless): for
         references and tests."""
-        ref = self.dense if self.dense is not None else self.groups[0][1].probs
+        ref = self.dense if self.dense is not None else self.groups[0][2].probs
         out = self.dense.clone() if self.dense is not None else ref.new_zeros(batch, vocab_size)
-        for rows, cand in self.groups:
+        for rows, _, cand in self.groups:
             out[torch.tensor(rows, device=out.device)] = cand.dense(vocab_size)
         return out
 
@@ -338,16 +339,15 @@ class Sampler:
                     token_ids_gpu = torch.where(is_greedy, self._argmax(penalised), token_ids_gpu)
             elif greedy_rows:
                 token_ids_gpu = self._argmax(penalised)
-            for rows, cand in draws.groups:
+            for rows, where, cand in draws.groups:
                 q = self._exponential_noise(cand.probs, [seeds[i] for i in rows], [num_outputs[i] for i in rows],
                                             token_ids=cand.ids)
                 chosen = cand.ids.gather(1, self._argmax(cand.probs.div_(q))[:, None]).squeeze(1)  # [R]
-                if token_ids_gpu is None and len(rows) == B:
+                if where is None:  # the group is every row
                     token_ids_gpu = chosen
                 else:
                     if token_ids_gpu is None:
                         token_ids_gpu = torch.zeros(B, dtype=torch.int64, device=chosen.device)
-                    where = self._to_device(torch.tensor(rows, dtype=torch.int64))
                     token_ids_gpu = token_ids_gpu.index_copy(0, where, chosen)
 
         want_logprobs = any(p.logprobs is not None for p in params)
@@ -488,11 +488,12 @@ class Sampler:
         groups = []
         for width, rows in sorted(by_width.items()):
             if len(rows) == B:
-                groups.append((rows, self._candidates(logits, table, width, params)))
-            else:
+                groups.append((rows, None, self._candidates(logits, table, width, params)))
+            else:  # the rows' ids go up once: for their logits here, for their tokens in ``sample``
                 where = self._to_device(torch.tensor(rows, dtype=torch.int64))
-                groups.append((rows, self._candidates(logits.index_select(0, where), table.index_select(1, where),
-                                                      width, [params[i] for i in rows])))
+                groups.append((rows, where, self._candidates(logits.index_select(0, where),
+                                                             table.index_select(1, where), width,
+                                                             [params[i] for i in rows])))
         if not dense_rows:
             return logits, Draws(None, groups), greedy_rows
         x = logits / table[_TEMP][:, None]  # [B, V]

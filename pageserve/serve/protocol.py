@@ -369,12 +369,15 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     best_of: int | None = None
 
-    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
-                           max_tokens_limit: int | None = None) -> SamplingParams:
+    def _refuse_unsupported(self) -> None:
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of is not supported (only best_of == n)")
+
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None,
+                           max_tokens_limit: int | None = None) -> SamplingParams:
+        self._refuse_unsupported()
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
@@ -388,10 +391,7 @@ class CompletionRequest(_Request):
 
     def to_beam_search_params(self, defaults: Mapping[str, Any] | None = None,
                               max_tokens_limit: int | None = None) -> BeamSearchParams:
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (only best_of == n)")
+        self._refuse_unsupported()
         other = tuple(name for name in ("logprobs", "prompt_logprobs") if getattr(self, name) is not None)
         return self.beam_search_params(self.max_tokens, defaults, max_tokens_limit, other=other)
 
