@@ -22,7 +22,8 @@ A mode with a top-k runs twice: as the engine samples (each row's top-k candidat
 as ``<mode>/whole``, the whole-row sort the sampler used before session 51 (``Sampler.candidates = False``); a
 mode with a repetition penalty also as ``<mode>/heavy``, with the sampler's host work before session 51
 (``Sampler.lean_host = False``: the parameter table rebuilt and copied up every call, the output counts always
-found).
+found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``topk`` over the fp32 logits as
+before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype.
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
@@ -86,6 +87,8 @@ def main() -> None:
     ap.add_argument("--profile-calls", type=int, default=8)
     ap.add_argument("--no-whole", dest="whole", action="store_false",
                     help="skip the whole-row-sort runs of the modes with a top-k")
+    ap.add_argument("--no-fine", dest="fine", action="store_false",
+                    help="no <mode>/fine runs (topk over the fp32 logits, before session 52)")
     ap.add_argument("--no-heavy", dest="heavy", action="store_false",
                     help="skip the runs of the penalised modes with the host work before session 51")
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -104,12 +107,20 @@ def main() -> None:
     sampler = llm.engine.runner.sampler
     # a mode with a top-k also runs as "<mode>/whole": the sampler's whole-row sort in place of its candidates; one
     # with a repetition penalty as "<mode>/heavy": the table rebuilt every call and the output counts always found
+    # and one with a top-k as "<mode>/fine": its candidates picked from the fp32 logits
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
+            + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
             + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]
+    coarse_default = sampler.coarse_select
+
+    def variant_flags(variant: str) -> None:
+        sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
+        sampler.coarse_select = coarse_default and variant != "fine"
+
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for name in (runs if rnd % 2 else runs[::-1]):
             mode, _, variant = name.partition("/")
-            sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
+            variant_flags(variant)
             before = alloc_counters(dev)
             row = {"mode": name, "round": rnd,
                    **run(llm, *requests(args.requests, args.prompt_len, args.max_tokens, vocab, mode))}
@@ -118,12 +129,12 @@ def main() -> None:
             if rnd:
                 rows.append(row)
             print(json.dumps(row), flush=True)
-    sampler.candidates, sampler.lean_host = True, True
+    variant_flags("")
     median = {m: statistics.median(r["output_tok_s"] for r in rows if r["mode"] == m) for m in runs}
     profiles = {}
     for name in runs:
         mode, _, variant = name.partition("/")
-        sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
+        variant_flags(variant)
         try:
             profiles[name] = sampler_op_profile(
                 llm, *requests(args.requests, args.prompt_len, min(args.max_tokens, 32), vocab, mode),
@@ -131,7 +142,7 @@ def main() -> None:
         except Exception as e:  # the runs above stand; the record says why the profile is missing
             profiles[name] = {"error": repr(e)[:300]}
         print(json.dumps({"profile": name, **profiles[name]}), flush=True)
-    sampler.candidates, sampler.lean_host = True, True
+    variant_flags("")
     record = {**provenance(), "args": vars(args), "device_name": (torch.cuda.get_device_name(dev)
                                                                    if dev.type == "cuda" else "cpu"),
               "runs": rows, "median_output_tok_s": median,

@@ -616,6 +616,75 @@ def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut
     assert same if slack is None else not same
 
 
+def coarse_sampler(V=V, **kw) -> Sampler:
+    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA."""
+    s = Sampler(V, "cpu", **kw)
+    s.coarse_select = True
+    return s
+
+
+COARSE_CASES = CANDIDATE_CASES + [
+    dict(temperature=0.9, top_k=30, logit_bias={3: 2.5, 7: -1.75, 11: 0.3}),
+    dict(temperature=0.6, top_k=8, top_p=0.9, min_tokens=5, repetition_penalty=0.8),  # eos banned; rep < 1 raises
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kw", COARSE_CASES)
+def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype):
+    # the LM head's own dtype goes in, as in the engine: penalties, bias and bans change some values, which the
+    # coarse pick sees rounded back to that dtype; the candidates and their probabilities are the same bits
+    B = 8
+    raw = tied_logits(B, seed=14).to(dtype)
+    params = [SamplingParams(**kw)] * B
+    prompts, outs = token_lists(B, 12, seed=15), token_lists(B, 5, seed=16)
+    fine = Sampler(V, "cpu", eos_token_ids=[1]), coarse_sampler(eos_token_ids=[1])
+    a, b = (s._process(raw, params, prompts, outs)[1].groups[0][2] for s in fine)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
+    seeds = [40 + i for i in range(B)]
+    assert (fine[0].sample(raw, params, prompts, outs, seeds).token_ids
+            == fine[1].sample(raw, params, prompts, outs, seeds).token_ids)
+
+
+def test_penalised_values_that_tie_once_rounded_are_still_ordered_by_their_fp32_values():
+    # ten unseen tokens at -8 lead; fifteen seen ones follow, penalised x 1.3 to distinct fp32 values, of which
+    # pairs round to one bf16 value: the first pair (-9.1 and -9.14 -> -9.125) straddles top_k = 11, and the
+    # higher fp32 value sits at the higher id, so ordering by the rounded values (ties to the lower id) would
+    # keep the wrong one of the pair
+    Vb = 200
+    x = torch.full((1, Vb), -20.0)
+    x[0, 50:60] = -8.0
+    seen = [114 - j for j in range(15)]
+    x[0, seen] = -7.0 - 0.03125 * torch.arange(15.0)
+    raw = x.bfloat16()
+    p = SamplingParams(temperature=1.0, top_k=11, repetition_penalty=1.3)
+    cand = coarse_sampler(Vb)._process(raw, [p], [seen], [[]])[1].groups[0][2]
+    penalised = raw.float()
+    penalised[0, seen] *= 1.3
+    want = penalised.sort(dim=-1, descending=True, stable=True).indices[:, :25]
+    assert torch.equal(cand.ids[:, :25], want)  # (then the 175 tokens at -20 tie, more than the slack)
+    assert (cand.probs[0] > 0).tolist() == [True] * 11 + [False] * 21  # token 114 (j = 0) in, 113 out
+    assert cand.ids[0, 10].item() == 114
+
+
+@pytest.mark.parametrize("push", ["logit_bias", "repetition_penalty", "allowed_token_ids"])
+def test_tokens_pushed_down_before_the_pick_do_not_crowd_it(push):
+    # 100 tokens lead the raw logits (more than a candidate width and its slack) and are pushed far down by the
+    # row's own params: the coarse pick must see the values after them, not the LM head's
+    Vb, lead = 600, list(range(200, 300))
+    g = torch.Generator().manual_seed(21)
+    raw = (torch.randn(1, Vb, generator=g)).bfloat16()
+    raw[0, lead] = 30.0
+    kw = {"logit_bias": {t: -100.0 for t in lead}, "repetition_penalty": 50.0,
+          "allowed_token_ids": [t for t in range(Vb) if t not in lead]}[push]
+    p = SamplingParams(temperature=1.0, top_k=8, **{push: kw})
+    prompt = lead if push == "repetition_penalty" else [1]
+    fine, coarse = Sampler(Vb, "cpu"), coarse_sampler(Vb)
+    a, b = (s._process(raw, [p], [prompt], [[]])[1].groups[0][2] for s in (fine, coarse))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
+    assert not set(b.ids[0, :8].tolist()) & set(lead)
+
+
 def test_seeded_noise_at_candidate_ids_is_the_whole_rows_bits():
     g = torch.Generator().manual_seed(3)
     seeds = torch.randint(-2**62, 2**62, (5,), generator=g)
@@ -626,19 +695,24 @@ def test_seeded_noise_at_candidate_ids_is_the_whole_rows_bits():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_on_the_gpu_top_k_candidates_draw_the_cpus_tokens_alone_or_in_a_big_batch(dtype):
     # Qwen2.5's vocabulary and its generation_config; 256 rows, where ``topk`` may take another algorithm than at
     # one row, and bf16 logits, whose ties cross the cut: the seeded tokens are the CPU's and the whole-row path's
+    # 16-bit logits go in as the LM head gives them: the GPU picks its candidates from them rounded back
+    # (``coarse_select``), the CPU from fp32
     Vq, B = 151936, 256
     g = torch.Generator().manual_seed(31)
-    logits = (torch.randn(B, Vq, generator=g) * 2).to(dtype).float()
+    logits = (torch.randn(B, Vq, generator=g) * 2).to(dtype)
     params = [SamplingParams(**CANDIDATE_CASES[0])] * B
     prompts, outs = token_lists(B, 64, seed=32, V=Vq), token_lists(B, 16, seed=33, V=Vq)
     seeds = [7 * i + 3 for i in range(B)]
     gpu = Sampler(Vq, "cuda").sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     assert gpu == Sampler(Vq, "cpu").sample(logits, params, prompts, outs, seeds).token_ids
     assert gpu == whole_rows("cuda", V=Vq).sample(logits.cuda(), params, prompts, outs, seeds).token_ids
+    fine = Sampler(Vq, "cuda")
+    fine.coarse_select = False
+    assert gpu == fine.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     for i in (0, 77, 255):
         alone = Sampler(Vq, "cuda").sample(logits[i:i + 1].cuda(), params[:1], prompts[i:i + 1], outs[i:i + 1],
                                            seeds[i:i + 1]).token_ids
@@ -845,7 +919,7 @@ def test_on_the_gpu_the_sampler_launches_a_step_without_waiting_for_the_device(k
 
 
 def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_records_them(tmp_path):
-    """scripts/sampling_bench.py on a random-weight shape on the CPU: each mode (and its whole-row and heavy
+    """scripts/sampling_bench.py on a random-weight shape on the CPU: each mode (and its whole-row, fine and heavy
     variants) yields exactly max_tokens tokens a request, so the modes run the same steps, and the record holds
     the ratios and the sampler's op profiles."""
     import json
@@ -858,8 +932,9 @@ def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_record
                     "--model", "smollm2-135m", "--requests", "3", "--prompt-len", "8", "--max-tokens", "3",
                     "--rounds", "1", "--profile-calls", "1"], check=True, cwd=root, capture_output=True)
     record = json.loads((tmp_path / "sampling_bench.json").read_text())
-    names = {"plain", "penalised", "penalised/heavy", "sampled", "sampled/whole", "qwen_default", "qwen_default/whole",
-             "qwen_default/heavy", "sampled_seeded", "sampled_seeded/whole"}
+    names = {"plain", "penalised", "penalised/heavy", "sampled", "sampled/whole", "sampled/fine", "qwen_default",
+             "qwen_default/whole", "qwen_default/fine", "qwen_default/heavy", "sampled_seeded", "sampled_seeded/whole",
+             "sampled_seeded/fine"}
     assert set(record["ratio_to_plain"]) == names
     assert {r["mode"] for r in record["runs"]} == names
     assert all(r["output_tokens"] == 3 * 3 for r in record["runs"])
