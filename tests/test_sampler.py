@@ -616,10 +616,15 @@ def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut
     assert same if slack is None else not same
 
 
-def coarse_sampler(V=V, **kw) -> Sampler:
-    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA."""
+def coarse_sampler(V=V, kernel=False, **kw) -> Sampler:
+    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA; ``kernel``: by
+    ``kernels.topk16`` (on Triton's interpreter here), as on CUDA, else by ``torch.topk``."""
     s = Sampler(V, "cpu", **kw)
     s.coarse_select = True
+    if kernel and not torch.cuda.is_available():  # (with a GPU Triton compiles for it: tests/test_kernels.py's case)
+        from pageserve.kernels.topk16 import topk_ids_16bit
+
+        s._topk16 = topk_ids_16bit
     return s
 
 
@@ -629,16 +634,17 @@ COARSE_CASES = CANDIDATE_CASES + [
 ]
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", COARSE_CASES)
-def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype):
+def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype, kernel):
     # the LM head's own dtype goes in, as in the engine: penalties, bias and bans change some values, which the
     # coarse pick sees rounded back to that dtype; the candidates and their probabilities are the same bits
     B = 8
     raw = tied_logits(B, seed=14).to(dtype)
     params = [SamplingParams(**kw)] * B
     prompts, outs = token_lists(B, 12, seed=15), token_lists(B, 5, seed=16)
-    fine = Sampler(V, "cpu", eos_token_ids=[1]), coarse_sampler(eos_token_ids=[1])
+    fine = Sampler(V, "cpu", eos_token_ids=[1]), coarse_sampler(kernel=kernel, eos_token_ids=[1])
     a, b = (s._process(raw, params, prompts, outs)[1].groups[0][2] for s in fine)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
     seeds = [40 + i for i in range(B)]
@@ -658,7 +664,7 @@ def test_penalised_values_that_tie_once_rounded_are_still_ordered_by_their_fp32_
     x[0, seen] = -7.0 - 0.03125 * torch.arange(15.0)
     raw = x.bfloat16()
     p = SamplingParams(temperature=1.0, top_k=11, repetition_penalty=1.3)
-    cand = coarse_sampler(Vb)._process(raw, [p], [seen], [[]])[1].groups[0][2]
+    cand = coarse_sampler(Vb, kernel=True)._process(raw, [p], [seen], [[]])[1].groups[0][2]
     penalised = raw.float()
     penalised[0, seen] *= 1.3
     want = penalised.sort(dim=-1, descending=True, stable=True).indices[:, :25]
@@ -679,7 +685,7 @@ def test_tokens_pushed_down_before_the_pick_do_not_crowd_it(push):
           "allowed_token_ids": [t for t in range(Vb) if t not in lead]}[push]
     p = SamplingParams(temperature=1.0, top_k=8, **{push: kw})
     prompt = lead if push == "repetition_penalty" else [1]
-    fine, coarse = Sampler(Vb, "cpu"), coarse_sampler(Vb)
+    fine, coarse = Sampler(Vb, "cpu"), coarse_sampler(Vb, kernel=True)
     a, b = (s._process(raw, [p], [prompt], [[]])[1].groups[0][2] for s in (fine, coarse))
     assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
     assert not set(b.ids[0, :8].tolist()) & set(lead)
@@ -710,9 +716,10 @@ def test_on_the_gpu_top_k_candidates_draw_the_cpus_tokens_alone_or_in_a_big_batc
     gpu = Sampler(Vq, "cuda").sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     assert gpu == Sampler(Vq, "cpu").sample(logits, params, prompts, outs, seeds).token_ids
     assert gpu == whole_rows("cuda", V=Vq).sample(logits.cuda(), params, prompts, outs, seeds).token_ids
-    fine = Sampler(Vq, "cuda")
-    fine.coarse_select = False
+    fine, torch_topk = Sampler(Vq, "cuda"), Sampler(Vq, "cuda")
+    fine.coarse_select, torch_topk.topk_kernel = False, False
     assert gpu == fine.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
+    assert gpu == torch_topk.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     for i in (0, 77, 255):
         alone = Sampler(Vq, "cuda").sample(logits[i:i + 1].cuda(), params[:1], prompts[i:i + 1], outs[i:i + 1],
                                            seeds[i:i + 1]).token_ids
@@ -934,7 +941,7 @@ def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_record
     record = json.loads((tmp_path / "sampling_bench.json").read_text())
     names = {"plain", "penalised", "penalised/heavy", "sampled", "sampled/whole", "sampled/fine", "qwen_default",
              "qwen_default/whole", "qwen_default/fine", "qwen_default/heavy", "sampled_seeded", "sampled_seeded/whole",
-             "sampled_seeded/fine"}
+             "sampled_seeded/fine"} | {f"{m}/torch_topk" for m in ("sampled", "qwen_default", "sampled_seeded")}
     assert set(record["ratio_to_plain"]) == names
     assert {r["mode"] for r in record["runs"]} == names
     assert all(r["output_tokens"] == 3 * 3 for r in record["runs"])

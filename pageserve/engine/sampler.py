@@ -13,8 +13,8 @@ and the race run over its k highest penalised logits only (``Candidates``: ids b
 id, as a stable sort of the whole row orders them, in a width fixed by its own top_k), not over a sort of its whole
 row; a token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's
 at that id, bit for bit. Which path a row takes depends on its own params only (``Draws``). On CUDA the candidates
-are picked by ``topk`` over the penalised logits rounded back to the model's 16-bit dtype (half the radix passes over
-half the bytes of fp32's), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
+are picked from the penalised logits rounded back to the model's 16-bit dtype (``kernels.topk16``, a radix select
+over 16-bit keys), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
@@ -178,6 +178,11 @@ def _allowed_words(p: SamplingParams, vocab_size: int) -> np.ndarray:
     return cached[1]
 
 
+def _torch_topk_ids(x: Tensor, sel: int) -> Tensor:
+    """The ids of each row's ``sel`` highest values, in no particular order (ties at the cut: any of them)."""
+    return x.topk(sel, dim=-1, sorted=False).indices
+
+
 def _torch_argmax(x: Tensor) -> Tensor:
     return x.argmax(dim=-1)
 
@@ -289,6 +294,10 @@ class Sampler:
         # 52, kept for A/B runs). On CUDA only by default: the 16-bit radix select makes half the passes over half
         # the bytes there, while the CPU's topk gains nothing from it
         self.coarse_select = self.device.type == "cuda"
+        # the coarse pick by ``kernels.topk16`` on CUDA (a radix select over 16-bit keys, three passes over the rows);
+        # False: by ``torch.topk`` (session 52's first version, kept for A/B runs)
+        self.topk_kernel = True
+        self._topk16 = _triton_or(self.device, "topk16", "topk_ids_16bit", _torch_topk_ids)
         if seed is None:
             self.generator.seed()
         else:
@@ -579,7 +588,7 @@ class Sampler:
         if coarse is None:
             values, ids = logits.topk(sel, dim=-1, sorted=False)  # [B, sel]
         else:
-            ids = coarse.topk(sel, dim=-1, sorted=False).indices
+            ids = self._topk16(coarse, sel) if self.topk_kernel else _torch_topk_ids(coarse, sel)
             values = logits.gather(1, ids)
         order = _ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order
         ids, values = ids.gather(1, order), values.gather(1, order)  # [B, k], best first
