@@ -24,8 +24,8 @@ mode with a repetition penalty also as ``<mode>/heavy``, with the sampler's host
 (``Sampler.lean_host = False``: the parameter table rebuilt and copied up every call, the output counts always
 found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``torch.topk`` over the fp32 logits
 as before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype, and as
-``<mode>/torch_topk``, picked from the rounded logits by ``torch.topk`` instead of ``kernels.topk16``
-(``Sampler.topk_kernel = False``).
+``<mode>/torch_topk``, picked from the rounded logits by ``torch.topk`` over whole rows instead of through each
+row's best chunks (``Sampler.chunked_pick = False``).
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
@@ -120,7 +120,7 @@ def main() -> None:
     def variant_flags(variant: str) -> None:
         sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
         sampler.coarse_select = coarse_default and variant != "fine"
-        sampler.topk_kernel = variant != "torch_topk"
+        sampler.chunked_pick = variant != "torch_topk"
 
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for name in (runs if rnd % 2 else runs[::-1]):

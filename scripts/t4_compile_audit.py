@@ -19,8 +19,7 @@ compile that serves several launches is compiled once and listed with all of the
   "pipelined" being sm_90 only: ``pipelined_device``), with RoPE in the launch at 9-128 rows
   (``ROPE_ATTENTION_ROWS``), and its merge; the paged prefill kernel for chunks (``chunk_attention``,
   ``gate_up_silu_rows`` and ``paired_silu_rows`` are Hopper only); SiLU·mul above one row; the
-  sampler's argmax, its pick of top-k candidates (``topk16``) and its structured-output masks (``token_bitmask``);
-  the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with
+  sampler's argmax and its structured-output masks (``token_bitmask``); the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with
   ``fuse_rope_kv=False`` and are listed as such.
 - deterministic (``DeterministicOps``): ``matmul_invariant`` for every linear and the LM head at every
   row count (``invariant_config`` -> ``measured_config`` shrunk by ``fit_shared_memory`` to the T4's
@@ -363,27 +362,6 @@ def token_bitmask_launch(m: Model, B: int) -> Launch:
                   dict(BLOCK=BLOCK), 4, rows=[B])
 
 
-def topk16_launches(m: Model, B: int) -> list[Launch]:
-    """The sampler's pick of top-k candidates from the fp16 logits (``kernels.topk16``), its three launches at the
-    widest candidate width (1,024 + the slack: the same compile as the narrower ones but for ``sel``'s value)."""
-    from pageserve.engine.sampler import CANDIDATE_SLACK, CANDIDATE_WIDTHS
-    from pageserve.kernels._util import cdiv, next_pow2
-    from pageserve.kernels.topk16 import BLOCK, CHUNK
-
-    C, sel = cdiv(m.vocab, CHUNK), min(m.vocab, CANDIDATE_WIDTHS[-1] + CANDIDATE_SLACK)
-    x, h = dict(x_ptr="*" + DTYPE), dict(h1_ptr="*i32")
-    rows = dict(V=m.vocab, stride_x=m.vocab, C=C)
-    tiles = dict(CHUNK=CHUNK, BLOCK=BLOCK)
-    return [Launch("default", m.name, f"top-k candidates: byte histograms V={m.vocab}",
-                   "pageserve.kernels.topk16:_high_kernel", {**x, **h, **rows}, tiles, 4, rows=[B]),
-            Launch("default", m.name, f"top-k candidates: low bytes, sel={sel}", "pageserve.kernels.topk16:_low_kernel",
-                   {**x, **h, "h2_ptr": "*i32", **rows, "sel": sel}, {**tiles, "BLOCK_C": max(2, next_pow2(C))}, 4,
-                   rows=[B]),
-            Launch("default", m.name, f"top-k candidates: ids, sel={sel}", "pageserve.kernels.topk16:_write_kernel",
-                   {**x, **h, "h2_ptr": "*i32", "out_ptr": "*i64", **rows, "sel": sel},
-                   {**tiles, "BLOCK_C": max(2, next_pow2(C))}, 4, rows=[B])]
-
-
 def stage_inputs_launch(m: Model, B: int) -> Launch:
     args = dict(ids_src="*i64", pos_src="*i64", slot_src="*i64", lens_src="*i64", bt_src="*i64", ids_dst="*i64",
                 pos_dst="*i64", slot_dst="*i64", lens_dst="*i32", bt_dst="*i32", bs=None, nb=None, stride_src=None,
@@ -496,7 +474,6 @@ def launches() -> list[Launch]:
                 for dtype in (DTYPE, "fp32"):  # graphs' logits, or the sampler's processed fp32 rows
                     out += argmax_launches("default", m, rows, dtype)
                 out.append(token_bitmask_launch(m, rows))
-                out += topk16_launches(m, rows)
             else:
                 out.append(prefill_attention_launch(m, rows))
             if not (decode and ROPE_ATTENTION_ROWS[0] <= rows <= ROPE_ATTENTION_ROWS[1]):

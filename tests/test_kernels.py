@@ -412,56 +412,6 @@ def test_gemv_skinny_tiles_the_bench_sweeps_above_8_rows_match_linear(M, config,
         _ok(checks.check_gemv_int8(M, 300, 200, dtype, DEVICE, gen, bias=True, config=config, magic=magic), dtype)
 
 
-def _same_ids(got, want):
-    torch.testing.assert_close(got.sort(dim=-1).values, want.sort(dim=-1).values, rtol=0, atol=0)
-
-
-TOPK16_CASES = [  # rows, columns, sel, chunk, block: chunks and blocks that split the row, a row shorter than a chunk
-    (3, 1000, 50, 256, 64), (2, 5000, 300, 1024, 256), (4, 777, 777, 128, 128), (1, 300, 1, 64, 16),
-    (2, 4096, 96, 4096, 1024), (1, 151936 if CUDA else 20000, 1088, None, None), (256 if CUDA else 3, 151936 if CUDA
-                                                                                  else 9000, 96, None, None)]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("R,V,sel,chunk,block", TOPK16_CASES)
-def test_topk_ids_16bit_are_a_stable_sorts_first_ids(R, V, sel, chunk, block, dtype, gen):
-    # the sampler's candidate pick: the reference is a stable descending sort of the values' bits; ties are planted
-    # across the cut (a value repeated every 7th column) and across chunks, with -inf, +-0 and NaN in some rows
-    from pageserve.kernels.topk16 import topk_ids_16bit, topk_ids_16bit_reference
-
-    x = (torch.randn(R, V, generator=gen) * 2).to(dtype)
-    _same_ids(topk_ids_16bit(x.to(DEVICE), sel, chunk=chunk, block=block).cpu(), topk_ids_16bit_reference(x, sel))
-    x[:, ::7] = x[:, 5:6]
-    x[0, V // 2:] = float("-inf")
-    if R > 1:
-        x[1, : V // 3] = 0.0
-        x[1, V // 3: V // 2] = -0.0
-        x[1, V - 1] = float("nan")
-    got = topk_ids_16bit(x.to(DEVICE), sel, chunk=chunk, block=block).cpu()
-    _same_ids(got, topk_ids_16bit_reference(x, sel))
-    assert got.shape == (R, sel) and all(len(set(r)) == sel for r in got.tolist())  # every id once
-    x[:, ::7] = 8.0  # a tie on top whose key's low byte is 0 (the byte the histograms' out-of-range counts go to)
-    _same_ids(topk_ids_16bit(x.to(DEVICE), sel, chunk=chunk, block=block).cpu(), topk_ids_16bit_reference(x, sel))
-    wide = torch.randn(R, V + 40, generator=gen).to(dtype)  # rows strided, as the LM head's padded vocabulary
-    _same_ids(topk_ids_16bit(wide.to(DEVICE)[:, :V], sel, chunk=chunk, block=block).cpu(),
-              topk_ids_16bit_reference(wide[:, :V], sel))
-
-
-def test_topk_ids_16bit_refuses_what_it_cannot_do():
-    from pageserve.kernels.topk16 import topk_ids_16bit
-
-    x = torch.zeros(2, 100, dtype=torch.bfloat16, device=DEVICE)
-    for bad in (0, 101):
-        with pytest.raises(ValueError, match="sel"):
-            topk_ids_16bit(x, bad)
-    with pytest.raises(ValueError, match="powers of two"):
-        topk_ids_16bit(x, 5, chunk=96)
-    with pytest.raises(ValueError, match="exceed"):
-        topk_ids_16bit(x, 5, chunk=1, block=1)
-    with pytest.raises((TypeError, ValueError)):
-        topk_ids_16bit(x.float(), 5)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,V", [(1, 151936 if CUDA else 5000), (3, 2048), (5, 2049), (2, 7), (4, 4097)])
 def test_argmax_rows_matches_torch_argmax_first_maximum_included(B, V, dtype, gen):

@@ -616,15 +616,11 @@ def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut
     assert same if slack is None else not same
 
 
-def coarse_sampler(V=V, kernel=False, **kw) -> Sampler:
-    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA; ``kernel``: by
-    ``kernels.topk16`` (on Triton's interpreter here), as on CUDA, else by ``torch.topk``."""
+def coarse_sampler(V=V, chunked=True, **kw) -> Sampler:
+    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA; ``chunked``:
+    through each row's best chunks (the default), else by ``torch.topk`` over whole rows."""
     s = Sampler(V, "cpu", **kw)
-    s.coarse_select = True
-    if kernel and not torch.cuda.is_available():  # (with a GPU Triton compiles for it: tests/test_kernels.py's case)
-        from pageserve.kernels.topk16 import topk_ids_16bit
-
-        s._topk16 = topk_ids_16bit
+    s.coarse_select, s.chunked_pick = True, chunked
     return s
 
 
@@ -634,17 +630,18 @@ COARSE_CASES = CANDIDATE_CASES + [
 ]
 
 
-@pytest.mark.parametrize("kernel", [False, True])
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", COARSE_CASES)
-def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype, kernel):
+def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype, chunked):
     # the LM head's own dtype goes in, as in the engine: penalties, bias and bans change some values, which the
-    # coarse pick sees rounded back to that dtype; the candidates and their probabilities are the same bits
-    B = 8
-    raw = tied_logits(B, seed=14).to(dtype)
+    # coarse pick sees rounded back to that dtype; the candidates and their probabilities are the same bits.
+    # Rows wide enough (2**17) for the chunked pick at every candidate width here
+    B, Vw = 8, 1 << 17
+    raw = tied_logits(B, seed=14, V=Vw).to(dtype)
     params = [SamplingParams(**kw)] * B
-    prompts, outs = token_lists(B, 12, seed=15), token_lists(B, 5, seed=16)
-    fine = Sampler(V, "cpu", eos_token_ids=[1]), coarse_sampler(kernel=kernel, eos_token_ids=[1])
+    prompts, outs = token_lists(B, 12, seed=15, V=Vw), token_lists(B, 5, seed=16, V=Vw)
+    fine = Sampler(Vw, "cpu", eos_token_ids=[1]), coarse_sampler(Vw, chunked=chunked, eos_token_ids=[1])
     a, b = (s._process(raw, params, prompts, outs)[1].groups[0][2] for s in fine)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
     seeds = [40 + i for i in range(B)]
@@ -664,7 +661,7 @@ def test_penalised_values_that_tie_once_rounded_are_still_ordered_by_their_fp32_
     x[0, seen] = -7.0 - 0.03125 * torch.arange(15.0)
     raw = x.bfloat16()
     p = SamplingParams(temperature=1.0, top_k=11, repetition_penalty=1.3)
-    cand = coarse_sampler(Vb, kernel=True)._process(raw, [p], [seen], [[]])[1].groups[0][2]
+    cand = coarse_sampler(Vb)._process(raw, [p], [seen], [[]])[1].groups[0][2]
     penalised = raw.float()
     penalised[0, seen] *= 1.3
     want = penalised.sort(dim=-1, descending=True, stable=True).indices[:, :25]
@@ -685,10 +682,34 @@ def test_tokens_pushed_down_before_the_pick_do_not_crowd_it(push):
           "allowed_token_ids": [t for t in range(Vb) if t not in lead]}[push]
     p = SamplingParams(temperature=1.0, top_k=8, **{push: kw})
     prompt = lead if push == "repetition_penalty" else [1]
-    fine, coarse = Sampler(Vb, "cpu"), coarse_sampler(Vb, kernel=True)
+    fine, coarse = Sampler(Vb, "cpu"), coarse_sampler(Vb)
     a, b = (s._process(raw, [p], [prompt], [[]])[1].groups[0][2] for s in (fine, coarse))
     assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
     assert not set(b.ids[0, :8].tolist()) & set(lead)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("V_,sel", [(151936, 96), (151936, 192), (49152, 96), (4096, 32), (151937, 96), (3000, 1088)])
+def test_the_chunked_pick_takes_the_rows_highest_values(V_, sel, dtype):
+    # the values picked through the best chunks are the row's sel highest, as a multiset (which of the values tied at
+    # the cut may differ): ties planted across chunks and across the cut, a row of -inf but a few, NaN, strided rows;
+    # widths no chunk divides (151,937) and picks past a quarter of the row take torch.topk
+    from pageserve.engine.sampler import _chunked_topk_ids
+
+    g = torch.Generator().manual_seed(V_ + sel)
+    wide = (torch.randn(4, V_ + 64, generator=g) * 2).to(dtype)
+    x = wide[:, :V_]
+    x[0, ::9] = x[0, 4]
+    x[1, :] = float("-inf")
+    x[1, 17::1000] = 3.0
+    x[2, 5::3] = 1.0
+    x[3, V_ // 2] = float("nan")
+    for rows in (x, x.contiguous()):
+        got = _chunked_topk_ids(rows, sel)
+        assert got.shape == (4, sel) and all(len(set(r)) == sel for r in got.tolist())
+        want = rows.float().topk(sel, dim=-1).values
+        torch.testing.assert_close(rows.float().gather(1, got).sort(dim=-1, descending=True).values, want,
+                                   rtol=0, atol=0, equal_nan=True)
 
 
 def test_seeded_noise_at_candidate_ids_is_the_whole_rows_bits():
@@ -717,7 +738,7 @@ def test_on_the_gpu_top_k_candidates_draw_the_cpus_tokens_alone_or_in_a_big_batc
     assert gpu == Sampler(Vq, "cpu").sample(logits, params, prompts, outs, seeds).token_ids
     assert gpu == whole_rows("cuda", V=Vq).sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     fine, torch_topk = Sampler(Vq, "cuda"), Sampler(Vq, "cuda")
-    fine.coarse_select, torch_topk.topk_kernel = False, False
+    fine.coarse_select, torch_topk.chunked_pick = False, False
     assert gpu == fine.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     assert gpu == torch_topk.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     for i in (0, 77, 255):

@@ -24,5 +24,5 @@ def test_every_engine_kernel_compiles_for_a_t4_within_its_shared_memory():
         assert any(ln.startswith(mode) for ln in lines), mode
     for kernel in ("_gemv_kernel", "_rms_norm_kernel", "_rope_kv_kernel", "_decode_split_kernel", "_prefill_kernel",
                    "_POINTER_KERNELS", "_split_kernel", "_argmax_partial_kernel", "_stage_decode_kernel",
-                   "_dequant_kernel", "_apply_token_bitmask_kernel", "_high_kernel", "_low_kernel", "_write_kernel"):
+                   "_dequant_kernel", "_apply_token_bitmask_kernel"):
         assert any(f": {kernel}" in ln for ln in lines), kernel

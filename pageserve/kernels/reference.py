@@ -197,15 +197,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
-def topk_ids_16bit(x: torch.Tensor, sel: int) -> torch.Tensor:
-    """x: [R, V] bf16 or fp16 -> [R, sel] int64: the ids of each row's ``sel`` highest values by their bits' order
-    (NaN above everything, -0 below +0), ties toward the lower id, highest first: a stable descending sort's
-    first ``sel``."""
-    b = x.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-    keys = torch.where(b >= 0x8000, b ^ 0xFFFF, b | 0x8000)
-    return keys.sort(dim=-1, descending=True, stable=True).indices[:, :sel]
-
-
 def unpack_token_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[G, W] int32 words, token t at bit ``t % 32`` of word ``t // 32`` -> [G, vocab_size] bool."""
     shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
