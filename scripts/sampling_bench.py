@@ -22,10 +22,8 @@ A mode with a top-k runs twice: as the engine samples (each row's top-k candidat
 as ``<mode>/whole``, the whole-row sort the sampler used before session 51 (``Sampler.candidates = False``); a
 mode with a repetition penalty also as ``<mode>/heavy``, with the sampler's host work before session 51
 (``Sampler.lean_host = False``: the parameter table rebuilt and copied up every call, the output counts always
-found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``torch.topk`` over the fp32 logits
-as before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype, and as
-``<mode>/torch_topk``, picked from the rounded logits by ``torch.topk`` over whole rows instead of through each
-row's best chunks (``Sampler.chunked_pick = False``).
+found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``topk`` over the fp32 logits as
+before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype.
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
@@ -90,8 +88,7 @@ def main() -> None:
     ap.add_argument("--no-whole", dest="whole", action="store_false",
                     help="skip the whole-row-sort runs of the modes with a top-k")
     ap.add_argument("--no-fine", dest="fine", action="store_false",
-                    help="no <mode>/fine or <mode>/torch_topk runs (the candidates picked by torch.topk over the "
-                         "fp32 logits, before session 52; over the rounded logits)")
+                    help="no <mode>/fine runs (topk over the fp32 logits, before session 52)")
     ap.add_argument("--no-heavy", dest="heavy", action="store_false",
                     help="skip the runs of the penalised modes with the host work before session 51")
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -110,17 +107,15 @@ def main() -> None:
     sampler = llm.engine.runner.sampler
     # a mode with a top-k also runs as "<mode>/whole": the sampler's whole-row sort in place of its candidates; one
     # with a repetition penalty as "<mode>/heavy": the table rebuilt every call and the output counts always found
-    # and one with a top-k as "<mode>/fine" and "<mode>/torch_topk": its candidates picked by torch.topk from the fp32
-    # logits, from the rounded ones
+    # and one with a top-k as "<mode>/fine": its candidates picked from the fp32 logits
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
-            + ([f"{mode}/fine", f"{mode}/torch_topk"] if args.fine and "top_k" in MODES[mode] else [])
+            + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
             + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]
     coarse_default = sampler.coarse_select
 
     def variant_flags(variant: str) -> None:
         sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
         sampler.coarse_select = coarse_default and variant != "fine"
-        sampler.chunked_pick = variant != "torch_topk"
 
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for name in (runs if rnd % 2 else runs[::-1]):

@@ -616,11 +616,10 @@ def test_candidates_are_the_stable_sorts_first_k_where_values_tie_across_the_cut
     assert same if slack is None else not same
 
 
-def coarse_sampler(V=V, chunked=True, **kw) -> Sampler:
-    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA; ``chunked``:
-    through each row's best chunks (the default), else by ``torch.topk`` over whole rows."""
+def coarse_sampler(V=V, **kw) -> Sampler:
+    """A sampler that picks candidates from the logits rounded to their 16-bit dtype, as on CUDA."""
     s = Sampler(V, "cpu", **kw)
-    s.coarse_select, s.chunked_pick = True, chunked
+    s.coarse_select = True
     return s
 
 
@@ -630,18 +629,16 @@ COARSE_CASES = CANDIDATE_CASES + [
 ]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kw", COARSE_CASES)
-def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype, chunked):
+def test_candidates_picked_from_16_bit_logits_are_the_fp32_picks_bits(kw, dtype):
     # the LM head's own dtype goes in, as in the engine: penalties, bias and bans change some values, which the
-    # coarse pick sees rounded back to that dtype; the candidates and their probabilities are the same bits.
-    # Rows wide enough (2**17) for the chunked pick at every candidate width here
-    B, Vw = 8, 1 << 17
-    raw = tied_logits(B, seed=14, V=Vw).to(dtype)
+    # coarse pick sees rounded back to that dtype; the candidates and their probabilities are the same bits
+    B = 8
+    raw = tied_logits(B, seed=14).to(dtype)
     params = [SamplingParams(**kw)] * B
-    prompts, outs = token_lists(B, 12, seed=15, V=Vw), token_lists(B, 5, seed=16, V=Vw)
-    fine = Sampler(Vw, "cpu", eos_token_ids=[1]), coarse_sampler(Vw, chunked=chunked, eos_token_ids=[1])
+    prompts, outs = token_lists(B, 12, seed=15), token_lists(B, 5, seed=16)
+    fine = Sampler(V, "cpu", eos_token_ids=[1]), coarse_sampler(eos_token_ids=[1])
     a, b = (s._process(raw, params, prompts, outs)[1].groups[0][2] for s in fine)
     assert torch.equal(a.ids, b.ids) and torch.equal(a.probs, b.probs)
     seeds = [40 + i for i in range(B)]
@@ -688,30 +685,6 @@ def test_tokens_pushed_down_before_the_pick_do_not_crowd_it(push):
     assert not set(b.ids[0, :8].tolist()) & set(lead)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("V_,sel", [(151936, 96), (151936, 192), (49152, 96), (4096, 32), (151937, 96), (3000, 1088)])
-def test_the_chunked_pick_takes_the_rows_highest_values(V_, sel, dtype):
-    # the values picked through the best chunks are the row's sel highest, as a multiset (which of the values tied at
-    # the cut may differ): ties planted across chunks and across the cut, a row of -inf but a few, NaN, strided rows;
-    # widths no chunk divides (151,937) and picks past a quarter of the row take torch.topk
-    from pageserve.engine.sampler import _chunked_topk_ids
-
-    g = torch.Generator().manual_seed(V_ + sel)
-    wide = (torch.randn(4, V_ + 64, generator=g) * 2).to(dtype)
-    x = wide[:, :V_]
-    x[0, ::9] = x[0, 4]
-    x[1, :] = float("-inf")
-    x[1, 17::1000] = 3.0
-    x[2, 5::3] = 1.0
-    x[3, V_ // 2] = float("nan")
-    for rows in (x, x.contiguous()):
-        got = _chunked_topk_ids(rows, sel)
-        assert got.shape == (4, sel) and all(len(set(r)) == sel for r in got.tolist())
-        want = rows.float().topk(sel, dim=-1).values
-        torch.testing.assert_close(rows.float().gather(1, got).sort(dim=-1, descending=True).values, want,
-                                   rtol=0, atol=0, equal_nan=True)
-
-
 def test_seeded_noise_at_candidate_ids_is_the_whole_rows_bits():
     g = torch.Generator().manual_seed(3)
     seeds = torch.randint(-2**62, 2**62, (5,), generator=g)
@@ -737,10 +710,9 @@ def test_on_the_gpu_top_k_candidates_draw_the_cpus_tokens_alone_or_in_a_big_batc
     gpu = Sampler(Vq, "cuda").sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     assert gpu == Sampler(Vq, "cpu").sample(logits, params, prompts, outs, seeds).token_ids
     assert gpu == whole_rows("cuda", V=Vq).sample(logits.cuda(), params, prompts, outs, seeds).token_ids
-    fine, torch_topk = Sampler(Vq, "cuda"), Sampler(Vq, "cuda")
-    fine.coarse_select, torch_topk.chunked_pick = False, False
+    fine = Sampler(Vq, "cuda")
+    fine.coarse_select = False
     assert gpu == fine.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
-    assert gpu == torch_topk.sample(logits.cuda(), params, prompts, outs, seeds).token_ids
     for i in (0, 77, 255):
         alone = Sampler(Vq, "cuda").sample(logits[i:i + 1].cuda(), params[:1], prompts[i:i + 1], outs[i:i + 1],
                                            seeds[i:i + 1]).token_ids
@@ -962,7 +934,7 @@ def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_record
     record = json.loads((tmp_path / "sampling_bench.json").read_text())
     names = {"plain", "penalised", "penalised/heavy", "sampled", "sampled/whole", "sampled/fine", "qwen_default",
              "qwen_default/whole", "qwen_default/fine", "qwen_default/heavy", "sampled_seeded", "sampled_seeded/whole",
-             "sampled_seeded/fine"} | {f"{m}/torch_topk" for m in ("sampled", "qwen_default", "sampled_seeded")}
+             "sampled_seeded/fine"}
     assert set(record["ratio_to_plain"]) == names
     assert {r["mode"] for r in record["runs"]} == names
     assert all(r["output_tokens"] == 3 * 3 for r in record["runs"])

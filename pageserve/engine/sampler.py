@@ -13,8 +13,8 @@ and the race run over its k highest penalised logits only (``Candidates``: ids b
 id, as a stable sort of the whole row orders them, in a width fixed by its own top_k), not over a sort of its whole
 row; a token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's
 at that id, bit for bit. Which path a row takes depends on its own params only (``Draws``). On CUDA the candidates
-are picked from the penalised logits rounded back to the model's 16-bit dtype (through each row's best chunks:
-``_chunked_topk_ids``), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
+are picked by ``topk`` over the penalised logits rounded back to the model's 16-bit dtype (half the radix passes over
+half the bytes of fp32's), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
@@ -178,35 +178,6 @@ def _allowed_words(p: SamplingParams, vocab_size: int) -> np.ndarray:
     return cached[1]
 
 
-def _torch_topk_ids(x: Tensor, sel: int) -> Tensor:
-    """The ids of each row's ``sel`` highest values, in no particular order (ties at the cut: any of them)."""
-    return x.topk(sel, dim=-1, sorted=False).indices
-
-
-PICK_CHUNKS = (128, 64, 32)  # ``_chunked_topk_ids``' chunk widths, the widest dividing the row first
-
-
-def _chunked_topk_ids(x: Tensor, sel: int) -> Tensor:
-    """``_torch_topk_ids`` through each row's best chunks: the row cut into chunks of ``PICK_CHUNKS`` columns, the
-    ``sel`` chunks with the highest maxima, then the ``sel`` highest values among their columns. Every value above the
-    sel-th highest lies in a chunk whose maximum is above the sel-th highest chunk maximum (which is at most the
-    sel-th highest value: that many chunks hold a value at least as high), so it is among them; the same set as
-    ``torch.topk``'s but for which of the values tied at the cut. On the H100 ``torch.topk`` of 256 bf16 rows of
-    151,936 took 0.40 ms (two digit-count passes and a gather pass, ~0.09-0.18 ms each whatever the values' width):
-    here one ``amax`` pass over the rows, then ``topk`` over 256 x 1,187 maxima and over 256 x 96 x 128 values.
-    A row no chunk width divides, rows strided inside, or a ``sel`` past a quarter of the row in chunks: the plain
-    ``topk``."""
-    R, V = x.shape
-    ch = next((c for c in PICK_CHUNKS if V % c == 0), 0)
-    if not ch or x.stride(1) != 1 or sel * ch * 4 > V:
-        return _torch_topk_ids(x, sel)
-    chunks = x.as_strided((R, V // ch, ch), (x.stride(0), ch, 1))
-    which = chunks.amax(dim=-1).topk(sel, dim=-1, sorted=False).indices  # [R, sel]: the best chunks
-    values = chunks.gather(1, which[:, :, None].expand(R, sel, ch)).view(R, sel * ch)
-    at = values.topk(sel, dim=-1, sorted=False).indices  # [R, sel] within them
-    return which.gather(1, at // ch) * ch + at % ch
-
-
 def _torch_argmax(x: Tensor) -> Tensor:
     return x.argmax(dim=-1)
 
@@ -318,9 +289,6 @@ class Sampler:
         # 52, kept for A/B runs). On CUDA only by default: the 16-bit radix select makes half the passes over half
         # the bytes there, while the CPU's topk gains nothing from it
         self.coarse_select = self.device.type == "cuda"
-        # the coarse pick through each row's best chunks (``_chunked_topk_ids``); False: ``torch.topk`` over the
-        # whole rows (session 52's first version, kept for A/B runs)
-        self.chunked_pick = True
         if seed is None:
             self.generator.seed()
         else:
@@ -611,7 +579,7 @@ class Sampler:
         if coarse is None:
             values, ids = logits.topk(sel, dim=-1, sorted=False)  # [B, sel]
         else:
-            ids = _chunked_topk_ids(coarse, sel) if self.chunked_pick else _torch_topk_ids(coarse, sel)
+            ids = coarse.topk(sel, dim=-1, sorted=False).indices
             values = logits.gather(1, ids)
         order = _ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order
         ids, values = ids.gather(1, order), values.gather(1, order)  # [B, k], best first
