@@ -105,9 +105,9 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     rows = []
     sampler = llm.engine.runner.sampler
-    # a mode with a top-k also runs as "<mode>/whole": the sampler's whole-row sort in place of its candidates; one
-    # with a repetition penalty as "<mode>/heavy": the table rebuilt every call and the output counts always found
-    # and one with a top-k as "<mode>/fine": its candidates picked from the fp32 logits
+    # a mode with a top-k also runs as "<mode>/whole" (the sampler's whole-row sort in place of its candidates) and
+    # "<mode>/fine" (its candidates picked by topk over the fp32 logits); one with a repetition penalty as
+    # "<mode>/heavy" (the table rebuilt every call and the output counts always found)
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
             + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
             + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]

@@ -698,9 +698,9 @@ def test_seeded_noise_at_candidate_ids_is_the_whole_rows_bits():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_on_the_gpu_top_k_candidates_draw_the_cpus_tokens_alone_or_in_a_big_batch(dtype):
     # Qwen2.5's vocabulary and its generation_config; 256 rows, where ``topk`` may take another algorithm than at
-    # one row, and bf16 logits, whose ties cross the cut: the seeded tokens are the CPU's and the whole-row path's
-    # 16-bit logits go in as the LM head gives them: the GPU picks its candidates from them rounded back
-    # (``coarse_select``), the CPU from fp32
+    # one row, and 16-bit logits as the LM head gives them, whose ties cross the cut (the GPU picks its candidates
+    # from them, ``coarse_select``; the CPU from fp32): the seeded tokens are the CPU's, the whole-row path's and
+    # the fp32 pick's
     Vq, B = 151936, 256
     g = torch.Generator().manual_seed(31)
     logits = (torch.randn(B, Vq, generator=g) * 2).to(dtype)

@@ -13,8 +13,8 @@ and the race run over its k highest penalised logits only (``Candidates``: ids b
 id, as a stable sort of the whole row orders them, in a width fixed by its own top_k), not over a sort of its whole
 row; a token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's
 at that id, bit for bit. Which path a row takes depends on its own params only (``Draws``). On CUDA the candidates
-are picked by ``topk`` over the penalised logits rounded back to the model's 16-bit dtype (half the radix passes over
-half the bytes of fp32's), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
+are picked by ``topk`` over the penalised logits rounded back to the model's 16-bit dtype (half the digit passes of
+fp32's), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
@@ -286,8 +286,8 @@ class Sampler:
         self.lean_host = True
         # pick the candidates by ``topk`` over the penalised logits rounded back to the model's 16-bit dtype, then
         # order them by their fp32 values (``_candidates``); False: ``topk`` over the fp32 logits (before session
-        # 52, kept for A/B runs). On CUDA only by default: the 16-bit radix select makes half the passes over half
-        # the bytes there, while the CPU's topk gains nothing from it
+        # 52, kept for A/B runs). On CUDA only by default: there the 16-bit radix select makes half the digit passes
+        # (256 rows of Qwen's vocabulary on the H100: 0.63 -> 0.40 ms), while the CPU's topk gains nothing from it
         self.coarse_select = self.device.type == "cuda"
         if seed is None:
             self.generator.seed()
