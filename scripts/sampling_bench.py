@@ -23,7 +23,9 @@ as ``<mode>/whole``, the whole-row sort the sampler used before session 51 (``Sa
 mode with a repetition penalty also as ``<mode>/heavy``, with the sampler's host work before session 51
 (``Sampler.lean_host = False``: the parameter table rebuilt and copied up every call, the output counts always
 found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``topk`` over the fp32 logits as
-before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype.
+before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype; and as
+``<mode>/torchrace``, its candidates ordered, filtered and raced by ~25 torch launches as before session 53
+(``Sampler.candidate_race = None``) instead of the candidate race kernel's one.
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
@@ -89,6 +91,8 @@ def main() -> None:
                     help="skip the whole-row-sort runs of the modes with a top-k")
     ap.add_argument("--no-fine", dest="fine", action="store_false",
                     help="no <mode>/fine runs (topk over the fp32 logits, before session 52)")
+    ap.add_argument("--no-torchrace", dest="torchrace", action="store_false",
+                    help="no <mode>/torchrace runs (the candidates raced by torch ops, before session 53)")
     ap.add_argument("--no-heavy", dest="heavy", action="store_false",
                     help="skip the runs of the penalised modes with the host work before session 51")
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -106,16 +110,19 @@ def main() -> None:
     rows = []
     sampler = llm.engine.runner.sampler
     # a mode with a top-k also runs as "<mode>/whole" (the sampler's whole-row sort in place of its candidates) and
-    # "<mode>/fine" (its candidates picked by topk over the fp32 logits); one with a repetition penalty as
+    # "<mode>/fine" (its candidates picked by topk over the fp32 logits) and "<mode>/torchrace" (raced by torch
+    # ops); one with a repetition penalty as
     # "<mode>/heavy" (the table rebuilt every call and the output counts always found)
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
             + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
+            + ([f"{mode}/torchrace"] if args.torchrace and "top_k" in MODES[mode] else [])
             + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]
-    coarse_default = sampler.coarse_select
+    coarse_default, race_default = sampler.coarse_select, sampler.candidate_race
 
     def variant_flags(variant: str) -> None:
         sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
         sampler.coarse_select = coarse_default and variant != "fine"
+        sampler.candidate_race = None if variant == "torchrace" else race_default
 
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for name in (runs if rnd % 2 else runs[::-1]):

@@ -81,7 +81,7 @@ def test_child_seed_keeps_index_zero_and_gives_distinct_children():
 def test_vectorised_hash_matches_python_definition():
     seeds = [0, 1, 12345, -7, 2**63 - 1, 2**64 - 5]
     steps = [0, 3, 1000, 5, 0, 9]
-    from pageserve.engine.sampler import _signed64
+    from pageserve.kernels.reference import signed64 as _signed64
 
     got = seeded_uniform_tensor(
         torch.tensor([_signed64(s) for s in seeds]), torch.tensor(steps), 40

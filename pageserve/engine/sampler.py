@@ -41,68 +41,32 @@ from torch import Tensor
 
 from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
 from pageserve.engine.structured_output import TokenMasks
+from pageserve.kernels.reference import (
+    GOLDEN, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS, candidate_filter,
+    mix64_tensor, seeded_uniform_at, signed64,
+)
 from pageserve.kernels.reference import apply_token_bitmask as apply_token_bitmask_reference
 
 if TYPE_CHECKING:
     from pageserve.engine.sequence import TokenHistory
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash
-_TOKEN_MUL = 0xD6E8FEB86659FD93
-_UNIFORM_BITS = 23  # u = (k + 0.5) / 2**23 is exact in fp32 and strictly inside (0, 1)
-
-
-def _signed64(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _srl(x: Tensor, s: int) -> Tensor:
-    """Logical right shift of an int64 tensor (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64_tensor(x: Tensor) -> Tensor:
-    """splitmix64 finaliser on int64 tensors; multiplication wraps like uint64."""
-    x = (x ^ _srl(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
-    x = (x ^ _srl(x, 27)) * _signed64(0x94D049BB133111EB)
-    return x ^ _srl(x, 31)
-
-
 def seeded_uniform(seed: int, step: int, token: int) -> float:
     """The uniform in (0, 1) that seeded sampling uses for ``token`` at output ``step``.
 
-    Plain-Python definition; ``Sampler`` computes the same numbers vectorised on device.
+    Plain-Python definition; ``Sampler`` computes the same numbers vectorised on device
+    (``seeded_uniform_tensor``, ``kernels.reference.seeded_uniform_at``, the candidate race kernel).
     """
-    row = _mix64((seed & _MASK64) + _GOLDEN * (step + 1))
-    h = _mix64(row + _TOKEN_MUL * (token + 1))
-    return ((h >> (64 - _UNIFORM_BITS)) + 0.5) / (1 << _UNIFORM_BITS)
+    row = _mix64((seed & MASK64) + GOLDEN * (step + 1))
+    h = _mix64(row + TOKEN_MUL * (token + 1))
+    return ((h >> (64 - UNIFORM_BITS)) + 0.5) / (1 << UNIFORM_BITS)
 
 
 def seeded_uniform_tensor(seeds: Tensor, steps: Tensor, vocab_size: int) -> Tensor:
     """``seeded_uniform`` for every token: seeds, steps int64 [S] -> fp32 [S, vocab_size]."""
-    row = _mix64_tensor(seeds + steps.add(1).mul(_signed64(_GOLDEN)))  # [S]
+    row = mix64_tensor(seeds + steps.add(1).mul(signed64(GOLDEN)))  # [S]
     tokens = torch.arange(1, vocab_size + 1, device=seeds.device, dtype=torch.int64)
-    h = _mix64_tensor(row[:, None] + tokens.mul(_signed64(_TOKEN_MUL))[None, :])  # [S, V]
-    return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
-
-
-def seeded_uniform_at(seeds: Tensor, steps: Tensor, token_ids: Tensor) -> Tensor:
-    """``seeded_uniform`` at the given ids: seeds, steps int64 [S], token_ids int64 [S, k] -> fp32 [S, k]; each value
-    the bits ``seeded_uniform_tensor`` gives that row's column ``token_ids[s, j]`` (the same integer hash, the same
-    exact conversion)."""
-    row = _mix64_tensor(seeds + steps.add(1).mul(_signed64(_GOLDEN)))  # [S]
-    h = _mix64_tensor(row[:, None] + token_ids.add(1).mul(_signed64(_TOKEN_MUL)))  # [S, k]
-    return (_srl(h, 64 - _UNIFORM_BITS).float() + 0.5) * (2.0 ** -_UNIFORM_BITS)
-
-
-def _ordered_keys(values: Tensor, ids: Tensor) -> Tensor:
-    """int64 keys, one per (fp32 value, token id), ordered as the values with ties broken toward the lower id (the
-    order a stable descending sort of the whole row gives): the value's bits mapped to a signed int that orders as
-    the floats do (negatives' magnitude bits flipped), then the id below them, reversed so a lower id ranks higher."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return bits * (1 << 32) + (0xFFFFFFFF - ids)
+    h = mix64_tensor(row[:, None] + tokens.mul(signed64(TOKEN_MUL))[None, :])  # [S, V]
+    return ((h >> (64 - UNIFORM_BITS)) & ((1 << UNIFORM_BITS) - 1)).float().add_(0.5).mul_(2.0 ** -UNIFORM_BITS)
 
 
 class Candidates:
@@ -120,24 +84,47 @@ class Candidates:
         return self.probs.new_zeros(self.probs.shape[0], vocab_size).scatter_(1, self.ids, self.probs)
 
 
+class Pick:
+    """A group's candidates before they are ordered, for the candidate race kernel (``kernels/candidate_race.py``)
+    to order, filter and race in one launch: ``ids`` [R, k + slack] (the rows' highest penalised logits, any
+    order) at width ``k``, read with ``logits`` [B, V] (the penalised fp32 logits) and ``table`` [7, B] at the
+    group's rows. ``candidates()``: the same rows through the torch path (references, tests)."""
+
+    __slots__ = ("ids", "k", "logits", "table", "where", "top_p", "min_p")
+
+    def __init__(self, ids: Tensor, k: int, logits: Tensor, table: Tensor, where: Tensor | None,
+                 top_p: bool, min_p: bool) -> None:
+        self.ids, self.k, self.logits, self.table, self.where = ids, k, logits, table, where
+        self.top_p, self.min_p = top_p, min_p
+
+    def candidates(self) -> Candidates:
+        logits, table = self.logits, self.table
+        if self.where is not None:
+            logits, table = logits.index_select(0, self.where), table.index_select(1, self.where)
+        return Candidates(*candidate_filter(logits.gather(1, self.ids), self.ids, self.k, table, self.top_p,
+                                            self.min_p))
+
+
 class Draws:
     """What a step's sampled rows draw from. ``dense``: [B, V] unnormalised probabilities over the whole vocabulary,
     for the rows with no top-k (or one above ``CANDIDATE_MAX_TOP_K``), None if there are none (its other rows are
     not used); ``groups``: (batch rows, those rows on the device or None where they are every row, their
-    ``Candidates``), one per candidate width among the other sampled rows.
+    ``Candidates``, or their ``Pick`` where the candidate race kernel runs), one per candidate width among the other
+    sampled rows.
     Which of the two a row takes depends on its own params only, never on the rest of the batch."""
 
     __slots__ = ("dense", "groups")
 
-    def __init__(self, dense: Tensor | None, groups: list[tuple[list[int], Candidates]]) -> None:
+    def __init__(self, dense: Tensor | None, groups: list[tuple[list[int], Tensor | None, Candidates | Pick]]) -> None:
         self.dense, self.groups = dense, groups
 
     def probs(self, batch: int, vocab_size: int) -> Tensor:
         """The [B, vocab_size] probabilities these stand for (unnormalised; greedy rows' meaningless): for
         references and tests."""
-        ref = self.dense if self.dense is not None else self.groups[0][2].probs
+        groups = [(rows, cand.candidates() if isinstance(cand, Pick) else cand) for rows, _, cand in self.groups]
+        ref = self.dense if self.dense is not None else groups[0][1].probs
         out = self.dense.clone() if self.dense is not None else ref.new_zeros(batch, vocab_size)
-        for rows, _, cand in self.groups:
+        for rows, cand in groups:
             out[torch.tensor(rows, device=out.device)] = cand.dense(vocab_size)
         return out
 
@@ -241,8 +228,9 @@ class SamplerOutput:
         return self._parse()[2]
 
 
-# rows of the per-step float parameter pack
-_TEMP, _TOP_K, _TOP_P, _MIN_P, _REP, _FREQ, _PRES = range(7)
+# rows of the per-step float parameter pack (the first four are what the candidate race reads)
+_TEMP, _TOP_K, _TOP_P, _MIN_P = TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TABLE_MIN_P
+_REP, _FREQ, _PRES = 4, 5, 6
 
 # A sampled row with 0 < top_k <= CANDIDATE_MAX_TOP_K draws from its top-k candidates only (``Sampler._candidates``)
 # instead of a sort of its whole row. Its candidate width is the first of CANDIDATE_WIDTHS at or above its top_k,
@@ -289,6 +277,9 @@ class Sampler:
         # 52, kept for A/B runs). On CUDA only by default: there the 16-bit radix select makes half the digit passes
         # (256 rows of Qwen's vocabulary on the H100: 0.63 -> 0.40 ms), while the CPU's topk gains nothing from it
         self.coarse_select = self.device.type == "cuda"
+        # order, filter and race each candidate group in one launch (``kernels/candidate_race.py``, on CUDA), in
+        # place of ~25 torch launches; None: the torch path (the kernel's reference; CPU, or Triton missing)
+        self.candidate_race = _triton_or(self.device, "candidate_race", "candidate_race", None)
         if seed is None:
             self.generator.seed()
         else:
@@ -347,6 +338,11 @@ class Sampler:
             elif greedy_rows:
                 token_ids_gpu = self._argmax(penalised)
             for rows, where, cand in draws.groups:
+                if isinstance(cand, Pick):  # ordered, filtered and raced in one launch, written at its rows
+                    if token_ids_gpu is None:
+                        token_ids_gpu = torch.empty(B, dtype=torch.int64, device=logits.device)
+                    self._race(cand, rows, seeds, num_outputs, token_ids_gpu)
+                    continue
                 q = self._exponential_noise(cand.probs, [seeds[i] for i in rows], [num_outputs[i] for i in rows],
                                             token_ids=cand.ids)
                 chosen = cand.ids.gather(1, self._argmax(cand.probs.div_(q))[:, None]).squeeze(1)  # [R]
@@ -499,10 +495,18 @@ class Sampler:
         if by_width and self.coarse_select and raw.dtype in (torch.bfloat16, torch.float16):
             coarse = logits.to(raw.dtype) if changed else raw  # unchanged: the caller's own values, no pass
         for width, rows in sorted(by_width.items()):
-            if len(rows) == B:
+            where = None if len(rows) == B else self._to_device(torch.tensor(rows, dtype=torch.int64))
+            # (where the group is some rows, their ids go up once: for their logits here, for their tokens in
+            # ``sample``)
+            if self.candidate_race is not None:
+                k = min(width, V)
+                src = logits if coarse is None else coarse  # what ``topk`` picks the candidates from
+                ids = self._select(src if where is None else src.index_select(0, where), k, None)[1]
+                groups.append((rows, where, Pick(ids, k, logits, table, where, any(params[i].top_p < 1.0 for i in rows),
+                                                 any(params[i].min_p > 0 for i in rows))))
+            elif where is None:
                 groups.append((rows, None, self._candidates(logits, table, width, params, coarse)))
-            else:  # the rows' ids go up once: for their logits here, for their tokens in ``sample``
-                where = self._to_device(torch.tensor(rows, dtype=torch.int64))
+            else:
                 groups.append((rows, where, self._candidates(
                     logits.index_select(0, where), table.index_select(1, where), width, [params[i] for i in rows],
                     None if coarse is None else coarse.index_select(0, where))))
@@ -573,28 +577,21 @@ class Sampler:
         others, as with the fp32 values' own ties. A 16-bit model's logits round back to themselves, so only the
         values the bias, bans and penalties changed tie more than before. The candidates' values are then read
         from the fp32 logits, and ordered as without ``coarse``: the same candidates, the same bits."""
-        V = logits.shape[1]
-        k = min(k, V)  # a width past a small vocabulary: the whole of it
-        sel = min(V, k + CANDIDATE_SLACK)
-        if coarse is None:
-            values, ids = logits.topk(sel, dim=-1, sorted=False)  # [B, sel]
-        else:
-            ids = coarse.topk(sel, dim=-1, sorted=False).indices
-            values = logits.gather(1, ids)
-        order = _ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order
-        ids, values = ids.gather(1, order), values.gather(1, order)  # [B, k], best first
-        x = values / table[_TEMP][:, None]
-        rank = torch.arange(k, device=x.device)
-        x = x.masked_fill(rank[None, :] >= table[_TOP_K][:, None], float("-inf"))
-        if any(p.top_p < 1.0 for p in params):
-            p_sorted = x.softmax(dim=-1)
-            mass_before = p_sorted.cumsum(dim=-1) - p_sorted
-            x = x.masked_fill(mass_before >= table[_TOP_P][:, None], float("-inf"))
-        probs = x.softmax(dim=-1)
-        if any(p.min_p > 0 for p in params):
-            threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        k = min(k, logits.shape[1])  # a width past a small vocabulary: the whole of it
+        values, ids = self._select(logits, k, coarse)
+        ids, probs = candidate_filter(values, ids, k, table, top_p=any(p.top_p < 1.0 for p in params),
+                                      min_p=any(p.min_p > 0 for p in params))
         return Candidates(ids, probs)
+
+    def _select(self, logits: Tensor, k: int, coarse: Tensor | None, values: bool = True) -> tuple:
+        """The values and ids of each row's k + ``CANDIDATE_SLACK`` highest logits, in any order ([R, sel] each;
+        ``_candidates``): ``topk`` over ``coarse`` where given, the values then read from ``logits``. ``values``
+        False: None for them where that read would be a launch of its own (the kernel reads them itself)."""
+        sel = min(logits.shape[1], k + CANDIDATE_SLACK)
+        if coarse is None:
+            return logits.topk(sel, dim=-1, sorted=False)  # [R, sel]
+        ids = coarse.topk(sel, dim=-1, sorted=False).indices
+        return (logits.gather(1, ids) if values else None), ids
 
     def _with_bans(self, masks: TokenMasks, banned: list[list[int]]) -> np.ndarray:
         """``masks.bits`` with each guided row's bans (``_banned_tokens``) cleared from them, except where
@@ -674,6 +671,22 @@ class Sampler:
         logits.view(-1).index_put_((flat,), x)
         return logits
 
+    def _race(self, pick: Pick, rows: list[int], seeds, num_outputs, out: Tensor) -> None:
+        """``candidate_race`` for a ``Pick`` of batch ``rows``, each token written to ``out[row]``. Unseeded rows'
+        noise is the same [R, k] generator draws the torch path takes (``_exponential_noise``), seeded rows' the
+        same hash at the same ids (in the kernel)."""
+        R = len(rows)
+        seeded = [seeds[i] is not None for i in rows]
+        noise = None
+        if not all(seeded):
+            noise = torch.empty(R, pick.k, device=out.device).exponential_(generator=self.generator)
+            noise.clamp_min_(1e-30)  # a zero would turn p / q into inf (or nan for p == 0)
+        packed = None
+        if any(seeded):
+            packed = self._to_device(torch.tensor([seeded, [signed64(seeds[i] or 0) for i in rows],
+                                                   [num_outputs[i] for i in rows]], dtype=torch.int64))
+        self.candidate_race(pick.logits, pick.ids, pick.k, pick.table, noise, packed, pick.where, out)
+
     def _exponential_noise(self, probs, seeds, num_outputs, token_ids: Tensor | None = None) -> Tensor:
         """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest. ``token_ids`` [B, k]: the
         token each column of ``probs`` stands for (``Candidates``); None: column j is token j."""
@@ -688,7 +701,7 @@ class Sampler:
                 torch.tensor(
                     [
                         seeded,
-                        [_signed64(seeds[i]) for i in seeded],
+                        [signed64(seeds[i]) for i in seeded],
                         [num_outputs[i] for i in seeded],
                     ],
                     dtype=torch.int64,

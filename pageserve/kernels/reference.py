@@ -226,3 +226,89 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, wid
     cols = torch.arange(a.shape[0], device=x.device) // width
     own = cols[None, :] == token_slots[:T, None]
     return torch.where(own, linear(x, a, None), 0.0).to(x.dtype)
+
+
+# ---- sampling: the seeded noise's hash and the candidate race (``engine/sampler.py``; ``kernels/candidate_race.py``)
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # odd constants: the step and token multipliers of the hash
+TOKEN_MUL = 0xD6E8FEB86659FD93
+UNIFORM_BITS = 23  # u = (k + 0.5) / 2**23 is exact in fp32 and strictly inside (0, 1)
+# the sampler's [7, B] parameter table: the rows the candidate race reads
+TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TABLE_MIN_P = range(4)
+
+
+def signed64(x: int) -> int:
+    """A uint64 value as the int64 with the same bits."""
+    x &= MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of an int64 tensor (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def mix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors; multiplication wraps like uint64."""
+    x = (x ^ _srl(x, 30)) * signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ _srl(x, 27)) * signed64(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def seeded_uniform_at(seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """The sampler's ``seeded_uniform`` at the given ids: seeds, steps int64 [S] (a seed as ``signed64``),
+    token_ids int64 [S, k] -> fp32 [S, k]. The hash is integer arithmetic and the conversion exact, so every
+    implementation gives the same bits."""
+    row = mix64_tensor(seeds + steps.add(1).mul(signed64(GOLDEN)))  # [S]
+    h = mix64_tensor(row[:, None] + token_ids.add(1).mul(signed64(TOKEN_MUL)))  # [S, k]
+    return (_srl(h, 64 - UNIFORM_BITS).float() + 0.5) * (2.0 ** -UNIFORM_BITS)
+
+
+def ordered_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys, one per (fp32 value, token id), ordered as the values with ties broken toward the lower id (the
+    order a stable descending sort of the whole row gives): the value's bits mapped to a signed int that orders as
+    the floats do (negatives' magnitude bits flipped), then the id below them, reversed so a lower id ranks higher."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return bits * (1 << 32) + (0xFFFFFFFF - ids)
+
+
+def candidate_filter(values: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
+                     top_p: bool = True, min_p: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p and min-p over each row's candidates: ``values`` / ``ids`` [R, S] (S >= k: a row's
+    k + slack highest penalised fp32 logits and their ids, in any order), ``table`` [>= 4, R] (temperature, top_k,
+    top_p, min_p: the sampler's parameter table, a disabled top_p stored as 2.0) -> (ids [R, k] best first, ties
+    toward the lower id; probs [R, k] unnormalised, 0 where filtered). ``top_p`` / ``min_p`` False: skip the step
+    (exact where every row has it off: the mask it would apply is empty)."""
+    order = ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order
+    ids, values = ids.gather(1, order), values.gather(1, order)  # [R, k], best first
+    x = values / table[TABLE_TEMP][:, None]
+    rank = torch.arange(k, device=x.device)
+    x = x.masked_fill(rank[None, :] >= table[TABLE_TOP_K][:, None], float("-inf"))
+    if top_p:
+        p_sorted = x.softmax(dim=-1)
+        mass_before = p_sorted.cumsum(dim=-1) - p_sorted
+        x = x.masked_fill(mass_before >= table[TABLE_TOP_P][:, None], float("-inf"))
+    probs = x.softmax(dim=-1)
+    if min_p:
+        threshold = table[TABLE_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return ids, probs
+
+
+def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
+                   noise: torch.Tensor | None, seeds: torch.Tensor | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per candidate row: ``candidate_filter`` over ``logits`` [B, V] fp32 at ``ids`` [R, S], then the
+    exponential race argmax(probs / q) (its first maximum). ``rows`` [R] int64: each candidate row's batch row in
+    ``logits`` and ``table`` [>= 4, B] (None: row r is row r). q: ``noise`` [R, k] (Exp(1) draws in rank order) for
+    unseeded rows; for a row with ``seeds[0, r]`` != 0 (``seeds`` [3, R] int64: seeded flag, seed as ``signed64``,
+    step), -log of ``seeded_uniform_at`` at the candidate's id. -> [R] int64 token ids."""
+    if rows is not None:
+        logits, table = logits.index_select(0, rows), table.index_select(1, rows)
+    ids, probs = candidate_filter(logits.gather(1, ids), ids, k, table)
+    q = noise if noise is not None else torch.ones_like(probs)
+    if seeds is not None:
+        seeded_q = seeded_uniform_at(seeds[1], seeds[2], ids).log_().neg_()
+        q = torch.where(seeds[0][:, None] != 0, seeded_q, q)
+    return ids.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
