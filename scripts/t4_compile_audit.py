@@ -19,7 +19,8 @@ compile that serves several launches is compiled once and listed with all of the
   "pipelined" being sm_90 only: ``pipelined_device``), with RoPE in the launch at 9-128 rows
   (``ROPE_ATTENTION_ROWS``), and its merge; the paged prefill kernel for chunks (``chunk_attention``,
   ``gate_up_silu_rows`` and ``paired_silu_rows`` are Hopper only); SiLU·mul above one row; the
-  sampler's argmax and its structured-output masks (``token_bitmask``); the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with
+  sampler's argmax, its structured-output masks (``token_bitmask``) and its candidate race; the decode
+  graphs' input staging. ``rotary`` and ``write_kv`` run only with
   ``fuse_rope_kv=False`` and are listed as such.
 - deterministic (``DeterministicOps``): ``matmul_invariant`` for every linear and the LM head at every
   row count (``invariant_config`` -> ``measured_config`` shrunk by ``fit_shared_memory`` to the T4's
@@ -362,6 +363,27 @@ def token_bitmask_launch(m: Model, B: int) -> Launch:
                   dict(BLOCK=BLOCK), 4, rows=[B])
 
 
+def candidate_race_launches(m: Model, B: int) -> list[Launch]:
+    """The sampler's candidate race at each candidate width (any mode), with and without seeded rows and a
+    subset of the batch's rows."""
+    from pageserve.engine.sampler import CANDIDATE_SLACK, CANDIDATE_WIDTHS
+    from pageserve.kernels.candidate_race import launch_config
+
+    out = []
+    for k in CANDIDATE_WIDTHS:
+        S = min(m.vocab, k + CANDIDATE_SLACK)
+        block, warps = launch_config(S)
+        for seeds in (False, True):
+            out.append(Launch("default", m.name, f"candidate race k={k}{' seeded' if seeds else ''}",
+                              "pageserve.kernels.candidate_race:_candidate_race_kernel",
+                              dict(logits_ptr="*fp32", stride_l=m.vocab, ids_ptr="*i64", stride_ids=S, S=S,
+                                   rows_ptr="*i64", table_ptr="*fp32", stride_t=B, noise_ptr="*fp32", stride_n=k,
+                                   seeds_ptr="*i64", stride_s=B, out_ptr="*i64", K=k),
+                              dict(BLOCK=block, HAS_ROWS=True, HAS_NOISE=True, HAS_SEEDS=seeds, LIBDEVICE_LOG=True),
+                              warps, rows=[B]))
+    return out
+
+
 def stage_inputs_launch(m: Model, B: int) -> Launch:
     args = dict(ids_src="*i64", pos_src="*i64", slot_src="*i64", lens_src="*i64", bt_src="*i64", ids_dst="*i64",
                 pos_dst="*i64", slot_dst="*i64", lens_dst="*i32", bt_dst="*i32", bs=None, nb=None, stride_src=None,
@@ -474,6 +496,7 @@ def launches() -> list[Launch]:
                 for dtype in (DTYPE, "fp32"):  # graphs' logits, or the sampler's processed fp32 rows
                     out += argmax_launches("default", m, rows, dtype)
                 out.append(token_bitmask_launch(m, rows))
+                out += candidate_race_launches(m, rows)
             else:
                 out.append(prefill_attention_launch(m, rows))
             if not (decode and ROPE_ATTENTION_ROWS[0] <= rows <= ROPE_ATTENTION_ROWS[1]):

@@ -107,6 +107,13 @@ def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_pt
     tl.store(out_ptr + row, tl.sum(tl.where(j == first, tok, 0), axis=0))
 
 
+def launch_config(S: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for rows of S candidates: its own function so that the offline audit
+    (scripts/t4_compile_audit.py) compiles the launch a step gets."""
+    block = max(16, next_pow2(S))
+    return block, 4 if block <= 256 else 8
+
+
 def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,12 +145,12 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
     if out is None:
         out = torch.empty(logits.shape[0] if rows is not None else R, dtype=torch.int64, device=logits.device)
     if R:
-        block = max(16, next_pow2(S))
+        block, warps = launch_config(S)
         dummy = ids  # a pointer for the inputs a launch does not read
         _candidate_race_kernel[(R,)](
             logits, logits.stride(0), ids, ids.stride(0), S, dummy if rows is None else rows, table, table.stride(0),
             dummy if noise is None else noise, 0 if noise is None else noise.stride(0),
             dummy if seeds is None else seeds, 0 if seeds is None else seeds.stride(0), out, k,
             BLOCK=block, HAS_ROWS=rows is not None, HAS_NOISE=noise is not None, HAS_SEEDS=seeds is not None,
-            LIBDEVICE_LOG=not interpreting(), num_warps=4 if block <= 256 else 8)
+            LIBDEVICE_LOG=not interpreting(), num_warps=warps)
     return out
