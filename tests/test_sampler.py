@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pageserve.engine import sampler as sampler_module
-from pageserve.engine.sampler import Draws, Sampler, seeded_uniform, seeded_uniform_at, seeded_uniform_tensor
+from pageserve.engine.sampler import Sampler, seeded_uniform, seeded_uniform_at, seeded_uniform_tensor
 from pageserve.kernels.reference import unpack_token_bits
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.lab.sampling_reference import penalties_dense, sample_reference, sampler_probs
@@ -326,6 +326,14 @@ def test_penalties_read_from_token_histories_equal_the_lists_path():
             o.append(t)
 
 
+def _repetition_kernels(sampler):
+    """The repetition-only paths to check: the torch one, then the Triton kernel (on CUDA the sampler's default;
+    on the CPU through the interpreter, set by hand)."""
+    from pageserve.kernels.penalties import repetition_penalty
+
+    return [None, repetition_penalty]
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_sparse_penalties_give_the_dense_references_bits(device):
     # fresh random inputs: repeated ids in prompts and outputs, ids seen in both, banned (-inf) logits, rows
@@ -361,9 +369,11 @@ def test_sparse_penalties_give_the_dense_references_bits(device):
         rep_only = tab.clone()
         rep_only[_FREQ] = 0.0
         rep_only[_PRES] = 0.0
-        got = sampler._apply_penalties(x.clone(), rep_only, rows, prompts, outputs, counts=False)
-        assert torch.equal(got, penalties_dense(x, rep_only, rows, prompts, outputs))
-        assert not torch.equal(sampler._apply_penalties(x.clone(), tab, rows, prompts, outputs, counts=False), want)
+        for kernel in _repetition_kernels(sampler):  # the torch path, then the kernel (the interpreter on the CPU)
+            sampler.repetition_kernel = kernel
+            got = sampler._apply_penalties(x.clone(), rep_only, rows, prompts, outputs, counts=False)
+            assert torch.equal(got, penalties_dense(x, rep_only, rows, prompts, outputs))
+            assert not torch.equal(sampler._apply_penalties(x.clone(), tab, rows, prompts, outputs, counts=False), want)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -411,8 +421,11 @@ def test_penalties_with_the_newest_token_on_the_device_give_the_dense_bits_of_th
         rep_only = tab.clone()
         rep_only[_FREQ] = 0.0
         rep_only[_PRES] = 0.0
-        assert torch.equal(sampler._apply_penalties(x.clone(), rep_only, rows, prompts, landed, (prev.to(device), pend),
-                                                    counts=False), penalties_dense(x, rep_only, rows, prompts, outputs))
+        for kernel in _repetition_kernels(sampler):
+            sampler.repetition_kernel = kernel
+            assert torch.equal(sampler._apply_penalties(x.clone(), rep_only, rows, prompts, landed,
+                                                        (prev.to(device), pend), counts=False),
+                               penalties_dense(x, rep_only, rows, prompts, outputs))
         # without the pending token the bits differ (the newest output matters), and rows not penalised keep theirs
         assert not torch.equal(sampler._apply_penalties(x.clone(), tab, rows, prompts, landed), want)
         assert torch.equal(got[3], x[3])

@@ -280,6 +280,9 @@ class Sampler:
         # order, filter and race each candidate group in one launch (``kernels/candidate_race.py``, on CUDA), in
         # place of ~25 torch launches; None: the torch path (the kernel's reference; CPU, or Triton missing)
         self.candidate_race = _triton_or(self.device, "candidate_race", "candidate_race", None)
+        # a repetition penalty alone (no frequency or presence penalty in the step) in one launch
+        # (``kernels/penalties.py``, on CUDA) in place of ~14; None: the torch path
+        self.repetition_kernel = _triton_or(self.device, "penalties", "repetition_penalty", None)
         if seed is None:
             self.generator.seed()
         else:
@@ -638,6 +641,16 @@ class Sampler:
         out_len = np.fromiter((len(o) for o in outputs), np.int64, P)
         if not seen_len.any() and not pend_rows:
             return logits
+        if not counts and self.repetition_kernel is not None:  # one upload, one launch
+            starts = np.zeros(P + 1, dtype=np.int64)
+            np.cumsum(seen_len, out=starts[1:])
+            parts = [np.asarray(rows), starts, *(a for p, o in zip(prompts, outputs) for a in (p, o))]
+            if pend_rows:
+                parts.append(np.asarray(pend, dtype=np.int64))
+            dev = self._to_device(torch.from_numpy(np.concatenate(parts, dtype=np.int32)))
+            rows_t, starts_t, ids, pend_src = dev.split([P, P + 1, int(starts[-1]), P if pend_rows else 0])
+            return self.repetition_kernel(logits, rows_t, starts_t, ids, table[_REP],
+                                          *((pending[0].long(), pend_src) if pend_rows else ()))
         if not counts:  # no output counts to find: the outputs go up once
             outputs_again, out_len = [], out_len[:0]
         else:

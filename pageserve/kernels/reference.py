@@ -312,3 +312,19 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
         seeded_q = seeded_uniform_at(seeds[1], seeds[2], ids).log_().neg_()
         q = torch.where(seeds[0][:, None] != 0, seeded_q, q)
     return ids.gather(1, (probs / q).argmax(dim=-1, keepdim=True)).squeeze(1)
+
+
+def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor,
+                       penalty: torch.Tensor, pending: torch.Tensor | None = None,
+                       pending_src: torch.Tensor | None = None) -> torch.Tensor:
+    """In place: each token row ``rows[j]`` of ``logits`` [B, V] fp32 has seen (``ids[starts[j]:starts[j + 1]]``,
+    and ``pending[pending_src[j]]`` where that index is not -1) is divided by ``penalty[rows[j]]`` where positive,
+    multiplied by it where not (a token seen twice is penalised once). Returns ``logits``."""
+    for j, row in enumerate(rows.tolist()):
+        seen = ids[starts[j]:starts[j + 1]].long()
+        if pending_src is not None and int(pending_src[j]) >= 0:
+            seen = torch.cat([seen, pending[int(pending_src[j])].view(1).long()])
+        seen = seen.unique()
+        x = logits[row, seen]
+        logits[row, seen] = torch.where(x > 0, x / penalty[row], x * penalty[row])
+    return logits
