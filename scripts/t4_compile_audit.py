@@ -19,9 +19,9 @@ compile that serves several launches is compiled once and listed with all of the
   "pipelined" being sm_90 only: ``pipelined_device``), with RoPE in the launch at 9-128 rows
   (``ROPE_ATTENTION_ROWS``), and its merge; the paged prefill kernel for chunks (``chunk_attention``,
   ``gate_up_silu_rows`` and ``paired_silu_rows`` are Hopper only); SiLU·mul above one row; the
-  sampler's argmax, its structured-output masks (``token_bitmask``) and its candidate race; the decode
-  graphs' input staging. ``rotary`` and ``write_kv`` run only with
-  ``fuse_rope_kv=False`` and are listed as such.
+  sampler's argmax, its structured-output masks (``token_bitmask``), its candidate race and repetition
+  penalty; the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with ``fuse_rope_kv=False``
+  and are listed as such.
 - deterministic (``DeterministicOps``): ``matmul_invariant`` for every linear and the LM head at every
   row count (``invariant_config`` -> ``measured_config`` shrunk by ``fit_shared_memory`` to the T4's
   ``smem_budget``; its TMA tiles fall back to the pointer kernel below sm_90, ``_tma_ok``), SiLU·mul in
@@ -384,6 +384,17 @@ def candidate_race_launches(m: Model, B: int) -> list[Launch]:
     return out
 
 
+def repetition_penalty_launches(m: Model, B: int) -> list[Launch]:
+    """The sampler's repetition penalty (any mode), with and without a newest token on the device."""
+    from pageserve.kernels.penalties import BLOCK
+
+    return [Launch("default", m.name, f"repetition penalty{' pending' if pending else ''}",
+                   "pageserve.kernels.penalties:_repetition_penalty_kernel",
+                   dict(logits_ptr="*fp32", stride_l=m.vocab, rows_ptr="*i32", starts_ptr="*i32", ids_ptr="*i32",
+                        penalty_ptr="*fp32", pending_ptr="*i64", pending_src_ptr="*i32", scratch_ptr="*fp32"),
+                   dict(BLOCK=BLOCK, HAS_PENDING=pending), 4, rows=[B]) for pending in (False, True)]
+
+
 def stage_inputs_launch(m: Model, B: int) -> Launch:
     args = dict(ids_src="*i64", pos_src="*i64", slot_src="*i64", lens_src="*i64", bt_src="*i64", ids_dst="*i64",
                 pos_dst="*i64", slot_dst="*i64", lens_dst="*i32", bt_dst="*i32", bs=None, nb=None, stride_src=None,
@@ -497,6 +508,7 @@ def launches() -> list[Launch]:
                     out += argmax_launches("default", m, rows, dtype)
                 out.append(token_bitmask_launch(m, rows))
                 out += candidate_race_launches(m, rows)
+                out += repetition_penalty_launches(m, rows)
             else:
                 out.append(prefill_attention_launch(m, rows))
             if not (decode and ROPE_ATTENTION_ROWS[0] <= rows <= ROPE_ATTENTION_ROWS[1]):
