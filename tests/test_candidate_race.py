@@ -10,7 +10,8 @@ from pageserve.engine.sampling_params import SamplingParams
 from pageserve.kernels.candidate_race import candidate_race, candidate_race_reference
 from pageserve.kernels.reference import ordered_keys, seeded_uniform_at, signed64
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the kernels on CUDA where there is a GPU, else on the interpreter (tests/conftest.py sets it only then)
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def _inputs(B, V, k, S, device, seed, seeded_every=3):
@@ -160,3 +161,16 @@ def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device):
                 assert a[i] == b[i]
     # the kernel's rows: equal but where a decision sits within rounding (none expected at these spreads)
     assert agree >= total - 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_row_with_its_table_as_the_sampler_builds_it(device):
+    # the sampler's [7, 1] table comes from a [1, 7] one transposed: its last dimension's stride is 7, not 1
+    V, k, S = 300, 32, 96
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(2)).mul_(3).to(device)
+    table = torch.tensor([[0.7, 20.0, 0.8, 0.0, 1.05, 0.0, 0.0]]).T.contiguous().to(device)
+    assert table.stride(1) != 1
+    ids = logits.topk(S, dim=-1, sorted=False).indices
+    noise = torch.empty(1, k).exponential_(generator=torch.Generator().manual_seed(3)).to(device)
+    assert torch.equal(candidate_race(logits, ids, k, table, noise),
+                       candidate_race_reference(logits, ids, k, table, noise))

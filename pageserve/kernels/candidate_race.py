@@ -132,7 +132,7 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
         raise ValueError("candidate_race: unseeded rows need noise")
     if noise is not None:
         check("noise", noise, shape=(R, k), dtype=torch.float32)
-        if noise.stride(1) != 1:
+        if k > 1 and noise.stride(1) != 1:
             raise ValueError("candidate_race: noise needs a contiguous last dimension")
     if seeds is not None:
         check("seeds", seeds, shape=(3, R), dtype=torch.int64)
@@ -140,8 +140,9 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
         check("rows", rows, shape=(R,), dtype=torch.int64)
     check_device(logits=logits, ids=ids, table=table, **{n: t for n, t in
                  (("noise", noise), ("seeds", seeds), ("rows", rows), ("out", out)) if t is not None})
-    if logits.stride(1) != 1 or ids.stride(1) != 1 or table.stride(1) != 1:
-        raise ValueError("candidate_race: logits, ids and table need a contiguous last dimension")
+    for name, t in (("logits", logits), ("ids", ids), ("table", table)):
+        if t.shape[1] > 1 and t.stride(1) != 1:  # a dimension of one may have any stride (a [7, 1] table)
+            raise ValueError(f"candidate_race: {name} needs a contiguous last dimension")
     if out is None:
         out = torch.empty(logits.shape[0] if rows is not None else R, dtype=torch.int64, device=logits.device)
     if R:

@@ -75,7 +75,7 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
         check("pending_src", pending_src, shape=(P,), dtype=torch.int32)
     check_device(logits=logits, rows=rows, starts=starts, ids=ids, penalty=penalty,
                  **({} if pending is None else {"pending": pending, "pending_src": pending_src}))
-    if logits.stride(1) != 1:
+    if logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError("repetition_penalty: logits need a contiguous last dimension")
     if P:
         scratch = torch.empty(ids.shape[0], dtype=torch.float32, device=logits.device)
