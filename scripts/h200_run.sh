@@ -55,7 +55,7 @@ for st in $stages; do
     tests) { echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"  # the log names its commit
              # -v: each result is named as it lands, so a run cut by its time limit still names its failures
             timeout "$t" python3 -m pytest -v -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_tests.xml" tests/test_kernels.py \
-             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py tests/test_candidate_race.py tests/test_penalties.py \
+             tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_sampler.py tests/test_candidate_race.py tests/test_penalties.py tests/test_topk_select.py \
              tests/test_lora.py::test_on_the_gpu_graphed_mixed_batches_apply_each_rows_adapter; } > "$RES/gpu_tests.log" 2>&1
            echo "tests rc=$? ($(grep -cE "^(PASSED|FAILED|ERROR|SKIPPED) " "$RES/gpu_tests.log") named results in gpu_tests.log/.xml)"; tail -n 15 "$RES/gpu_tests.log"
            grep -E "(FAILED|ERROR) tests/" "$RES/gpu_tests.log" | head -n 10 ;;

@@ -25,7 +25,8 @@ mode with a repetition penalty also as ``<mode>/heavy``, with the sampler's host
 found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``topk`` over the fp32 logits as
 before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype; and as
 ``<mode>/torchrace``, its candidates ordered, filtered and raced by ~25 torch launches as before session 53
-(``Sampler.candidate_race = None``) instead of the candidate race kernel's one; a mode with a repetition penalty
+(``Sampler.candidate_race = None``) instead of the candidate race kernel's one, and as ``<mode>/torchtopk``, its
+candidates picked by ``topk`` (``Sampler.topk_select = None``) instead of ``kernels/topk_select.py``; a mode with a repetition penalty
 also as ``<mode>/torchpen``, the penalty applied by ~14 torch launches as before session 53
 (``Sampler.repetition_kernel = None``) instead of one kernel launch.
 
@@ -95,6 +96,8 @@ def main() -> None:
                     help="no <mode>/fine runs (topk over the fp32 logits, before session 52)")
     ap.add_argument("--no-torchrace", dest="torchrace", action="store_false",
                     help="no <mode>/torchrace runs (the candidates raced by torch ops, before session 53)")
+    ap.add_argument("--no-torchtopk", dest="torchtopk", action="store_false",
+                    help="no <mode>/torchtopk runs (the candidates picked by torch.topk, before session 53)")
     ap.add_argument("--no-torchpen", dest="torchpen", action="store_false",
                     help="no <mode>/torchpen runs (the repetition penalty by torch ops, before session 53)")
     ap.add_argument("--no-heavy", dest="heavy", action="store_false",
@@ -115,19 +118,22 @@ def main() -> None:
     sampler = llm.engine.runner.sampler
     # a mode with a top-k also runs as "<mode>/whole" (the sampler's whole-row sort in place of its candidates) and
     # "<mode>/fine" (its candidates picked by topk over the fp32 logits) and "<mode>/torchrace" (raced by torch
-    # ops); one with a repetition penalty as "<mode>/torchpen" (the penalty by torch ops) and
+    # ops) and "<mode>/torchtopk" (picked by topk); one with a repetition penalty as "<mode>/torchpen" (the penalty by torch ops) and
     # "<mode>/heavy" (the table rebuilt every call and the output counts always found)
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
             + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
             + ([f"{mode}/torchrace"] if args.torchrace and "top_k" in MODES[mode] else [])
+            + ([f"{mode}/torchtopk"] if args.torchtopk and "top_k" in MODES[mode] else [])
             + ([f"{mode}/torchpen"] if args.torchpen and "repetition_penalty" in MODES[mode] else [])
             + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]
     coarse_default, race_default, pen_default = sampler.coarse_select, sampler.candidate_race, sampler.repetition_kernel
+    select_default = sampler.topk_select
 
     def variant_flags(variant: str) -> None:
         sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
         sampler.coarse_select = coarse_default and variant != "fine"
         sampler.candidate_race = None if variant == "torchrace" else race_default
+        sampler.topk_select = None if variant == "torchtopk" else select_default
         sampler.repetition_kernel = None if variant == "torchpen" else pen_default
 
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept

@@ -19,8 +19,8 @@ compile that serves several launches is compiled once and listed with all of the
   "pipelined" being sm_90 only: ``pipelined_device``), with RoPE in the launch at 9-128 rows
   (``ROPE_ATTENTION_ROWS``), and its merge; the paged prefill kernel for chunks (``chunk_attention``,
   ``gate_up_silu_rows`` and ``paired_silu_rows`` are Hopper only); SiLU·mul above one row; the
-  sampler's argmax, its structured-output masks (``token_bitmask``), its candidate race and repetition
-  penalty; the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with ``fuse_rope_kv=False``
+  sampler's argmax, its structured-output masks (``token_bitmask``), its candidate pick, race and
+  repetition penalty; the decode graphs' input staging. ``rotary`` and ``write_kv`` run only with ``fuse_rope_kv=False``
   and are listed as such.
 - deterministic (``DeterministicOps``): ``matmul_invariant`` for every linear and the LM head at every
   row count (``invariant_config`` -> ``measured_config`` shrunk by ``fit_shared_memory`` to the T4's
@@ -384,6 +384,26 @@ def candidate_race_launches(m: Model, B: int) -> list[Launch]:
     return out
 
 
+def topk_select_launches(m: Model, B: int) -> list[Launch]:
+    """The sampler's candidate pick at the widths it serves (any mode; the model's 16-bit logits or fp32 ones)."""
+    from pageserve.engine.sampler import CANDIDATE_WIDTHS, SELECT_MAX_WIDTH
+    from pageserve.kernels._util import cdiv, next_pow2
+    from pageserve.kernels.topk_select import CHUNK, CHUNKS_PER_PROGRAM, TILE_CHUNKS, default_cap
+
+    NC = cdiv(m.vocab, CHUNK)
+    out = [Launch("default", m.name, f"candidate chunk maxima {dtype}", "pageserve.kernels.topk_select:_chunk_max_kernel",
+                  dict(x_ptr="*" + dtype, stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC),
+                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True), 4, rows=[B]) for dtype in (DTYPE, "fp32")]
+    for k in (w for w in CANDIDATE_WIDTHS if w <= SELECT_MAX_WIDTH):
+        cap = default_cap(k)
+        out.append(Launch("default", m.name, f"candidate select k={k}", "pageserve.kernels.topk_select:_select_kernel",
+                          dict(x_ptr="*fp32", stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC,
+                               list_ptr="*i32", out_ptr="*i64", K=k, CAP=cap),
+                          dict(CHUNK=CHUNK, BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS,
+                               BLOCK_CAP=max(16, next_pow2(cap)), HAS_ROWS=True), 8, rows=[B]))
+    return out
+
+
 def repetition_penalty_launches(m: Model, B: int) -> list[Launch]:
     """The sampler's repetition penalty (any mode), with and without a newest token on the device."""
     from pageserve.kernels.penalties import BLOCK
@@ -509,6 +529,7 @@ def launches() -> list[Launch]:
                 out.append(token_bitmask_launch(m, rows))
                 out += candidate_race_launches(m, rows)
                 out += repetition_penalty_launches(m, rows)
+                out += topk_select_launches(m, rows)
             else:
                 out.append(prefill_attention_launch(m, rows))
             if not (decode and ROPE_ATTENTION_ROWS[0] <= rows <= ROPE_ATTENTION_ROWS[1]):

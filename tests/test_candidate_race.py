@@ -128,14 +128,18 @@ def test_bad_arguments_are_refused_with_their_name():
         candidate_race(logits, ids, 32, table, noise[:, :16].contiguous())
 
 
-def _sampler_pair(V, device):
+def _sampler_pair(V, device, select=True):
+    from pageserve.kernels.topk_select import topk_candidates
+
     torch_path, fused = Sampler(V, device, seed=3), Sampler(V, device, seed=3)
     torch_path.candidate_race, fused.candidate_race = None, candidate_race
+    torch_path.topk_select, fused.topk_select = None, (topk_candidates if select else None)
     return torch_path, fused
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device):
+@pytest.mark.parametrize("select", [True, False])
+def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device, select):
     # a mixed batch: greedy rows, whole-row rows (no top-k), two candidate widths, seeded and unseeded, penalties;
     # the same generator state on both samplers, so unseeded rows race the same noise
     B, V = 24, 2000
@@ -148,7 +152,7 @@ def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device):
     seeds = [p.seed for p in params]
     prompts = [[(i * 7 + j) % V for j in range(16)] for i in range(B)]
     outs = [[(i * 13 + j) % V for j in range(i % 5)] for i in range(B)]
-    torch_path, fused = _sampler_pair(V, device)
+    torch_path, fused = _sampler_pair(V, device, select)
     agree = total = 0
     for step in range(4):
         logits = torch.randn(B, V, generator=torch.Generator().manual_seed(step)).mul_(3).to(device)

@@ -42,8 +42,8 @@ from torch import Tensor
 from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.kernels.reference import (
-    GOLDEN, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS, candidate_filter,
-    mix64_tensor, seeded_uniform_at, signed64,
+    GOLDEN, INVALID_ID, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS, candidate_filter,
+    gather_candidates, mix64_tensor, seeded_uniform_at, signed64,
 )
 from pageserve.kernels.reference import apply_token_bitmask as apply_token_bitmask_reference
 
@@ -81,7 +81,9 @@ class Candidates:
 
     def dense(self, vocab_size: int) -> Tensor:
         """The [B, vocab_size] probabilities these stand for (zeros elsewhere): for references and tests."""
-        return self.probs.new_zeros(self.probs.shape[0], vocab_size).scatter_(1, self.ids, self.probs)
+        # an unused slot (``INVALID_ID``, probability 0) adds its 0 to token 0
+        ids = self.ids.masked_fill(self.ids == INVALID_ID, 0)
+        return self.probs.new_zeros(self.probs.shape[0], vocab_size).scatter_add_(1, ids, self.probs)
 
 
 class Pick:
@@ -101,7 +103,7 @@ class Pick:
         logits, table = self.logits, self.table
         if self.where is not None:
             logits, table = logits.index_select(0, self.where), table.index_select(1, self.where)
-        return Candidates(*candidate_filter(logits.gather(1, self.ids), self.ids, self.k, table, self.top_p,
+        return Candidates(*candidate_filter(*gather_candidates(logits, self.ids), self.k, table, self.top_p,
                                             self.min_p))
 
 
@@ -241,6 +243,8 @@ _REP, _FREQ, _PRES = 4, 5, 6
 CANDIDATE_WIDTHS = (32, 128, 1024)
 CANDIDATE_MAX_TOP_K = CANDIDATE_WIDTHS[-1]
 CANDIDATE_SLACK = 64
+# the widest candidates ``kernels/topk_select.py`` picks (its slots, 4k, are what the race kernel then sorts)
+SELECT_MAX_WIDTH = 128
 
 
 class Sampler:
@@ -283,6 +287,9 @@ class Sampler:
         # a repetition penalty alone (no frequency or presence penalty in the step) in one launch
         # (``kernels/penalties.py``, on CUDA) in place of ~14; None: the torch path
         self.repetition_kernel = _triton_or(self.device, "penalties", "repetition_penalty", None)
+        # candidates of widths up to SELECT_MAX_WIDTH picked by ``kernels/topk_select.py`` (two launches, each row
+        # read once) for the race kernel, in place of ``topk``; None: ``topk``
+        self.topk_select = _triton_or(self.device, "topk_select", "topk_candidates", None)
         if seed is None:
             self.generator.seed()
         else:
@@ -494,8 +501,10 @@ class Sampler:
             else:
                 dense_rows.append(i)
         groups = []
-        coarse = None  # the penalised logits in the model's 16-bit dtype, to pick candidates from
-        if by_width and self.coarse_select and raw.dtype in (torch.bfloat16, torch.float16):
+        selected = self.candidate_race is not None and self.topk_select is not None  # widths up to SELECT_MAX_WIDTH
+        coarse = None  # the penalised logits in the model's 16-bit dtype, for ``topk`` to pick candidates from
+        if (any(not selected or w > SELECT_MAX_WIDTH for w in by_width) and self.coarse_select
+                and raw.dtype in (torch.bfloat16, torch.float16)):
             coarse = logits.to(raw.dtype) if changed else raw  # unchanged: the caller's own values, no pass
         for width, rows in sorted(by_width.items()):
             where = None if len(rows) == B else self._to_device(torch.tensor(rows, dtype=torch.int64))
@@ -503,8 +512,13 @@ class Sampler:
             # ``sample``)
             if self.candidate_race is not None:
                 k = min(width, V)
-                src = logits if coarse is None else coarse  # what ``topk`` picks the candidates from
-                ids = self._select(src if where is None else src.index_select(0, where), k, None)[1]
+                if selected and width <= SELECT_MAX_WIDTH:
+                    # from the caller's own values where nothing changed them (a 16-bit value's fp32 is exact:
+                    # the same keys), else from the penalised fp32 ones
+                    ids = self.topk_select(logits if changed else raw, k, rows=where)
+                else:
+                    src = logits if coarse is None else coarse  # what ``topk`` picks the candidates from
+                    ids = self._select(src if where is None else src.index_select(0, where), k, None)[1]
                 groups.append((rows, where, Pick(ids, k, logits, table, where, any(params[i].top_p < 1.0 for i in rows),
                                                  any(params[i].min_p > 0 for i in rows))))
             elif where is None:

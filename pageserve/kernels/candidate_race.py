@@ -65,8 +65,9 @@ def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_pt
     if HAS_ROWS:
         row = tl.load(rows_ptr + r)
     j = tl.arange(0, BLOCK)
-    inside = j < S
-    ids = tl.load(ids_ptr + r * stride_ids + j, mask=inside, other=0)
+    ids = tl.load(ids_ptr + r * stride_ids + j, mask=j < S, other=-1)
+    inside = ids >= 0  # -1: an unused slot (``topk_candidates``), as padding
+    n_real = tl.sum(inside.to(tl.int32), axis=0)
     v = tl.load(logits_ptr + row * stride_l + ids, mask=inside, other=0.0)
     bits = v.to(tl.int32, bitcast=True).to(tl.int64)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
@@ -82,7 +83,7 @@ def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_pt
     top_p = tl.load(table_ptr + 2 * stride_t + row)
     min_p = tl.load(table_ptr + 3 * stride_t + row)
     x = tl.math.div_rn(value, temp)
-    x = tl.where((j < K) & (j.to(tl.float32) < top_k), x, float("-inf"))
+    x = tl.where((j < K) & (j < n_real) & (j.to(tl.float32) < top_k), x, float("-inf"))
     p = _softmax(x)
     x = tl.where(tl.cumsum(p, axis=0) - p >= top_p, float("-inf"), x)  # top_p 2.0 (off) never cuts
     probs = _softmax(x)
@@ -118,7 +119,7 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's ``candidate_race`` in one launch. ``logits`` [B, V] fp32 (the penalised logits; last dim
-    contiguous), ``ids`` [R, S] int64 (each row's candidates, S >= k, any order), ``table`` [>= 4, B] fp32,
+    contiguous), ``ids`` [R, S] int64 (each row's candidates, S >= k, any order; -1: an unused slot), ``table`` [>= 4, B] fp32,
     ``noise`` [R, k] fp32 or None (every row seeded), ``seeds`` [3, R] int64 or None, ``rows`` [R] int64 or None.
     The token of candidate row r is written to ``out[rows[r]]`` (``out[r]`` without rows; ``out`` [B] int64, a new
     one if None), which is returned."""

@@ -296,17 +296,28 @@ def candidate_filter(values: torch.Tensor, ids: torch.Tensor, k: int, table: tor
     return ids, probs
 
 
+INVALID_ID = 2**31 - 1  # an unused candidate slot's id once gathered: ranked after every real id
+
+
+def gather_candidates(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of candidate ``ids`` [R, S] in ``logits`` [R, V]: -1 (an unused slot, ``topk_candidates``)
+    becomes -inf at ``INVALID_ID``, which the filters rank after every real candidate and give probability 0."""
+    valid = ids >= 0
+    values = logits.gather(1, ids.clamp_min(0)).masked_fill(~valid, float("-inf"))
+    return values, torch.where(valid, ids, INVALID_ID)
+
+
 def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """One token per candidate row: ``candidate_filter`` over ``logits`` [B, V] fp32 at ``ids`` [R, S], then the
-    exponential race argmax(probs / q) (its first maximum). ``rows`` [R] int64: each candidate row's batch row in
+    exponential race argmax(probs / q) (its first maximum); an id of -1 is an unused slot. ``rows`` [R] int64: each candidate row's batch row in
     ``logits`` and ``table`` [>= 4, B] (None: row r is row r). q: ``noise`` [R, k] (Exp(1) draws in rank order) for
     unseeded rows; for a row with ``seeds[0, r]`` != 0 (``seeds`` [3, R] int64: seeded flag, seed as ``signed64``,
     step), -log of ``seeded_uniform_at`` at the candidate's id. -> [R] int64 token ids."""
     if rows is not None:
         logits, table = logits.index_select(0, rows), table.index_select(1, rows)
-    ids, probs = candidate_filter(logits.gather(1, ids), ids, k, table)
+    ids, probs = candidate_filter(*gather_candidates(logits, ids), k, table)
     q = noise if noise is not None else torch.ones_like(probs)
     if seeds is not None:
         seeded_q = seeded_uniform_at(seeds[1], seeds[2], ids).log_().neg_()
@@ -328,3 +339,16 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
         x = logits[row, seen]
         logits[row, seen] = torch.where(x > 0, x / penalty[row], x * penalty[row])
     return logits
+
+
+def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's k highest finite values' ids by ``ordered_keys`` (value, then the lower id), best first: ``x``
+    [B, V] float, ``rows`` [R] int64 or None -> [R, k] int64, -1 where a row has fewer than k values above -inf."""
+    if rows is not None:
+        x = x.index_select(0, rows)
+    x = x.float()
+    ids = torch.arange(x.shape[1], device=x.device).expand_as(x)
+    keys = ordered_keys(x, ids).masked_fill(x == float("-inf"), torch.iinfo(torch.int64).min)
+    top = keys.topk(min(k, x.shape[1]), dim=-1).indices
+    top = top.masked_fill(x.gather(1, top) == float("-inf"), -1)
+    return torch.nn.functional.pad(top, (0, k - top.shape[1]), value=-1)
