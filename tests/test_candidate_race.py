@@ -138,26 +138,32 @@ def _sampler_pair(V, device, select=True):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("select", [True, False])
-def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device, select):
-    # a mixed batch: greedy rows, whole-row rows (no top-k), two candidate widths, seeded and unseeded, penalties;
-    # the same generator state on both samplers, so unseeded rows race the same noise
+@pytest.mark.parametrize("select,dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16)])
+def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device, select, dtype):
+    # a mixed batch: greedy rows, whole-row rows (no top-k), two candidate widths, seeded and unseeded, penalties,
+    # logprobs; the same generator state on both samplers, so unseeded rows race the same noise. bf16 logits: the
+    # kernels' sampler leaves them unconverted where nothing changed them (``_process``), the torch path converts
     B, V = 24, 2000
-    kinds = [SamplingParams(temperature=0.0),
+    kinds = [SamplingParams(temperature=0.0, logprobs=2),
              SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
              SamplingParams(temperature=0.9, top_k=100, min_p=0.05),
              SamplingParams(temperature=0.8, top_p=0.9),
              SamplingParams(temperature=0.6, top_k=20, seed=77)]
-    params = [kinds[i % len(kinds)] for i in range(B)]
+    mixed = params = [kinds[i % len(kinds)] for i in range(B)]
     seeds = [p.seed for p in params]
     prompts = [[(i * 7 + j) % V for j in range(16)] for i in range(B)]
     outs = [[(i * 13 + j) % V for j in range(i % 5)] for i in range(B)]
     torch_path, fused = _sampler_pair(V, device, select)
     agree = total = 0
+    unpenalised = [p if p.repetition_penalty == 1.0 else SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
+                   for p in params]
     for step in range(4):
-        logits = torch.randn(B, V, generator=torch.Generator().manual_seed(step)).mul_(3).to(device)
-        a = torch_path.sample(logits, params, prompts, outs, seeds).token_ids
-        b = fused.sample(logits, params, prompts, outs, seeds).token_ids
+        params = unpenalised if step % 2 else mixed  # unpenalised: the kernels read the caller's logits as they are
+        logits = torch.randn(B, V, generator=torch.Generator().manual_seed(step)).mul_(3).to(dtype).to(device)
+        out_a = torch_path.sample(logits, params, prompts, outs, seeds)
+        out_b = fused.sample(logits, params, prompts, outs, seeds)
+        a, b = out_a.token_ids, out_b.token_ids
+        assert out_a.top_logprobs == out_b.top_logprobs  # the penalised distribution's, in fp32 both ways
         agree += sum(x == y for x, y in zip(a, b))
         total += B
         for i in range(B):
@@ -165,6 +171,9 @@ def test_a_sampler_with_the_kernel_draws_what_the_torch_path_draws(device, selec
                 assert a[i] == b[i]
     # the kernel's rows: equal but where a decision sits within rounding (none expected at these spreads)
     assert agree >= total - 2
+    # and the unpenalised batch was indeed left in the caller's dtype (the penalised one converted)
+    assert fused._process(logits, unpenalised, prompts, outs)[0].dtype == dtype
+    assert fused._process(logits, mixed, prompts, outs)[0].dtype == torch.float32
 
 
 @pytest.mark.parametrize("device", DEVICES)

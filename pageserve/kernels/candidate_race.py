@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .reference import UNIFORM_BITS, GOLDEN, TOKEN_MUL, candidate_race as candidate_race_reference, signed64
-from ._util import check, check_device, interpreting, next_pow2
+from ._util import KERNEL_DTYPES, check, check_device, interpreting, next_pow2
 
 __all__ = ["candidate_race", "candidate_race_reference"]
 
@@ -68,7 +68,7 @@ def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_pt
     ids = tl.load(ids_ptr + r * stride_ids + j, mask=j < S, other=-1)
     inside = ids >= 0  # -1: an unused slot (``topk_candidates``), as padding
     n_real = tl.sum(inside.to(tl.int32), axis=0)
-    v = tl.load(logits_ptr + row * stride_l + ids, mask=inside, other=0.0)
+    v = tl.load(logits_ptr + row * stride_l + ids, mask=inside, other=0.0).to(tl.float32)  # 16 bits: exact
     bits = v.to(tl.int32, bitcast=True).to(tl.int64)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = (bits << 32) + (0xFFFFFFFF - ids)  # the reference's ordered_keys
@@ -118,12 +118,13 @@ def launch_config(S: int) -> tuple[int, int]:
 def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
-    """The reference's ``candidate_race`` in one launch. ``logits`` [B, V] fp32 (the penalised logits; last dim
-    contiguous), ``ids`` [R, S] int64 (each row's candidates, S >= k, any order; -1: an unused slot), ``table`` [>= 4, B] fp32,
-    ``noise`` [R, k] fp32 or None (every row seeded), ``seeds`` [3, R] int64 or None, ``rows`` [R] int64 or None.
-    The token of candidate row r is written to ``out[rows[r]]`` (``out[r]`` without rows; ``out`` [B] int64, a new
-    one if None), which is returned."""
-    check("logits", logits, ndim=2, dtype=torch.float32)
+    """The reference's ``candidate_race`` in one launch. ``logits`` [B, V] (the penalised logits, fp32, or the
+    model's 16-bit ones where nothing changed them; last dim contiguous), ``ids`` [R, S] int64 (each row's
+    candidates, S >= k, any order; -1: an unused slot), ``table`` [>= 4, B] fp32, ``noise`` [R, k] fp32 or None
+    (every row seeded), ``seeds`` [3, R] int64 or None, ``rows`` [R] int64 or None. The token of candidate row r is
+    written to ``out[rows[r]]`` (``out[r]`` without rows; ``out`` [B] int64, a new one if None), which is
+    returned."""
+    check("logits", logits, ndim=2, dtype=KERNEL_DTYPES)
     check("ids", ids, ndim=2, dtype=torch.int64)
     check("table", table, ndim=2, dtype=torch.float32)
     R, S = ids.shape

@@ -300,10 +300,10 @@ INVALID_ID = 2**31 - 1  # an unused candidate slot's id once gathered: ranked af
 
 
 def gather_candidates(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of candidate ``ids`` [R, S] in ``logits`` [R, V]: -1 (an unused slot, ``topk_candidates``)
+    """(fp32 values, ids) of candidate ``ids`` [R, S] in ``logits`` [R, V] (any float dtype): -1 (an unused slot, ``topk_candidates``)
     becomes -inf at ``INVALID_ID``, which the filters rank after every real candidate and give probability 0."""
     valid = ids >= 0
-    values = logits.gather(1, ids.clamp_min(0)).masked_fill(~valid, float("-inf"))
+    values = logits.gather(1, ids.clamp_min(0)).float().masked_fill(~valid, float("-inf"))
     return values, torch.where(valid, ids, INVALID_ID)
 
 

@@ -44,7 +44,7 @@ def sampler_probs(
     if isinstance(probs, Draws):
         probs = probs.probs(*logits.shape)
     if probs is None:
-        probs = torch.zeros_like(penalised)
+        probs = torch.zeros_like(penalised, dtype=torch.float32)
     else:
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if greedy_rows:
