@@ -139,14 +139,12 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, c
     [R, cap] int64 ids, -1 where unused: for each row a superset of its top k finite values' ids (the reference's),
     in no particular order. ``cap`` (default ``default_cap(k)``) >= k."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    if rows is not None:
-        check("rows", rows, ndim=1, dtype=torch.int64)
-        check_device(x=x, rows=rows)
-    else:
-        check_device(x=x)
     cap = default_cap(k) if cap is None else cap
     if not 0 < k <= cap:
         raise ValueError(f"topk_candidates: k {k} must be in 1..cap ({cap})")
+    if rows is not None:
+        check("rows", rows, ndim=1, dtype=torch.int64)
+    check_device(x=x, **({} if rows is None else {"rows": rows}))
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError("topk_candidates: x needs a contiguous last dimension")
     R = x.shape[0] if rows is None else rows.shape[0]
