@@ -75,6 +75,17 @@ def _kth_key(keys, mask, K):
 
 
 @triton.jit
+def _listed_tile(x_row, list_row, i, n_list, V, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """Columns, validity and fp32 values of listed chunks i .. i + TILE - 1, flattened in column order."""
+    t = tl.arange(0, TILE)
+    lanes = tl.arange(0, CHUNK)
+    ci = tl.load(list_row + i + t, mask=i + t < n_list, other=0)
+    col = tl.reshape(ci[:, None] * CHUNK + lanes[None, :], [TILE * CHUNK])
+    ok = tl.reshape(((i + t) < n_list)[:, None] & (lanes[None, :] >= 0), [TILE * CHUNK]) & (col < V)
+    return col, ok, tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
 def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr, K, CAP,
                    CHUNK: tl.constexpr, BLOCK_NC: tl.constexpr, TILE: tl.constexpr, BLOCK_CAP: tl.constexpr,
                    HAS_ROWS: tl.constexpr):
@@ -91,14 +102,10 @@ def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr,
     n_list = tl.sum(picked.to(tl.int32), axis=0)
     tl.debug_barrier()  # the list is read back below by other threads
 
-    t = tl.arange(0, TILE)
-    lanes = tl.arange(0, CHUNK)
+    list_row = list_ptr + r * NC
     count = tl.full([], 0, tl.int32)
     for i in range(0, n_list, TILE):  # ids of the listed chunks' values at or above T, in column order, up to CAP
-        ci = tl.load(list_ptr + r * NC + i + t, mask=i + t < n_list, other=0)
-        col = tl.reshape(ci[:, None] * CHUNK + lanes[None, :], [TILE * CHUNK])
-        ok = tl.reshape(((i + t) < n_list)[:, None] & (lanes[None, :] >= 0), [TILE * CHUNK]) & (col < V)
-        v = tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
+        col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, CHUNK, TILE)
         keep = ok & (_key32(v).to(tl.int64) >= T) & (v > float("-inf"))
         at = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + r * CAP + at, col.to(tl.int64), mask=keep & (at < CAP))
@@ -111,20 +118,14 @@ def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr,
             mid = lo + (hi - lo + 1) // 2
             n = tl.full([], 0, tl.int32)
             for i in range(0, n_list, TILE):
-                ci = tl.load(list_ptr + r * NC + i + t, mask=i + t < n_list, other=0)
-                col = tl.reshape(ci[:, None] * CHUNK + lanes[None, :], [TILE * CHUNK])
-                ok = tl.reshape(((i + t) < n_list)[:, None] & (lanes[None, :] >= 0), [TILE * CHUNK]) & (col < V)
-                v = tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
+                col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, CHUNK, TILE)
                 n += tl.sum((ok & (_key32(v).to(tl.int64) >= mid) & (v > float("-inf"))).to(tl.int32), axis=0)
             lo = tl.where(n >= K, mid, lo)
             hi = tl.where(n >= K, hi, mid - 1)
         count = tl.full([], 0, tl.int32)
         for above in range(2):  # first the values above the K-th key, then those equal to it, in column order
             for i in range(0, n_list, TILE):
-                ci = tl.load(list_ptr + r * NC + i + t, mask=i + t < n_list, other=0)
-                col = tl.reshape(ci[:, None] * CHUNK + lanes[None, :], [TILE * CHUNK])
-                ok = tl.reshape(((i + t) < n_list)[:, None] & (lanes[None, :] >= 0), [TILE * CHUNK]) & (col < V)
-                v = tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
+                col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, CHUNK, TILE)
                 key = _key32(v).to(tl.int64)
                 keep = ok & (v > float("-inf")) & tl.where(above == 0, key > lo, key == lo)
                 at = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
