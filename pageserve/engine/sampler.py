@@ -12,9 +12,14 @@ For a sampled row with a top-k (Qwen2.5-Instruct's ``generation_config`` gives e
 and the race run over its k highest penalised logits only (``Candidates``: ids best first, ties toward the lower
 id, as a stable sort of the whole row orders them, in a width fixed by its own top_k), not over a sort of its whole
 row; a token outside them has probability 0 either way, and a seeded row's noise at a candidate is the whole row's
-at that id, bit for bit. Which path a row takes depends on its own params only (``Draws``). On CUDA the candidates
-are picked by ``topk`` over the penalised logits rounded back to the model's 16-bit dtype (half the digit passes of
-fp32's), then ordered by their fp32 values: rounding is monotonic, so the pick is the same.
+at that id, bit for bit. Which path a row takes depends on its own params only (``Draws``).
+
+On CUDA three Triton kernels do the work of ~40 torch launches (their references, in ``kernels/reference.py``,
+are this module's path elsewhere): a repetition penalty alone (``kernels/penalties.py``); each candidate group's
+pick (``kernels/topk_select.py``, widths up to ``SELECT_MAX_WIDTH``; wider ones ``topk`` over the penalised logits
+rounded back to the model's 16-bit dtype, monotonic, so the same pick); and its ordering, filters and race in one
+launch (``kernels/candidate_race.py``, ``Pick``). There the logits stay in the model's 16-bit dtype until a value
+is changed: their fp32 values are exact, so every pick, argmax and race reads the same numbers.
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
