@@ -26,8 +26,8 @@ found); a mode with a top-k also as ``<mode>/fine``, its candidates picked by ``
 before session 52 (``Sampler.coarse_select = False``) instead of over them rounded to the model's dtype; and as
 ``<mode>/torchrace``, its candidates ordered, filtered and raced by ~25 torch launches as before session 53
 (``Sampler.candidate_race = None``) instead of the candidate race kernel's one, and as ``<mode>/torchtopk``, its
-candidates picked by ``topk`` (``Sampler.topk_select = None``) instead of ``kernels/topk_select.py``; a mode with a repetition penalty
-also as ``<mode>/torchpen``, the penalty applied by ~14 torch launches as before session 53
+candidates picked by ``topk`` (``Sampler.topk_select = None``) instead of ``kernels/topk_select.py``; a mode with a
+repetition penalty also as ``<mode>/torchpen``, the penalty applied by ~14 torch launches as before session 53
 (``Sampler.repetition_kernel = None``) instead of one kernel launch.
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
@@ -118,8 +118,8 @@ def main() -> None:
     sampler = llm.engine.runner.sampler
     # a mode with a top-k also runs as "<mode>/whole" (the sampler's whole-row sort in place of its candidates) and
     # "<mode>/fine" (its candidates picked by topk over the fp32 logits) and "<mode>/torchrace" (raced by torch
-    # ops) and "<mode>/torchtopk" (picked by topk); one with a repetition penalty as "<mode>/torchpen" (the penalty by torch ops) and
-    # "<mode>/heavy" (the table rebuilt every call and the output counts always found)
+    # ops) and "<mode>/torchtopk" (picked by topk); one with a repetition penalty as "<mode>/torchpen" (the
+    # penalty by torch ops) and "<mode>/heavy" (the table rebuilt every call and the output counts always found)
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
             + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
             + ([f"{mode}/torchrace"] if args.torchrace and "top_k" in MODES[mode] else [])

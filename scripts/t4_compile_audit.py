@@ -391,9 +391,11 @@ def topk_select_launches(m: Model, B: int) -> list[Launch]:
     from pageserve.kernels.topk_select import CHUNK, CHUNKS_PER_PROGRAM, TILE_CHUNKS, default_cap
 
     NC = cdiv(m.vocab, CHUNK)
-    out = [Launch("default", m.name, f"candidate chunk maxima {dtype}", "pageserve.kernels.topk_select:_chunk_max_kernel",
+    out = [Launch("default", m.name, f"candidate chunk maxima {dtype}",
+                  "pageserve.kernels.topk_select:_chunk_max_kernel",
                   dict(x_ptr="*" + dtype, stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC),
-                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True), 4, rows=[B]) for dtype in (DTYPE, "fp32")]
+                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True), 4, rows=[B])
+           for dtype in (DTYPE, "fp32")]
     for k in (w for w in CANDIDATE_WIDTHS if w <= SELECT_MAX_WIDTH):
         cap = default_cap(k)
         out.append(Launch("default", m.name, f"candidate select k={k}", "pageserve.kernels.topk_select:_select_kernel",

@@ -47,8 +47,8 @@ from torch import Tensor
 from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed  # noqa: F401
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.kernels.reference import (
-    GOLDEN, INVALID_ID, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS, candidate_filter,
-    gather_candidates, mix64_tensor, seeded_uniform_at, signed64,
+    GOLDEN, INVALID_ID, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS,
+    candidate_filter, gather_candidates, mix64_tensor, seeded_uniform_at, signed64,
 )
 from pageserve.kernels.reference import apply_token_bitmask as apply_token_bitmask_reference
 
@@ -93,9 +93,9 @@ class Candidates:
 
 class Pick:
     """A group's candidates before they are ordered, for the candidate race kernel (``kernels/candidate_race.py``)
-    to order, filter and race in one launch: ``ids`` [R, k + slack] (the rows' highest penalised logits, any
-    order) at width ``k``, read with ``logits`` [B, V] (the penalised logits) and ``table`` [7, B] at the
-    group's rows. ``candidates()``: the same rows through the torch path (references, tests)."""
+    to order, filter and race in one launch: ``ids`` [R, S] (a superset of the rows' k highest penalised logits,
+    any order, -1 in unused slots: ``kernels/topk_select.py``, or ``topk``'s k + slack) at width ``k``, read with
+    ``logits`` [B, V] (the penalised logits) and ``table`` [7, B] at the group's rows. ``candidates()``: the same rows through the torch path (references, tests)."""
 
     __slots__ = ("ids", "k", "logits", "table", "where", "top_p", "min_p")
 

@@ -300,8 +300,9 @@ INVALID_ID = 2**31 - 1  # an unused candidate slot's id once gathered: ranked af
 
 
 def gather_candidates(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 values, ids) of candidate ``ids`` [R, S] in ``logits`` [R, V] (any float dtype): -1 (an unused slot, ``topk_candidates``)
-    becomes -inf at ``INVALID_ID``, which the filters rank after every real candidate and give probability 0."""
+    """(fp32 values, ids) of candidate ``ids`` [R, S] in ``logits`` [R, V] (any float dtype): -1 (an unused slot,
+    ``topk_candidates``) becomes -inf at ``INVALID_ID``, which the filters rank after every real candidate and give
+    probability 0."""
     valid = ids >= 0
     values = logits.gather(1, ids.clamp_min(0)).float().masked_fill(~valid, float("-inf"))
     return values, torch.where(valid, ids, INVALID_ID)
@@ -310,9 +311,9 @@ def gather_candidates(logits: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Te
 def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None,
                    rows: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per candidate row: ``candidate_filter`` over ``logits`` [B, V] fp32 at ``ids`` [R, S], then the
-    exponential race argmax(probs / q) (its first maximum); an id of -1 is an unused slot. ``rows`` [R] int64: each candidate row's batch row in
-    ``logits`` and ``table`` [>= 4, B] (None: row r is row r). q: ``noise`` [R, k] (Exp(1) draws in rank order) for
+    """One token per candidate row: ``candidate_filter`` over ``logits`` [B, V] at ``ids`` [R, S] (-1: an unused
+    slot), then the exponential race argmax(probs / q) (its first maximum). ``rows`` [R] int64: each candidate row's
+    batch row in ``logits`` and ``table`` [>= 4, B] (None: row r is row r). q: ``noise`` [R, k] (Exp(1) draws in rank order) for
     unseeded rows; for a row with ``seeds[0, r]`` != 0 (``seeds`` [3, R] int64: seeded flag, seed as ``signed64``,
     step), -log of ``seeded_uniform_at`` at the candidate's id. -> [R] int64 token ids."""
     if rows is not None:
