@@ -613,15 +613,14 @@ class Sampler:
                                       min_p=any(p.min_p > 0 for p in params))
         return Candidates(ids, probs)
 
-    def _select(self, logits: Tensor, k: int, coarse: Tensor | None, values: bool = True) -> tuple:
+    def _select(self, logits: Tensor, k: int, coarse: Tensor | None) -> tuple[Tensor, Tensor]:
         """The values and ids of each row's k + ``CANDIDATE_SLACK`` highest logits, in any order ([R, sel] each;
-        ``_candidates``): ``topk`` over ``coarse`` where given, the values then read from ``logits``. ``values``
-        False: None for them where that read would be a launch of its own (the kernel reads them itself)."""
+        ``_candidates``): ``topk`` over ``coarse`` where given, the values then read from ``logits``."""
         sel = min(logits.shape[1], k + CANDIDATE_SLACK)
         if coarse is None:
             return logits.topk(sel, dim=-1, sorted=False)  # [R, sel]
         ids = coarse.topk(sel, dim=-1, sorted=False).indices
-        return (logits.gather(1, ids) if values else None), ids
+        return logits.gather(1, ids), ids
 
     def _with_bans(self, masks: TokenMasks, banned: list[list[int]]) -> np.ndarray:
         """``masks.bits`` with each guided row's bans (``_banned_tokens``) cleared from them, except where
