@@ -169,9 +169,11 @@ for st in $stages; do
         echo "beambench rc=$?"; tail -n 3 "$RES/beam_bench.log" ;;
     samplingbench) # what the sampling a user gets by default costs at the 3B shape (scripts/sampling_bench.py): greedy,
                    # penalised, sampled, Qwen2.5-Instruct's defaults, seeded; allocator counters and sampler op profiles
-        timeout "$t" python3 scripts/sampling_bench.py --out "$RES/diagnostics/sampling_bench" --model qwen2.5-3b --device cuda \
-          --dtype bfloat16 ${SAMPLING_BENCH_ARGS:-} > "$RES/sampling_bench.log" 2>&1
-        echo "samplingbench rc=$?"; grep -v USDT "$RES/sampling_bench.log" | tail -n 3 | cut -c1-1500 ;;
+                   # SAMPLING_BENCH_TAG names a second run in the same call (e.g. _b1 with --requests 1)
+        sb=sampling_bench${SAMPLING_BENCH_TAG:-}
+        timeout "$t" python3 scripts/sampling_bench.py --out "$RES/diagnostics/$sb" --model qwen2.5-3b --device cuda \
+          --dtype bfloat16 ${SAMPLING_BENCH_ARGS:-} > "$RES/$sb.log" 2>&1
+        echo "samplingbench$SAMPLING_BENCH_TAG rc=$?"; grep -v USDT "$RES/$sb.log" | tail -n 1 | cut -c1-1500 ;;
     specoracle) # the verify step's cost at the 3B shape (random weights): drafts from the plain run, all accepted
                 # (the deterministic mode: in the default one a near-tie flips at once; session 47)
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_oracle" --model qwen2.5-3b --device cuda \
