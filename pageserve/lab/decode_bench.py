@@ -292,10 +292,12 @@ class decoding_batch:
     body of the ``with`` (the same start as ``decode_step_ms``: prompts added, prefilled,
     one plain decode step run); on exit they are aborted. Each may generate ``max_tokens``
     tokens in all, so the body may run that many steps less the two of the setup. The ids
-    of their requests are in ``.ids``. ``lora_requests``: LoRA adapters the sequences take in turn."""
+    of their requests are in ``.ids``. ``lora_requests``: LoRA adapters the sequences take in turn.
+    ``sampling``: SamplingParams fields every sequence takes besides greedy's (e.g. temperature, top_p)."""
 
     def __init__(self, llm, batch_size: int, context_len: int, max_tokens: int, vocab_size: int | None = None,
-                 seed: int = 0, lora_requests=None) -> None:
+                 seed: int = 0, lora_requests=None, sampling: dict | None = None) -> None:
+        self.sampling = dict(sampling or {})
         self.loras = list(lora_requests or [None])
         self.engine = llm.engine
         self.batch_size, self.context_len, self.max_tokens = batch_size, context_len, max_tokens
@@ -307,7 +309,7 @@ class decoding_batch:
         engine = self.engine
         gen = torch.Generator().manual_seed(self.seed)
         # + the prefill's steps: the first-prefilled sequences decode meanwhile (``prefill_steps``)
-        params = SamplingParams(temperature=0.0, ignore_eos=True,
+        params = SamplingParams(**{"temperature": 0.0, **self.sampling}, ignore_eos=True,
                                 max_tokens=self.max_tokens + prefill_steps(engine, self.batch_size, self.context_len))
         self.ids = [f"decoding-{self.batch_size}-{i}-{time.monotonic_ns()}" for i in range(self.batch_size)]
         for i, rid in enumerate(self.ids):
