@@ -33,6 +33,7 @@ import torch
 from pageserve.engine.llm import LLM
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decoding_batch
+from pageserve.lab.profiling import ClockLog
 from pageserve.lab.results import provenance
 
 
@@ -53,6 +54,9 @@ MODES = {  # as scripts/sampling_bench.py's (Qwen2.5-3B-Instruct's generation_co
     "plain": {},
     "sampled": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
     "qwen_default": {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05},
+    # greedy whose tokens cannot settle into a repeat: each token seen is penalised out of the next picks (random
+    # weights' greedy output falls into one; is a step's replay time the tokens' doing?)
+    "greedy_no_repeat": {"repetition_penalty": 4.0},
 }
 
 
@@ -83,23 +87,27 @@ def timeline(llm, batch: int, context: int, steps: int, sampling: dict | None = 
         return out
 
     with decoding_batch(llm, batch, context, max_tokens=steps + 16, vocab_size=bench.prompt_vocab_size(llm),
-                        seed=batch, sampling=sampling):
+                        seed=batch, sampling=sampling) as d:
         llm.engine.step()
         runner.execute, graphs.run = timed_execute, timed_run
         try:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in range(steps):
-                llm.engine.step()
-            torch.cuda.synchronize()
+            with ClockLog() as clock:
+                for _ in range(steps):
+                    llm.engine.step()
+                torch.cuda.synchronize()
             wall_ms = 1e3 * (time.perf_counter() - t0) / steps
         finally:
             del runner.execute, graphs.run  # back to the class's methods
+        seqs = [s for rid in d.ids if rid in llm.engine.requests for s in llm.engine.requests[rid].seqs]
+        last = [t for s in seqs for t in s.output_token_ids[-16:]]  # how varied the tokens the steps ran on were
     while llm.engine.has_unfinished_requests():  # land the aborted batch's step in flight
         llm.engine.step()
     complete = [m for m in marks if all(x is not None for x in m)]
     parts = gpu_parts(complete)
-    return {"engine_step_ms": wall_ms, "steps": len(complete),
+    return {"engine_step_ms": wall_ms, "steps": len(complete), "sm_clock": clock.summary(),
+            "distinct_last_tokens": len(set(last)), "last_tokens": len(last),
             **{k + "_median": statistics.median(v) for k, v in parts.items() if v}, "per_step": parts}
 
 
@@ -128,7 +136,9 @@ def main(argv: list[str] | None = None) -> None:
             record["batches"][str(b)] = rec
         print(f"{mode} b{b}: engine step {rec['engine_step_ms']:.3f} ms; GPU per step (median us): copy "
               f"{rec.get('copy_us_median', 0):.0f}, replay {rec.get('replay_us_median', 0):.0f}, sample "
-              f"{rec.get('sample_us_median', 0):.0f}, idle before the next {rec.get('idle_us_median', 0):.0f}",
+              f"{rec.get('sample_us_median', 0):.0f}, idle before the next {rec.get('idle_us_median', 0):.0f}; SM clock "
+              f"mean {rec['sm_clock']['mean_mhz'] or 0:.0f} MHz; {rec['distinct_last_tokens']} distinct of the last "
+              f"{rec['last_tokens']} tokens",
               flush=True)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "step_timeline.json").write_text(json.dumps(record, indent=1))
