@@ -57,7 +57,11 @@ MODES = {  # as scripts/sampling_bench.py's (Qwen2.5-3B-Instruct's generation_co
     # greedy whose tokens cannot settle into a repeat: each token seen is penalised out of the next picks (random
     # weights' greedy output falls into one; is a step's replay time the tokens' doing?)
     "greedy_no_repeat": {"repetition_penalty": 4.0},
+    "temperature_only": {"temperature": 0.7},  # the dense path: noise over each row's whole vocabulary, no candidates
 }
+# "<mode>/torchall": the mode with the sampler's candidate kernels off (``Sampler.topk_select`` and
+# ``candidate_race`` None: ``topk`` and torch ops pick, order, filter and race), to tell a kernel's doing from sampling's
+VARIANTS = ("torchall",)
 
 
 def timeline(llm, batch: int, context: int, steps: int, sampling: dict | None = None) -> dict:
@@ -118,19 +122,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batches", default="64,256,512")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--modes", default="plain", help=f"comma-separated, of {','.join(MODES)}")
+    ap.add_argument("--modes", default="plain", help=f"comma-separated, of {','.join(MODES)} (or <mode>/torchall)")
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m.partition("/")[0] not in MODES or m.partition("/")[2] not in ("", *VARIANTS)]
     if unknown:
-        ap.error(f"unknown modes {unknown}; known: {list(MODES)}")
+        ap.error(f"unknown modes {unknown}; known: {list(MODES)}, each also as <mode>/{'|'.join(VARIANTS)}")
     llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, max_num_seqs=max(batches), max_model_len=2048)
     bench.warmup(llm, bench.prompt_vocab_size(llm))
     record = {**provenance(), "model": args.model, "context": args.context, "batches": {},
               "modes": {m: {} for m in modes}}
+    sampler = llm.engine.runner.sampler
+    kernels = sampler.topk_select, sampler.candidate_race
     for b, mode in ((b, m) for b in batches for m in modes):
-        rec = timeline(llm, b, args.context, args.steps, MODES[mode])
+        base, _, variant = mode.partition("/")
+        sampler.topk_select, sampler.candidate_race = (None, None) if variant == "torchall" else kernels
+        rec = timeline(llm, b, args.context, args.steps, MODES[base])
+        sampler.topk_select, sampler.candidate_race = kernels
         record["modes"][mode][str(b)] = rec
         if mode == modes[0]:
             record["batches"][str(b)] = rec
