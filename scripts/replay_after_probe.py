@@ -1,0 +1,132 @@
+"""Does what runs between two decode graph replays change how long the next replay takes?
+
+Session 54 (``step_timeline.py --modes``, H100): a sampled step's graph replay took ~0.13 ms longer than a greedy
+step's on the same graph and shapes at 4 and 16 rows, whatever the tokens and at the same SM clock, and only
+when the sampler's Triton candidate kernels ran (``sampled/torchall``, the same sampling by ``topk`` and torch ops,
+replayed at greedy's speed). This replays one batch's decode graph ``--steps`` times with each ``VARIANTS`` entry
+launched after every replay, and times each replay alone with CUDA events around it:
+
+- ``none``: replays back to back;
+- ``greedy``: the sampler's greedy call (the argmax kernel);
+- ``sampled``: the sampler with Qwen2.5-Instruct's temperature / top_p / top_k (the pick and race kernels);
+- ``sampled/torchtopk``, ``sampled/torchrace``, ``sampled/torchall``: the same with the pick, the race or both by
+  torch ops instead;
+- ``select``: the pick kernel alone (``Sampler.topk_select``), ``sleep``: a kernel that only spins ~20 us.
+
+    python scripts/replay_after_probe.py --out DIR [--batch 4] [--context 512] [--steps 64] [--variants ...]
+
+Writes DIR/replay_after_probe.json (with the commit): per variant the replays' median / min / max in us and the
+whole iteration's median (replay + what follows). GPU only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from pageserve.engine.llm import LLM
+from pageserve.engine.sampling_params import SamplingParams
+from pageserve.lab import bench
+from pageserve.lab.decode_bench import decoding_batch
+from pageserve.lab.results import provenance
+
+VARIANTS = ("none", "greedy", "sampled", "sampled/torchtopk", "sampled/torchrace", "sampled/torchall", "select",
+            "sleep")
+SAMPLED = SamplingParams(temperature=0.7, top_p=0.8, top_k=20)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def after_replay(sampler, variant: str, logits: torch.Tensor):
+    """A function launching ``variant``'s work on ``logits`` (the replay's output), and the sampler's kernels to put
+    back afterwards."""
+    kernels = sampler.topk_select, sampler.candidate_race
+    base, _, torch_part = variant.partition("/")
+    if torch_part in ("torchtopk", "torchall"):
+        sampler.topk_select = None
+    if torch_part in ("torchrace", "torchall"):
+        sampler.candidate_race = None
+    B = logits.shape[0]
+    empty = [[] for _ in range(B)]
+    if base == "none":
+        return (lambda: None), kernels
+    if base in ("greedy", "sampled"):
+        params = [GREEDY if base == "greedy" else SAMPLED] * B
+        return (lambda: sampler.sample(logits, params, empty, empty, [None] * B)), kernels
+    if base == "select":
+        return (lambda: sampler.topk_select(logits[:, : sampler.vocab_size], 20)), kernels
+    if base == "sleep":
+        cycles = int(20e-6 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # ~20 us at the rated clock
+        return (lambda: torch.cuda._sleep(cycles)), kernels
+    raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
+
+
+def probe(llm, batch: int, context: int, steps: int, variants: list[str]) -> dict:
+    runner = llm.engine.runner
+    graphs, sampler = runner.graphs, runner.sampler
+    if graphs is None or not graphs.graphs:
+        raise RuntimeError("no CUDA graphs captured: nothing to replay")
+    out = {}
+    with decoding_batch(llm, batch, context, max_tokens=16, vocab_size=bench.prompt_vocab_size(llm), seed=batch):
+        llm.engine.step()
+        torch.cuda.synchronize()
+        g = graphs.graph_for(batch)
+        key = (graphs.key_for(batch)[0], graphs.last_key[1])  # graph_for's: the bucket, the last step's class
+        logits = graphs.logits[key][:batch]
+        for variant in variants:
+            launch, kernels = after_replay(sampler, variant, logits)
+            try:
+                marks = []
+                for i in range(steps + 4):
+                    e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                    e[0].record()
+                    g.replay()
+                    e[1].record()
+                    launch()
+                    e[2].record()
+                    if i >= 4:  # the first few: warm-up (a kernel's first launch compiles it)
+                        marks.append(e)
+                torch.cuda.synchronize()
+            finally:
+                sampler.topk_select, sampler.candidate_race = kernels
+            replay = [1e3 * a.elapsed_time(b) for a, b, _ in marks]
+            after = [1e3 * b.elapsed_time(c) for _, b, c in marks]
+            # the replay following each launch (the first replay follows the warm-up's)
+            out[variant] = {"replay_us_median": statistics.median(replay), "replay_us_min": min(replay),
+                            "replay_us_max": max(replay), "after_us_median": statistics.median(after),
+                            "iteration_us_median": statistics.median(r + a for r, a in zip(replay, after)),
+                            "replay_us": replay}
+            print(f"b{batch} {variant}: replay {out[variant]['replay_us_median']:.0f} us (min "
+                  f"{out[variant]['replay_us_min']:.0f}), what follows {out[variant]['after_us_median']:.0f} us",
+                  flush=True)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="qwen2.5-3b")
+    ap.add_argument("--batches", default="4")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    variants = args.variants.split(",")
+    llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, max_num_seqs=max(batches), max_model_len=2048)
+    bench.warmup(llm, bench.prompt_vocab_size(llm))
+    record = {**provenance(), "model": args.model, "context": args.context, "batches": {}}
+    for b in batches:
+        # each variant twice, the second pass in reverse order: a drift over the run shows as a pass-to-pass change
+        record["batches"][str(b)] = {"pass1": probe(llm, b, args.context, args.steps, variants),
+                                     "pass2": probe(llm, b, args.context, args.steps, variants[::-1])}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "replay_after_probe.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
