@@ -11,7 +11,9 @@ launched after every replay, and times each replay alone with CUDA events around
 - ``sampled``: the sampler with Qwen2.5-Instruct's temperature / top_p / top_k (the pick and race kernels);
 - ``sampled/torchtopk``, ``sampled/torchrace``, ``sampled/torchall``: the same with the pick, the race or both by
   torch ops instead;
-- ``select``: the pick kernel alone (``Sampler.topk_select``), ``sleep``: a kernel that only spins ~20 us.
+- ``select``: the pick kernel alone (``Sampler.topk_select``), ``sleep``: a kernel that only spins ~20 us (one
+  thread; ``sleepN``: ~N us), ``fill``: every SM streaming 64 MiB (~20-40 us);
+- ``<variant>+tiny``: the variant, then one 4-element torch op (is it the last kernel before the replay that counts?).
 
     python scripts/replay_after_probe.py --out DIR [--batch 4] [--context 512] [--steps 64] [--variants ...]
 
@@ -40,9 +42,24 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def after_replay(sampler, variant: str, logits: torch.Tensor):
+    launch, kernels = _after_replay(sampler, variant, logits)
+    if variant.endswith("+tiny"):
+        tiny = torch.zeros(4, device=logits.device)
+
+        def launch_then_tiny():
+            launch()
+            tiny.add_(1.0)
+        return launch_then_tiny, kernels
+    return launch, kernels
+
+
+def _after_replay(sampler, variant: str, logits: torch.Tensor):
     """A function launching ``variant``'s work on ``logits`` (the replay's output), and the sampler's kernels to put
     back afterwards."""
     kernels = sampler.topk_select, sampler.candidate_race
+    variant, plus, tail = variant.partition("+")  # "<variant>+tiny": then one 4-element torch op
+    if plus and tail != "tiny":
+        raise ValueError(f"unknown suffix +{tail}; known: +tiny")
     base, _, torch_part = variant.partition("/")
     if torch_part in ("torchtopk", "torchall"):
         sampler.topk_select = None
@@ -57,9 +74,13 @@ def after_replay(sampler, variant: str, logits: torch.Tensor):
         return (lambda: sampler.sample(logits, params, empty, empty, [None] * B)), kernels
     if base == "select":
         return (lambda: sampler.topk_select(logits[:, : sampler.vocab_size], 20)), kernels
-    if base == "sleep":
-        cycles = int(20e-6 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # ~20 us at the rated clock
+    if base.startswith("sleep"):  # "sleep" ~20 us, "sleepN" ~N us: one thread spinning
+        us = float(base[5:] or 20)
+        cycles = int(us * 1e-6 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # at the rated clock
         return (lambda: torch.cuda._sleep(cycles)), kernels
+    if base == "fill":  # every SM streaming memory for ~20 us (64 MiB read and written)
+        buf = torch.zeros(16 << 20, dtype=torch.float32, device=logits.device)
+        return (lambda: buf.add_(1.0)), kernels
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
 
