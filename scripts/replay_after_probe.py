@@ -13,7 +13,9 @@ launched after every replay, and times each replay alone with CUDA events around
   torch ops instead;
 - ``select``: the pick kernel alone (``Sampler.topk_select``), ``sleep``: a kernel that only spins ~20 us (one
   thread; ``sleepN``: ~N us), ``fill``: every SM streaming 64 MiB (~20-40 us);
-- ``<variant>+tiny``: the variant, then one 4-element torch op (is it the last kernel before the replay that counts?).
+- ``<variant>+tiny``: the variant, then one 16-element torch op (is it the last kernel before the replay that
+  counts?); ``+pdl`` / ``+nopdl``: then a one-row argmax (``kernels/argmax.py``) launched with / without
+  programmatic dependent launch (the greedy path's argmax launches with it at any row count).
 
     python scripts/replay_after_probe.py --out DIR [--batch 4] [--context 512] [--steps 64] [--variants ...]
 
@@ -31,6 +33,7 @@ import torch
 
 from pageserve.engine.llm import LLM
 from pageserve.engine.sampling_params import SamplingParams
+from pageserve.kernels.argmax import argmax_rows
 from pageserve.lab import bench
 from pageserve.lab.decode_bench import decoding_batch
 from pageserve.lab.results import provenance
@@ -43,23 +46,27 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def after_replay(sampler, variant: str, logits: torch.Tensor):
     launch, kernels = _after_replay(sampler, variant, logits)
-    if variant.endswith("+tiny"):
-        tiny = torch.zeros(4, device=logits.device)
+    tail = variant.partition("+")[2]
+    if not tail:
+        return launch, kernels
+    tiny = torch.zeros(1, 16, device=logits.device)
+    then = {"tiny": lambda: tiny.add_(1.0),
+            "pdl": lambda: argmax_rows(tiny, pdl=True),  # a one-row argmax launched with PDL (sm_90)
+            "nopdl": lambda: argmax_rows(tiny, pdl=False)}[tail]
 
-        def launch_then_tiny():
-            launch()
-            tiny.add_(1.0)
-        return launch_then_tiny, kernels
-    return launch, kernels
+    def launch_then():
+        launch()
+        then()
+    return launch_then, kernels
 
 
 def _after_replay(sampler, variant: str, logits: torch.Tensor):
     """A function launching ``variant``'s work on ``logits`` (the replay's output), and the sampler's kernels to put
     back afterwards."""
     kernels = sampler.topk_select, sampler.candidate_race
-    variant, plus, tail = variant.partition("+")  # "<variant>+tiny": then one 4-element torch op
-    if plus and tail != "tiny":
-        raise ValueError(f"unknown suffix +{tail}; known: +tiny")
+    variant, plus, tail = variant.partition("+")  # "<variant>+tiny": then one 16-element torch op
+    if plus and tail not in ("tiny", "pdl", "nopdl"):
+        raise ValueError(f"unknown suffix +{tail}; known: +tiny, +pdl, +nopdl")
     base, _, torch_part = variant.partition("/")
     if torch_part in ("torchtopk", "torchall"):
         sampler.topk_select = None
