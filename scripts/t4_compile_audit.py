@@ -379,7 +379,7 @@ def candidate_race_launches(m: Model, B: int) -> list[Launch]:
                               dict(logits_ptr="*fp32", stride_l=m.vocab, ids_ptr="*i64", stride_ids=S, S=S,
                                    rows_ptr="*i64", table_ptr="*fp32", stride_t=B, noise_ptr="*fp32", stride_n=k,
                                    seeds_ptr="*i64", stride_s=B, out_ptr="*i64", K=k),
-                              dict(BLOCK=block, HAS_ROWS=True, HAS_NOISE=True, HAS_SEEDS=seeds, LIBDEVICE_LOG=True),
+                              dict(BLOCK=block, HAS_ROWS=True, HAS_NOISE=True, HAS_SEEDS=seeds, LIBDEVICE_LOG=True, **_pdl_off()),
                               warps, rows=[B]))
     return out
 
@@ -394,7 +394,7 @@ def topk_select_launches(m: Model, B: int) -> list[Launch]:
     out = [Launch("default", m.name, f"candidate chunk maxima {dtype}",
                   "pageserve.kernels.topk_select:_chunk_max_kernel",
                   dict(x_ptr="*" + dtype, stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC),
-                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True), 4, rows=[B])
+                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True, **_pdl_off()), 4, rows=[B])
            for dtype in (DTYPE, "fp32")]
     for k in (w for w in CANDIDATE_WIDTHS if w <= SELECT_MAX_WIDTH):
         cap = default_cap(k)
@@ -402,7 +402,7 @@ def topk_select_launches(m: Model, B: int) -> list[Launch]:
                           dict(x_ptr="*fp32", stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC,
                                list_ptr="*i32", out_ptr="*i64", K=k, CAP=cap),
                           dict(CHUNK=CHUNK, BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS,
-                               BLOCK_CAP=max(16, next_pow2(cap)), HAS_ROWS=True), 8, rows=[B]))
+                               BLOCK_CAP=max(16, next_pow2(cap)), HAS_ROWS=True, **_pdl_off()), 8, rows=[B]))
     return out
 
 
@@ -414,7 +414,7 @@ def repetition_penalty_launches(m: Model, B: int) -> list[Launch]:
                    "pageserve.kernels.penalties:_repetition_penalty_kernel",
                    dict(logits_ptr="*fp32", stride_l=m.vocab, rows_ptr="*i32", starts_ptr="*i32", ids_ptr="*i32",
                         penalty_ptr="*fp32", pending_ptr="*i64", pending_src_ptr="*i32", scratch_ptr="*fp32"),
-                   dict(BLOCK=BLOCK, HAS_PENDING=pending), 4, rows=[B]) for pending in (False, True)]
+                   dict(BLOCK=BLOCK, HAS_PENDING=pending, **_pdl_off()), 4, rows=[B]) for pending in (False, True)]
 
 
 def stage_inputs_launch(m: Model, B: int) -> Launch:

@@ -234,6 +234,14 @@ import triton.language as tl  # noqa: E402
 # Not the GEMV's weights: its first K tile loaded before the wait made batch 1 0.17 ms slower and
 # int8's 0.43 (the same run; session 3's L2 prefetch of whole slices lost the same way).
 # ``pdl="wait_first"`` keeps every wait at the top (the layout before session 21, for A/Bs).
+#
+# Between two decode graph replays. A replay runs ~0.13 ms faster (H100, 3B graph at 4-16 rows; 0.14-0.15 ms at
+# 2-256 rows on the H200 in session 14) when some kernel launched with PDL ran since the last one: after the
+# greedy path's argmax, or any kernel followed by a one-row PDL argmax, the replay takes 2,860 µs, after the same
+# kernels without it 2,990, and back-to-back replays keep whichever state the last work left
+# (scripts/replay_after_probe.py, results/h100/diagnostics/replay_after_probe_*; the mechanism, driver or
+# hardware, is not known). So the sampler's kernels (argmax, repetition penalty, candidate pick and race) launch
+# under PDL at any row count: whichever path a step samples by, a PDL kernel runs between its replays.
 PDL_MAX_TOKENS = 8
 PDL_WAIT_FIRST = 2  # USE_PDL's value under pdl="wait_first"; True (1) is PDL with inputs before the wait
 PDL_MODES = (None, True, False, "wait_first")

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .reference import UNIFORM_BITS, GOLDEN, TOKEN_MUL, candidate_race as candidate_race_reference, signed64
-from ._util import KERNEL_DTYPES, check, check_device, interpreting, next_pow2
+from ._util import KERNEL_DTYPES, check, check_device, interpreting, next_pow2, pdl_args, pdl_enter
 
 __all__ = ["candidate_race", "candidate_race_reference"]
 
@@ -59,7 +59,8 @@ def _softmax(x):
 def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_ptr, table_ptr, stride_t,
                            noise_ptr, stride_n, seeds_ptr, stride_s, out_ptr, K,
                            BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_NOISE: tl.constexpr,
-                           HAS_SEEDS: tl.constexpr, LIBDEVICE_LOG: tl.constexpr):
+                           HAS_SEEDS: tl.constexpr, LIBDEVICE_LOG: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     row = r
     if HAS_ROWS:
@@ -117,13 +118,14 @@ def launch_config(S: int) -> tuple[int, int]:
 
 def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """The reference's ``candidate_race`` in one launch. ``logits`` [B, V] (the penalised logits, fp32, or the
     model's 16-bit ones where nothing changed them; last dim contiguous), ``ids`` [R, S] int64 (each row's
     candidates, S >= k, any order; -1: an unused slot), ``table`` [>= 4, B] fp32, ``noise`` [R, k] fp32 or None
     (every row seeded), ``seeds`` [3, R] int64 or None, ``rows`` [R] int64 or None. The token of candidate row r is
     written to ``out[rows[r]]`` (``out[r]`` without rows; ``out`` [B] int64, a new one if None), which is
-    returned."""
+    returned. ``pdl``: see ``_util.use_pdl``, except that any row count may use it, as the
+    argmax's (``_util``: a PDL launch between two decode graph replays)."""
     check("logits", logits, ndim=2, dtype=KERNEL_DTYPES)
     check("ids", ids, ndim=2, dtype=torch.int64)
     check("table", table, ndim=2, dtype=torch.float32)
@@ -155,5 +157,5 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
             dummy if noise is None else noise, 0 if noise is None else noise.stride(0),
             dummy if seeds is None else seeds, 0 if seeds is None else seeds.stride(0), out, k,
             BLOCK=block, HAS_ROWS=rows is not None, HAS_NOISE=noise is not None, HAS_SEEDS=seeds is not None,
-            LIBDEVICE_LOG=not interpreting(), num_warps=warps)
+            LIBDEVICE_LOG=not interpreting(), num_warps=warps, **pdl_args(logits, 1, pdl))
     return out

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .reference import repetition_penalty as repetition_penalty_reference
-from ._util import check, check_device
+from ._util import check, check_device, pdl_args, pdl_enter
 
 __all__ = ["repetition_penalty", "repetition_penalty_reference"]
 
@@ -25,7 +25,9 @@ BLOCK = 1024  # seen ids a program reads at a time
 
 @triton.jit
 def _repetition_penalty_kernel(logits_ptr, stride_l, rows_ptr, starts_ptr, ids_ptr, penalty_ptr, pending_ptr,
-                               pending_src_ptr, scratch_ptr, BLOCK: tl.constexpr, HAS_PENDING: tl.constexpr):
+                               pending_src_ptr, scratch_ptr, BLOCK: tl.constexpr, HAS_PENDING: tl.constexpr,
+                               USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     j = tl.program_id(0)
     row = tl.load(rows_ptr + j).to(tl.int64)
     start = tl.load(starts_ptr + j)
@@ -57,10 +59,12 @@ def _repetition_penalty_kernel(logits_ptr, stride_l, rows_ptr, starts_ptr, ids_p
 
 def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor,
                        penalty: torch.Tensor, pending: torch.Tensor | None = None,
-                       pending_src: torch.Tensor | None = None) -> torch.Tensor:
+                       pending_src: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """The reference's ``repetition_penalty`` in one launch, in place. ``logits`` [B, V] fp32 (last dim contiguous),
     ``rows`` [P] int32 (distinct), ``starts`` [P + 1] int32, ``ids`` [S] int32, ``penalty`` [B] fp32, ``pending``
-    [B'] int64 and ``pending_src`` [P] int32, or both None. Returns ``logits``."""
+    [B'] int64 and ``pending_src`` [P] int32, or both None. Returns ``logits``. ``pdl``: see ``_util.use_pdl``,
+    except that any row count may use it, as the
+    argmax's (``_util``: a PDL launch between two decode graph replays)."""
     check("logits", logits, ndim=2, dtype=torch.float32)
     check("penalty", penalty, ndim=1, dtype=torch.float32)
     for name, t in (("rows", rows), ("starts", starts), ("ids", ids)):
@@ -82,5 +86,5 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
         _repetition_penalty_kernel[(P,)](
             logits, logits.stride(0), rows, starts, ids, penalty, rows if pending is None else pending,
             rows if pending_src is None else pending_src, scratch, BLOCK=BLOCK, HAS_PENDING=pending is not None,
-            num_warps=4)
+            num_warps=4, **pdl_args(logits, 1, pdl))
     return logits

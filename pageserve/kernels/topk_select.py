@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .reference import topk_candidates as topk_candidates_reference
-from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2
+from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args, pdl_enter
 
 __all__ = ["topk_candidates", "topk_candidates_reference", "default_cap"]
 
@@ -49,7 +49,8 @@ def _key32(v):
 
 @triton.jit
 def _chunk_max_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC,
-                      CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr):
+                      CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     row = r
     if HAS_ROWS:
@@ -88,7 +89,8 @@ def _listed_tile(x_row, list_row, i, n_list, V, CHUNK: tl.constexpr, TILE: tl.co
 @triton.jit
 def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr, K, CAP,
                    CHUNK: tl.constexpr, BLOCK_NC: tl.constexpr, TILE: tl.constexpr, BLOCK_CAP: tl.constexpr,
-                   HAS_ROWS: tl.constexpr):
+                   HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     row = r
     if HAS_ROWS:
@@ -135,10 +137,12 @@ def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr,
     tl.store(out_ptr + r * CAP + s, tl.full([BLOCK_CAP], -1, tl.int64), mask=(s >= count) & (s < CAP))
 
 
-def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, cap: int | None = None) -> torch.Tensor:
+def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, cap: int | None = None,
+                    pdl: bool | None = None) -> torch.Tensor:
     """``x`` [B, V] float (last dim contiguous, rows may be strided); ``rows`` [R] int64 or None (every row) ->
     [R, cap] int64 ids, -1 where unused: for each row a superset of its top k finite values' ids (the reference's),
-    in no particular order. ``cap`` (default ``default_cap(k)``) >= k."""
+    in no particular order. ``cap`` (default ``default_cap(k)``) >= k. ``pdl``: see ``_util.use_pdl``, except that
+    any row count may use it (``SAMPLER_PDL``)."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     cap = default_cap(k) if cap is None else cap
     if not 0 < k <= cap:
@@ -157,10 +161,11 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, c
     maxima = torch.empty(R, NC, dtype=torch.int32, device=x.device)
     listed = torch.empty(R, NC, dtype=torch.int32, device=x.device)
     r = x if rows is None else rows  # a pointer for a launch without rows
+    kw = pdl_args(x, 1, pdl)
     _chunk_max_kernel[(R, cdiv(NC, CHUNKS_PER_PROGRAM))](x, x.stride(0), r, V, maxima, NC, CHUNK=CHUNK,
                                                          CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=rows is not None,
-                                                         num_warps=4)
+                                                         num_warps=4, **kw)
     _select_kernel[(R,)](x, x.stride(0), r, V, maxima, NC, listed, out, k, cap, CHUNK=CHUNK,
                          BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS, BLOCK_CAP=max(16, next_pow2(cap)),
-                         HAS_ROWS=rows is not None, num_warps=8)
+                         HAS_ROWS=rows is not None, num_warps=8, **kw)
     return out
