@@ -153,6 +153,55 @@ def test_step_timeline_splits_each_step_and_the_idle_between_steps_on_the_gpu_cl
     assert parts["sample_us"] == pytest.approx([100, 50]) and parts["idle_us"] == pytest.approx([2200])
 
 
+def test_step_timeline_refuses_an_unknown_mode_before_it_loads_a_model():
+    step_timeline = _script("step_timeline")
+    for bad in ("greedy", "sampled/torchnone"):  # not a mode; not a variant
+        with pytest.raises(SystemExit):
+            step_timeline.main(["--out", "unused", "--modes", f"plain,{bad}"])
+
+
+def test_decoding_batch_samples_as_asked():
+    from pageserve.engine.llm import LLM
+    from pageserve.lab.decode_bench import decoding_batch
+
+    llm = LLM("smollm2-135m", dtype="float32", device="cpu", seed=0, max_num_seqs=2, max_model_len=128)
+    asked = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    for sampling, want in ((None, (0.0, 1.0)), (asked, (0.7, 1.05))):
+        with decoding_batch(llm, 2, 8, 4, sampling=sampling) as d:
+            seqs = [s for rid in d.ids for s in llm.engine.requests[rid].seqs]
+            assert len(seqs) == 2
+            assert all((s.params.temperature, s.params.repetition_penalty) == want for s in seqs)
+            assert all(s.params.ignore_eos for s in seqs)
+        while llm.engine.has_unfinished_requests():
+            llm.engine.step()
+
+
+def test_replay_probe_variants_launch_on_the_logits_and_give_the_sampler_its_kernels_back():
+    import torch
+
+    from pageserve.engine.sampler import Sampler
+
+    probe = _script("replay_after_probe")
+    sampler = Sampler(64, torch.device("cpu"))
+    sampler.topk_select, sampler.candidate_race = "pick", "race"  # stand-ins: the variants must put them back
+    logits = torch.randn(3, 64)
+    for variant in ("none", "greedy", "sampled/torchall", "greedy+tiny", "sampled/torchall+nopdl"):
+        launch, kernels = probe.after_replay(sampler, variant, logits)
+        assert kernels == ("pick", "race")
+        if "/torchall" in variant:
+            assert sampler.topk_select is None and sampler.candidate_race is None
+        sampler.topk_select, sampler.candidate_race = kernels
+        if variant.startswith("sampled"):
+            sampler.topk_select = sampler.candidate_race = None
+            launch()  # the CPU sampler's torch path, on the probe's logits
+            sampler.topk_select, sampler.candidate_race = kernels
+        else:
+            launch()
+    for bad in ("bogus", "greedy+huge"):
+        with pytest.raises(ValueError):
+            probe.after_replay(sampler, bad, logits)
+
+
 def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
     w1_profile = _script("w1_profile")
 
