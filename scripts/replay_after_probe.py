@@ -17,7 +17,11 @@ launched after every replay, and times each replay alone with CUDA events around
   counts?); ``+pdl`` / ``+nopdl``: then a one-row argmax (``kernels/argmax.py``) launched with / without
   programmatic dependent launch (the greedy path's argmax launches with it at any row count).
 
-    python scripts/replay_after_probe.py --out DIR [--batch 4] [--context 512] [--steps 64] [--variants ...]
+    python scripts/replay_after_probe.py --out DIR [--batches 4] [--context 512] [--steps 64] [--variants ...]
+        [--targets graph,eager]
+
+``--targets eager``: the same step run eagerly instead of replayed (W1's mixed steps run eager: does the PDL state
+speed them too?).
 
 Writes DIR/replay_after_probe.json (with the commit): per variant the replays' median / min / max in us and the
 whole iteration's median (replay + what follows). GPU only.
@@ -91,7 +95,9 @@ def _after_replay(sampler, variant: str, logits: torch.Tensor):
     raise ValueError(f"unknown variant {variant!r}; known: {VARIANTS}")
 
 
-def probe(llm, batch: int, context: int, steps: int, variants: list[str]) -> dict:
+def probe(llm, batch: int, context: int, steps: int, variants: list[str], target: str = "graph") -> dict:
+    """Per variant, the timed ``target`` ("graph": the batch's decode graph replayed; "eager": the same step run
+    eagerly on the graph's static inputs, ``CUDAGraphRunner.eager_logits``) and what follows it."""
     runner = llm.engine.runner
     graphs, sampler = runner.graphs, runner.sampler
     if graphs is None or not graphs.graphs:
@@ -103,6 +109,7 @@ def probe(llm, batch: int, context: int, steps: int, variants: list[str]) -> dic
         g = graphs.graph_for(batch)
         key = (graphs.key_for(batch)[0], graphs.last_key[1])  # graph_for's: the bucket, the last step's class
         logits = graphs.logits[key][:batch]
+        forward = g.replay if target == "graph" else (lambda: graphs.eager_logits(batch))
         for variant in variants:
             launch, kernels = after_replay(sampler, variant, logits)
             try:
@@ -110,7 +117,7 @@ def probe(llm, batch: int, context: int, steps: int, variants: list[str]) -> dic
                 for i in range(steps + 4):
                     e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                     e[0].record()
-                    g.replay()
+                    forward()
                     e[1].record()
                     launch()
                     e[2].record()
@@ -126,7 +133,7 @@ def probe(llm, batch: int, context: int, steps: int, variants: list[str]) -> dic
                             "replay_us_max": max(replay), "after_us_median": statistics.median(after),
                             "iteration_us_median": statistics.median(r + a for r, a in zip(replay, after)),
                             "replay_us": replay}
-            print(f"b{batch} {variant}: replay {out[variant]['replay_us_median']:.0f} us (min "
+            print(f"b{batch} {target} {variant}: replay {out[variant]['replay_us_median']:.0f} us (min "
                   f"{out[variant]['replay_us_min']:.0f}), what follows {out[variant]['after_us_median']:.0f} us",
                   flush=True)
     while llm.engine.has_unfinished_requests():
@@ -142,7 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--targets", default="graph", help="graph, eager or both (comma-separated): what is timed")
     args = ap.parse_args(argv)
+    targets = args.targets.split(",")
+    if not set(targets) <= {"graph", "eager"}:
+        ap.error(f"--targets: graph and/or eager, not {args.targets!r}")
     batches = [int(b) for b in args.batches.split(",")]
     variants = args.variants.split(",")
     llm = LLM(args.model, dtype="bfloat16", device="cuda", seed=0, max_num_seqs=max(batches), max_model_len=2048)
@@ -150,8 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     record = {**provenance(), "model": args.model, "context": args.context, "batches": {}}
     for b in batches:
         # each variant twice, the second pass in reverse order: a drift over the run shows as a pass-to-pass change
-        record["batches"][str(b)] = {"pass1": probe(llm, b, args.context, args.steps, variants),
-                                     "pass2": probe(llm, b, args.context, args.steps, variants[::-1])}
+        for target in targets:  # the graph's record under the batch, as before; the eager one beside it
+            key = str(b) if target == "graph" else f"{b}/eager"
+            record["batches"][key] = {"pass1": probe(llm, b, args.context, args.steps, variants, target),
+                                      "pass2": probe(llm, b, args.context, args.steps, variants[::-1], target)}
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "replay_after_probe.json").write_text(json.dumps(record, indent=1))
 

@@ -200,6 +200,8 @@ def test_replay_probe_variants_launch_on_the_logits_and_give_the_sampler_its_ker
     for bad in ("bogus", "greedy+huge"):
         with pytest.raises(ValueError):
             probe.after_replay(sampler, bad, logits)
+    with pytest.raises(SystemExit):  # refused before a model is loaded
+        probe.main(["--out", "unused", "--targets", "graph,prefill"])
 
 
 def test_w1_profile_splits_gpu_time_and_idle_by_step_kind():
