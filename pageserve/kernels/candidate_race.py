@@ -124,8 +124,8 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
     candidates, S >= k, any order; -1: an unused slot), ``table`` [>= 4, B] fp32, ``noise`` [R, k] fp32 or None
     (every row seeded), ``seeds`` [3, R] int64 or None, ``rows`` [R] int64 or None. The token of candidate row r is
     written to ``out[rows[r]]`` (``out[r]`` without rows; ``out`` [B] int64, a new one if None), which is
-    returned. ``pdl``: see ``_util.use_pdl``, except that any row count may use it, as the
-    argmax's (``_util``: a PDL launch between two decode graph replays)."""
+    returned. ``pdl``: see ``_util.use_pdl``, except that any row count may use it,
+    as the argmax's (``_util``: a PDL launch between two decode graph replays)."""
     check("logits", logits, ndim=2, dtype=KERNEL_DTYPES)
     check("ids", ids, ndim=2, dtype=torch.int64)
     check("table", table, ndim=2, dtype=torch.float32)

@@ -63,8 +63,8 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
     """The reference's ``repetition_penalty`` in one launch, in place. ``logits`` [B, V] fp32 (last dim contiguous),
     ``rows`` [P] int32 (distinct), ``starts`` [P + 1] int32, ``ids`` [S] int32, ``penalty`` [B] fp32, ``pending``
     [B'] int64 and ``pending_src`` [P] int32, or both None. Returns ``logits``. ``pdl``: see ``_util.use_pdl``,
-    except that any row count may use it, as the
-    argmax's (``_util``: a PDL launch between two decode graph replays)."""
+    except that any row count may use it, as the argmax's (``_util``: a PDL launch between two decode graph
+    replays)."""
     check("logits", logits, ndim=2, dtype=torch.float32)
     check("penalty", penalty, ndim=1, dtype=torch.float32)
     for name, t in (("rows", rows), ("starts", starts), ("ids", ids)):
