@@ -142,7 +142,7 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, c
     """``x`` [B, V] float (last dim contiguous, rows may be strided); ``rows`` [R] int64 or None (every row) ->
     [R, cap] int64 ids, -1 where unused: for each row a superset of its top k finite values' ids (the reference's),
     in no particular order. ``cap`` (default ``default_cap(k)``) >= k. ``pdl``: see ``_util.use_pdl``, except that
-    any row count may use it (``SAMPLER_PDL``)."""
+    any row count may use it, as the argmax's (``_util``: a PDL launch between two decode graph replays)."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
     cap = default_cap(k) if cap is None else cap
     if not 0 < k <= cap:
