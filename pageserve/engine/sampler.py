@@ -48,7 +48,7 @@ from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed 
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.kernels.reference import (
     GOLDEN, INVALID_ID, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS,
-    candidate_filter, gather_candidates, mix64_tensor, seeded_uniform_at, signed64,
+    candidate_filter, filter_sorted, gather_candidates, min_p_filter, mix64_tensor, seeded_uniform_at, signed64,
 )
 from pageserve.kernels.reference import apply_token_bitmask as apply_token_bitmask_reference
 
@@ -547,18 +547,11 @@ class Sampler:
         need_top_p = any(p.top_p < 1.0 for p in params)
         if need_top_k or need_top_p:
             sorted_x, order = x.sort(dim=-1, descending=True)  # [B, V]
-            if need_top_k:
-                rank = torch.arange(V, device=x.device)
-                sorted_x = sorted_x.masked_fill(rank[None, :] >= table[_TOP_K][:, None], float("-inf"))
-            if need_top_p:
-                p_sorted = sorted_x.softmax(dim=-1)
-                mass_before = p_sorted.cumsum(dim=-1) - p_sorted
-                sorted_x = sorted_x.masked_fill(mass_before >= table[_TOP_P][:, None], float("-inf"))
+            sorted_x = filter_sorted(sorted_x, table, top_k=need_top_k, top_p=need_top_p)
             x = torch.empty_like(x).scatter_(1, order, sorted_x)
         probs = x.softmax(dim=-1)
         if any(p.min_p > 0 for p in params):
-            threshold = table[_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
-            probs = probs.masked_fill(probs < threshold, 0.0)
+            probs = min_p_filter(probs, table)
         return logits, Draws(probs, groups), greedy_rows
 
     def _param_table(self, params: list[SamplingParams], V: int) -> Tensor:

@@ -282,18 +282,28 @@ def candidate_filter(values: torch.Tensor, ids: torch.Tensor, k: int, table: tor
     (exact where every row has it off: the mask it would apply is empty)."""
     order = ordered_keys(values, ids).argsort(dim=-1, descending=True)[:, :k]  # unique keys: one order
     ids, values = ids.gather(1, order), values.gather(1, order)  # [R, k], best first
-    x = values / table[TABLE_TEMP][:, None]
-    rank = torch.arange(k, device=x.device)
-    x = x.masked_fill(rank[None, :] >= table[TABLE_TOP_K][:, None], float("-inf"))
+    probs = filter_sorted(values / table[TABLE_TEMP][:, None], table, top_k=True, top_p=top_p).softmax(dim=-1)
+    return ids, min_p_filter(probs, table) if min_p else probs
+
+
+def filter_sorted(x: torch.Tensor, table: torch.Tensor, top_k: bool = True, top_p: bool = True) -> torch.Tensor:
+    """``x`` [R, W]: each row's temperature-scaled logits, best first; ``table`` [>= 4, R] (the sampler's) -> ``x``
+    with the values past a row's top-k, then past its top-p mass, set to -inf. ``top_k`` / ``top_p`` False: skip
+    that step (exact where every row has it off). The candidates' filter and the sampler's whole-row one."""
+    if top_k:
+        rank = torch.arange(x.shape[1], device=x.device)
+        x = x.masked_fill(rank[None, :] >= table[TABLE_TOP_K][:, None], float("-inf"))
     if top_p:
         p_sorted = x.softmax(dim=-1)
         mass_before = p_sorted.cumsum(dim=-1) - p_sorted
         x = x.masked_fill(mass_before >= table[TABLE_TOP_P][:, None], float("-inf"))
-    probs = x.softmax(dim=-1)
-    if min_p:
-        threshold = table[TABLE_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    return ids, probs
+    return x
+
+
+def min_p_filter(probs: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``probs`` [R, W] (any order) with the values under a row's min_p times its largest set to 0."""
+    threshold = table[TABLE_MIN_P][:, None] * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
 
 
 INVALID_ID = 2**31 - 1  # an unused candidate slot's id once gathered: ranked after every real id
