@@ -28,7 +28,9 @@ before session 52 (``Sampler.coarse_select = False``) instead of over them round
 (``Sampler.candidate_race = None``) instead of the candidate race kernel's one, and as ``<mode>/torchtopk``, its
 candidates picked by ``topk`` (``Sampler.topk_select = None``) instead of ``kernels/topk_select.py``; a mode with a
 repetition penalty also as ``<mode>/torchpen``, the penalty applied by ~14 torch launches as before session 53
-(``Sampler.repetition_kernel = None``) instead of one kernel launch.
+(``Sampler.repetition_kernel = None``) instead of one kernel launch, and as ``<mode>/copypen``, the penalty kernel
+writing into an fp32 copy of the logits as before session 55 (``Sampler.seen_words = None``) instead of the pick and
+race applying it as they read the model's logits.
 
 Writes DIR/sampling_bench.json (with the commit) and prints one line per run.
 """
@@ -100,6 +102,8 @@ def main() -> None:
                     help="no <mode>/torchtopk runs (the candidates picked by torch.topk, before session 53)")
     ap.add_argument("--no-torchpen", dest="torchpen", action="store_false",
                     help="no <mode>/torchpen runs (the repetition penalty by torch ops, before session 53)")
+    ap.add_argument("--no-copypen", dest="copypen", action="store_false",
+                    help="no <mode>/copypen runs (the repetition penalty into an fp32 copy, before session 55)")
     ap.add_argument("--no-heavy", dest="heavy", action="store_false",
                     help="skip the runs of the penalised modes with the host work before session 51")
     ap.add_argument("--num-blocks", type=int, default=None)
@@ -119,15 +123,17 @@ def main() -> None:
     # a mode with a top-k also runs as "<mode>/whole" (the sampler's whole-row sort in place of its candidates) and
     # "<mode>/fine" (its candidates picked by topk over the fp32 logits) and "<mode>/torchrace" (raced by torch
     # ops) and "<mode>/torchtopk" (picked by topk); one with a repetition penalty as "<mode>/torchpen" (the
-    # penalty by torch ops) and "<mode>/heavy" (the table rebuilt every call and the output counts always found)
+    # penalty by torch ops), "<mode>/copypen" (the penalty kernel into an fp32 copy) and "<mode>/heavy" (the table
+    # rebuilt every call and the output counts always found)
     runs = [m for mode in modes for m in [mode] + ([f"{mode}/whole"] if args.whole and "top_k" in MODES[mode] else [])
             + ([f"{mode}/fine"] if args.fine and "top_k" in MODES[mode] else [])
             + ([f"{mode}/torchrace"] if args.torchrace and "top_k" in MODES[mode] else [])
             + ([f"{mode}/torchtopk"] if args.torchtopk and "top_k" in MODES[mode] else [])
             + ([f"{mode}/torchpen"] if args.torchpen and "repetition_penalty" in MODES[mode] else [])
+            + ([f"{mode}/copypen"] if args.copypen and "repetition_penalty" in MODES[mode] else [])
             + ([f"{mode}/heavy"] if args.heavy and "repetition_penalty" in MODES[mode] else [])]
     coarse_default, race_default, pen_default = sampler.coarse_select, sampler.candidate_race, sampler.repetition_kernel
-    select_default = sampler.topk_select
+    select_default, seen_default = sampler.topk_select, sampler.seen_words
 
     def variant_flags(variant: str) -> None:
         sampler.candidates, sampler.lean_host = variant != "whole", variant != "heavy"
@@ -135,6 +141,7 @@ def main() -> None:
         sampler.candidate_race = None if variant == "torchrace" else race_default
         sampler.topk_select = None if variant == "torchtopk" else select_default
         sampler.repetition_kernel = None if variant == "torchpen" else pen_default
+        sampler.seen_words = None if variant in ("torchpen", "copypen") else seen_default
 
     for rnd in range(args.rounds + 1):  # round 0 warms up (compiles, captures) and is not kept
         for name in (runs if rnd % 2 else runs[::-1]):

@@ -370,16 +370,21 @@ def candidate_race_launches(m: Model, B: int) -> list[Launch]:
     from pageserve.kernels.candidate_race import launch_config
 
     out = []
+    words = (m.vocab + 31) // 32
     for k in CANDIDATE_WIDTHS:
         S = min(m.vocab, k + CANDIDATE_SLACK)
         block, warps = launch_config(S)
-        for seeds in (False, True):
-            out.append(Launch("default", m.name, f"candidate race k={k}{' seeded' if seeds else ''}",
+        # fp32 (processed) logits, seeded or not; the model's 16-bit ones with the repetition penalty on read
+        for seeds, seen in ((False, False), (True, False), (False, True)):
+            out.append(Launch("default", m.name, f"candidate race k={k}{' seeded' if seeds else ''}"
+                              f"{' seen' if seen else ''}",
                               "pageserve.kernels.candidate_race:_candidate_race_kernel",
-                              dict(logits_ptr="*fp32", stride_l=m.vocab, ids_ptr="*i64", stride_ids=S, S=S,
-                                   rows_ptr="*i64", table_ptr="*fp32", stride_t=B, noise_ptr="*fp32", stride_n=k,
-                                   seeds_ptr="*i64", stride_s=B, out_ptr="*i64", K=k),
-                              dict(BLOCK=block, HAS_ROWS=True, HAS_NOISE=True, HAS_SEEDS=seeds, LIBDEVICE_LOG=True, **_pdl_off()),
+                              dict(logits_ptr="*" + (DTYPE if seen else "fp32"), stride_l=m.vocab, ids_ptr="*i64",
+                                   stride_ids=S, S=S, rows_ptr="*i64", table_ptr="*fp32", stride_t=B,
+                                   noise_ptr="*fp32", stride_n=k, seeds_ptr="*i64", stride_s=B, out_ptr="*i64", K=k,
+                                   words_ptr="*i32", stride_w=words, rep_ptr="*fp32"),
+                              dict(BLOCK=block, HAS_ROWS=True, HAS_NOISE=True, HAS_SEEDS=seeds, HAS_SEEN=seen,
+                                   LIBDEVICE_LOG=True, **_pdl_off()),
                               warps, rows=[B]))
     return out
 
@@ -391,18 +396,25 @@ def topk_select_launches(m: Model, B: int) -> list[Launch]:
     from pageserve.kernels.topk_select import CHUNK, CHUNKS_PER_PROGRAM, TILE_CHUNKS, default_cap
 
     NC = cdiv(m.vocab, CHUNK)
-    out = [Launch("default", m.name, f"candidate chunk maxima {dtype}",
+    seen_args = dict(words_ptr="*i32", stride_w=(m.vocab + 31) // 32, rep_ptr="*fp32")
+    # the model's 16-bit logits (as they are, or with the repetition penalty on read) or processed fp32 ones
+    variants = ((DTYPE, False), (DTYPE, True), ("fp32", False))
+    out = [Launch("default", m.name, f"candidate chunk maxima {dtype}{' seen' if seen else ''}",
                   "pageserve.kernels.topk_select:_chunk_max_kernel",
-                  dict(x_ptr="*" + dtype, stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC),
-                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True, **_pdl_off()), 4, rows=[B])
-           for dtype in (DTYPE, "fp32")]
+                  dict(x_ptr="*" + dtype, stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC,
+                       **seen_args),
+                  dict(CHUNK=CHUNK, CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=True, HAS_SEEN=seen, **_pdl_off()), 4, rows=[B])
+           for dtype, seen in variants]
     for k in (w for w in CANDIDATE_WIDTHS if w <= SELECT_MAX_WIDTH):
         cap = default_cap(k)
-        out.append(Launch("default", m.name, f"candidate select k={k}", "pageserve.kernels.topk_select:_select_kernel",
-                          dict(x_ptr="*fp32", stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32", NC=NC,
-                               list_ptr="*i32", out_ptr="*i64", K=k, CAP=cap),
-                          dict(CHUNK=CHUNK, BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS,
-                               BLOCK_CAP=max(16, next_pow2(cap)), HAS_ROWS=True, **_pdl_off()), 8, rows=[B]))
+        for dtype, seen in variants:
+            out.append(Launch("default", m.name, f"candidate select k={k} {dtype}{' seen' if seen else ''}",
+                              "pageserve.kernels.topk_select:_select_kernel",
+                              dict(x_ptr="*" + dtype, stride_x=m.vocab, rows_ptr="*i64", V=m.vocab, max_ptr="*i32",
+                                   NC=NC, list_ptr="*i32", out_ptr="*i64", K=k, CAP=cap, **seen_args),
+                              dict(CHUNK=CHUNK, BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS,
+                                   BLOCK_CAP=max(16, next_pow2(cap)), HAS_ROWS=True, HAS_SEEN=seen, **_pdl_off()), 8,
+                              rows=[B]))
     return out
 
 
@@ -414,7 +426,12 @@ def repetition_penalty_launches(m: Model, B: int) -> list[Launch]:
                    "pageserve.kernels.penalties:_repetition_penalty_kernel",
                    dict(logits_ptr="*fp32", stride_l=m.vocab, rows_ptr="*i32", starts_ptr="*i32", ids_ptr="*i32",
                         penalty_ptr="*fp32", pending_ptr="*i64", pending_src_ptr="*i32", scratch_ptr="*fp32"),
-                   dict(BLOCK=BLOCK, HAS_PENDING=pending, **_pdl_off()), 4, rows=[B]) for pending in (False, True)]
+                   dict(BLOCK=BLOCK, HAS_PENDING=pending, **_pdl_off()), 4, rows=[B]) for pending in (False, True)] + [
+        Launch("default", m.name, f"seen words{' pending' if pending else ''}",
+               "pageserve.kernels.penalties:_seen_words_kernel",
+               dict(words_ptr="*i32", stride_w=(m.vocab + 31) // 32, W=(m.vocab + 31) // 32, rows_ptr="*i32",
+                    starts_ptr="*i32", ids_ptr="*i32", pending_ptr="*i64", pending_src_ptr="*i32"),
+               dict(BLOCK=BLOCK, HAS_PENDING=pending, **_pdl_off()), 4, rows=[B]) for pending in (False, True)]
 
 
 def stage_inputs_launch(m: Model, B: int) -> Launch:

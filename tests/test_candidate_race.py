@@ -187,3 +187,51 @@ def test_one_row_with_its_table_as_the_sampler_builds_it(device):
     noise = torch.empty(1, k).exponential_(generator=torch.Generator().manual_seed(3)).to(device)
     assert torch.equal(candidate_race(logits, ids, k, table, noise),
                        candidate_race_reference(logits, ids, k, table, noise))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(device):
+    # Qwen2.5-Instruct's defaults (a repetition penalty with temperature / top_p / top_k) beside unpenalised sampled
+    # rows, greedy rows, a whole-row row and seeded rows, with the newest tokens still on the device: the sampler
+    # that applies the penalty as its kernels read the bf16 logits draws the same tokens as the one that penalises
+    # an fp32 copy, step after step, and makes no copy. A row asking for logprobs sends the step back to the copy.
+    from pageserve.kernels.penalties import repetition_penalty, seen_words
+
+    B, V = 12, 2000
+    qwen = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    kinds = [qwen, SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.5, seed=5),
+             SamplingParams(temperature=0.9, top_k=100, min_p=0.05), SamplingParams(temperature=0.0),
+             SamplingParams(temperature=0.8, top_p=0.9), qwen]
+    params = [kinds[i % len(kinds)] for i in range(B)]
+    seeds = [p.seed for p in params]
+    copy, on_read = _sampler_pair(V, device)
+    for s in (copy, on_read):
+        s.repetition_kernel = repetition_penalty
+    on_read.seen_words = seen_words
+    copy.seen_words = None
+    g = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, V, (int(n),), generator=g).tolist() for n in torch.randint(4, 40, (B,), generator=g)]
+    outs = [[] for _ in range(B)]
+    prev = None
+    for step in range(6):
+        logits = (torch.randn(B, V, generator=g) * 3).to(torch.bfloat16).to(device)
+        top = logits.float().topk(8, dim=-1).indices.cpu()
+        for i in range(B):  # each row has seen some of its current best tokens, so the penalty decides things
+            prompts[i][:2] = top[i, step % 4: step % 4 + 2].tolist()
+        # the previous step's tokens: on the device only (async scheduling), not yet in the output lists
+        pending = None if prev is None else (prev, list(range(B)))
+        if step == 0:
+            assert copy._process(logits, params, prompts, outs)[0].dtype == torch.float32
+            assert on_read._process(logits, params, prompts, outs)[0].dtype == torch.bfloat16  # no copy made
+        a = copy.sample(logits, params, prompts, outs, seeds, pending=pending)
+        b = on_read.sample(logits, params, prompts, outs, seeds, pending=pending)
+        assert a.token_ids == b.token_ids
+        if prev is not None:
+            for i in range(B):
+                outs[i].append(int(prev[i]))
+        prev = b.token_ids_gpu
+    with_logprobs = params[:-1] + [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, logprobs=1)]
+    assert on_read._process(logits, with_logprobs, prompts, outs)[0].dtype == torch.float32
+    a = copy.sample(logits, with_logprobs, prompts, outs, seeds)
+    b = on_read.sample(logits, with_logprobs, prompts, outs, seeds)
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs

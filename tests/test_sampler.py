@@ -935,8 +935,8 @@ def test_on_the_gpu_the_sampler_launches_a_step_without_waiting_for_the_device(k
 
 def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_records_them(tmp_path):
     """scripts/sampling_bench.py on a random-weight shape on the CPU: each mode (and its whole-row, fine, torchrace,
-    torchtopk, torchpen and heavy variants) yields exactly max_tokens tokens a request, so the modes run the same steps, and the record holds
-    the ratios and the sampler's op profiles."""
+    torchtopk, torchpen, copypen and heavy variants) yields exactly max_tokens tokens a request, so the modes run the
+    same steps, and the record holds the ratios and the sampler's op profiles."""
     import json
     import subprocess
     import sys
@@ -947,9 +947,10 @@ def test_the_sampling_bench_runs_every_mode_and_variant_to_max_tokens_and_record
                     "--model", "smollm2-135m", "--requests", "3", "--prompt-len", "8", "--max-tokens", "3",
                     "--rounds", "1", "--profile-calls", "1"], check=True, cwd=root, capture_output=True)
     record = json.loads((tmp_path / "sampling_bench.json").read_text())
-    names = {"plain", "penalised", "penalised/heavy", "penalised/torchpen", "sampled", "sampled/whole", "sampled/fine",
+    names = {"plain", "penalised", "penalised/heavy", "penalised/torchpen", "penalised/copypen", "sampled", "sampled/whole", "sampled/fine",
              "sampled/torchrace", "sampled/torchtopk", "qwen_default", "qwen_default/whole", "qwen_default/fine",
-             "qwen_default/torchrace", "qwen_default/torchtopk", "qwen_default/torchpen", "qwen_default/heavy",
+             "qwen_default/torchrace", "qwen_default/torchtopk", "qwen_default/torchpen", "qwen_default/copypen",
+             "qwen_default/heavy",
              "sampled_seeded", "sampled_seeded/whole", "sampled_seeded/fine", "sampled_seeded/torchrace",
              "sampled_seeded/torchtopk"}
     assert set(record["ratio_to_plain"]) == names

@@ -19,7 +19,10 @@ are this module's path elsewhere): a repetition penalty alone (``kernels/penalti
 pick (``kernels/topk_select.py``, widths up to ``SELECT_MAX_WIDTH``; wider ones ``topk`` over the penalised logits
 rounded back to the model's 16-bit dtype, monotonic, so the same pick); and its ordering, filters and race in one
 launch (``kernels/candidate_race.py``, ``Pick``). There the logits stay in the model's 16-bit dtype until a value
-is changed: their fp32 values are exact, so every pick, argmax and race reads the same numbers.
+is changed: their fp32 values are exact, so every pick, argmax and race reads the same numbers. A repetition penalty
+alone on rows that the pick and race kernels sample (Qwen2.5-Instruct's defaults) changes no value either: each row's
+seen tokens go to the kernels as bits (``kernels/penalties.py``, ``seen_words``) and the penalty is applied as they
+read the logits, the penalty kernel's bits without its fp32 copy of every row (``_penalty_on_read``).
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
@@ -48,7 +51,8 @@ from pageserve.engine.sampling_params import SamplingParams, _mix64, child_seed 
 from pageserve.engine.structured_output import TokenMasks
 from pageserve.kernels.reference import (
     GOLDEN, INVALID_ID, MASK64, TABLE_MIN_P, TABLE_TEMP, TABLE_TOP_K, TABLE_TOP_P, TOKEN_MUL, UNIFORM_BITS,
-    candidate_filter, filter_sorted, gather_candidates, min_p_filter, mix64_tensor, seeded_uniform_at, signed64,
+    apply_seen, candidate_filter, filter_sorted, gather_candidates, min_p_filter, mix64_tensor, seeded_uniform_at,
+    signed64,
 )
 from pageserve.kernels.reference import apply_token_bitmask as apply_token_bitmask_reference
 
@@ -95,17 +99,21 @@ class Pick:
     """A group's candidates before they are ordered, for the candidate race kernel (``kernels/candidate_race.py``)
     to order, filter and race in one launch: ``ids`` [R, S] (a superset of the rows' k highest penalised logits,
     any order, -1 in unused slots: ``kernels/topk_select.py``, or ``topk``'s k + slack) at width ``k``, read with
-    ``logits`` [B, V] (the penalised logits) and ``table`` [7, B] at the group's rows. ``candidates()``: the same rows through the torch path (references, tests)."""
+    ``logits`` [B, V] (the penalised logits; with ``seen``, (words [B, ceil(V / 32)], penalty [B]), the logits
+    before a repetition penalty that the kernels apply as they read them: ``kernels/penalties.py``) and ``table``
+    [7, B] at the group's rows. ``candidates()``: the same rows through the torch path (references, tests)."""
 
-    __slots__ = ("ids", "k", "logits", "table", "where", "top_p", "min_p")
+    __slots__ = ("ids", "k", "logits", "table", "where", "top_p", "min_p", "seen")
 
     def __init__(self, ids: Tensor, k: int, logits: Tensor, table: Tensor, where: Tensor | None,
-                 top_p: bool, min_p: bool) -> None:
+                 top_p: bool, min_p: bool, seen: tuple[Tensor, Tensor] | None = None) -> None:
         self.ids, self.k, self.logits, self.table, self.where = ids, k, logits, table, where
-        self.top_p, self.min_p = top_p, min_p
+        self.top_p, self.min_p, self.seen = top_p, min_p, seen
 
     def candidates(self) -> Candidates:
         logits, table = self.logits, self.table
+        if self.seen is not None:
+            logits = apply_seen(logits, *self.seen)
         if self.where is not None:
             logits, table = logits.index_select(0, self.where), table.index_select(1, self.where)
         return Candidates(*candidate_filter(*gather_candidates(logits, self.ids), self.k, table, self.top_p,
@@ -297,6 +305,10 @@ class Sampler:
         # a repetition penalty alone (no frequency or presence penalty in the step) in one launch
         # (``kernels/penalties.py``, on CUDA) in place of ~14; None: the torch path
         self.repetition_kernel = _triton_or(self.device, "penalties", "repetition_penalty", None)
+        # where every penalised row's candidates are picked and raced by the kernels, the repetition penalty as they
+        # read the logits: each row's seen tokens as bits (``kernels/penalties.py``, one launch after a zero fill)
+        # in place of the fp32 copy of every row the penalty kernel writes into; None: that copy and kernel
+        self.seen_words = _triton_or(self.device, "penalties", "seen_words", None)
         # candidates of widths up to SELECT_MAX_WIDTH picked by ``kernels/topk_select.py`` (two launches, each row
         # read once) for the race kernel, in place of ``topk``; None: ``topk``
         self.topk_select = _triton_or(self.device, "topk_select", "topk_candidates", None)
@@ -429,7 +441,9 @@ class Sampler:
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows). The penalised
         logits are fp32 wherever a value was changed; where none was and the kernels run (CUDA), they are the
         caller's own 16-bit ones (their fp32 values are exact, so every pick, argmax and race reads the same
-        numbers without a [B, V] conversion: 0.12 ms of an H100's step at 256 rows of Qwen's vocabulary)."""
+        numbers without a [B, V] conversion: 0.12 ms of an H100's step at 256 rows of Qwen's vocabulary). Where a
+        repetition penalty is applied on read (``_penalty_on_read``), the penalised rows' values here are from
+        before it, and only their ``Pick``s (which carry the seen tokens) give the penalised ones."""
         B, V = logits.shape
         # the bias and bans below write in place: into an fp32 copy of the caller's logits, made once, where first
         # written (``_own``)
@@ -487,6 +501,7 @@ class Sampler:
             logits.index_put_((idx[0], idx[1]), logits.new_full((), float("-inf")))
 
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        seen = None  # (words, penalties) where the repetition penalty is applied on read
         if pen_rows:
             if histories is not None:
                 prompts = [histories[i].prompt() for i in pen_rows]
@@ -494,11 +509,16 @@ class Sampler:
             else:
                 prompts = [np.asarray(prompt_token_ids[i], dtype=np.int64) for i in pen_rows]
                 outputs = [np.asarray(output_token_ids[i], dtype=np.int64) for i in pen_rows]
-            logits, owned, changed = logits if owned else _own(logits), True, True
             pend = None if pending is None else (pending[0], [pending[1][i] for i in pen_rows])
             counts = not self.lean_host or any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0
                                                 for i in pen_rows)
-            logits = self._apply_penalties(logits.contiguous(), table, pen_rows, prompts, outputs, pend, counts)
+            if not counts and self._penalty_on_read(params, pen_rows):
+                up = self._seen_upload(pen_rows, prompts, outputs, pend)
+                if up is not None:
+                    seen = self.seen_words(B, V, *up), table[_REP]
+            else:
+                logits, owned, changed = logits if owned else _own(logits), True, True
+                logits = self._apply_penalties(logits.contiguous(), table, pen_rows, prompts, outputs, pend, counts)
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature == 0]
         if len(greedy_rows) == B:
@@ -528,12 +548,12 @@ class Sampler:
                 k = min(width, V)
                 if selected and width <= SELECT_MAX_WIDTH:
                     # (the caller's own 16-bit values where nothing changed them: their fp32 is exact, the same keys)
-                    ids = self.topk_select(logits, k, rows=where)
+                    ids = self.topk_select(logits, k, rows=where, seen=seen)
                 else:
                     src = logits if coarse is None else coarse  # what ``topk`` picks the candidates from
                     ids = self._select(src if where is None else src.index_select(0, where), k, None)[1]
                 groups.append((rows, where, Pick(ids, k, logits, table, where, any(params[i].top_p < 1.0 for i in rows),
-                                                 any(params[i].min_p > 0 for i in rows))))
+                                                 any(params[i].min_p > 0 for i in rows), seen)))
             elif where is None:
                 groups.append((rows, None, self._candidates(logits, table, width, params, coarse)))
             else:
@@ -631,6 +651,41 @@ class Sampler:
                 bits[j] = cleared
         return bits
 
+    def _penalty_on_read(self, params: list[SamplingParams], pen_rows: list[int]) -> bool:
+        """Whether this step's penalties can be applied as the kernels read the logits (``seen_words``): a
+        repetition penalty alone (the caller checks), and every penalised row sampled from candidates that the pick
+        and race kernels handle; no row asks for logprobs (they read the penalised logits whole), and no greedy
+        row is penalised (its argmax does)."""
+        if (self.seen_words is None or self.topk_select is None or self.candidate_race is None or not self.candidates
+                or any(p.logprobs is not None for p in params)):
+            return False
+        for i in pen_rows:
+            p = params[i]
+            if p.temperature == 0 or not 0 < p.top_k <= CANDIDATE_MAX_TOP_K:
+                return False
+            if next(w for w in CANDIDATE_WIDTHS if w >= p.top_k) > SELECT_MAX_WIDTH:
+                return False
+        return True
+
+    def _seen_upload(self, rows, prompts, outputs, pending=None) -> tuple | None:
+        """The repetition penalty kernel's and ``seen_words``' arguments after the logits, in one int32 upload:
+        (rows [P], starts [P + 1], ids [S], and, where some row's newest token is pending, the sampled ids and
+        each row's index into them [P]); None if no row has seen anything. Arguments as ``_apply_penalties``'."""
+        P = len(rows)
+        pend = [-1] * P if pending is None else list(pending[1])
+        pend_rows = any(j >= 0 for j in pend)
+        seen_len = np.fromiter((len(p) + len(o) for p, o in zip(prompts, outputs)), np.int64, P)
+        if not seen_len.any() and not pend_rows:
+            return None
+        starts = np.zeros(P + 1, dtype=np.int64)
+        np.cumsum(seen_len, out=starts[1:])
+        parts = [np.asarray(rows), starts, *(a for p, o in zip(prompts, outputs) for a in (p, o))]
+        if pend_rows:
+            parts.append(np.asarray(pend, dtype=np.int64))
+        dev = self._to_device(torch.from_numpy(np.concatenate(parts, dtype=np.int32)))
+        rows_t, starts_t, ids, pend_src = dev.split([P, P + 1, int(starts[-1]), P if pend_rows else 0])
+        return (rows_t, starts_t, ids, *((pending[0].long(), pend_src) if pend_rows else ()))
+
     def _apply_penalties(self, logits, table, rows, prompts, outputs, pending=None, counts=True):
         """Penalise ``rows`` of ``logits`` (fp32 [B, V], written in place); ``prompts`` / ``outputs``: those rows'
         ids as int64 arrays; ``pending``: None, or (sampled ids on the device, each row's index into them or -1)
@@ -661,15 +716,8 @@ class Sampler:
         if not seen_len.any() and not pend_rows:
             return logits
         if not counts and self.repetition_kernel is not None:  # one upload, one launch
-            starts = np.zeros(P + 1, dtype=np.int64)
-            np.cumsum(seen_len, out=starts[1:])
-            parts = [np.asarray(rows), starts, *(a for p, o in zip(prompts, outputs) for a in (p, o))]
-            if pend_rows:
-                parts.append(np.asarray(pend, dtype=np.int64))
-            dev = self._to_device(torch.from_numpy(np.concatenate(parts, dtype=np.int32)))
-            rows_t, starts_t, ids, pend_src = dev.split([P, P + 1, int(starts[-1]), P if pend_rows else 0])
-            return self.repetition_kernel(logits, rows_t, starts_t, ids, table[_REP],
-                                          *((pending[0].long(), pend_src) if pend_rows else ()))
+            rows_t, starts_t, ids, *pend_args = self._seen_upload(rows, prompts, outputs, pending)
+            return self.repetition_kernel(logits, rows_t, starts_t, ids, table[_REP], *pend_args)
         if not counts:  # no output counts to find: the outputs go up once
             outputs_again, out_len = [], out_len[:0]
         else:
@@ -717,7 +765,7 @@ class Sampler:
         if any(seeded):
             packed = self._to_device(torch.tensor([seeded, [signed64(seeds[i] or 0) for i in rows],
                                                    [num_outputs[i] for i in rows]], dtype=torch.int64))
-        self.candidate_race(pick.logits, pick.ids, pick.k, pick.table, noise, packed, pick.where, out)
+        self.candidate_race(pick.logits, pick.ids, pick.k, pick.table, noise, packed, pick.where, out, seen=pick.seen)
 
     def _exponential_noise(self, probs, seeds, num_outputs, token_ids: Tensor | None = None) -> Tensor:
         """q ~ Exp(1) per (row, token): hashed for seeded rows, generator for the rest. ``token_ids`` [B, k]: the

@@ -26,6 +26,8 @@ from triton.language.extra import libdevice
 
 from .reference import UNIFORM_BITS, GOLDEN, TOKEN_MUL, candidate_race as candidate_race_reference, signed64
 from ._util import KERNEL_DTYPES, check, check_device, interpreting, next_pow2, pdl_args, pdl_enter
+from .penalties import seen_penalty
+from .topk_select import _check_seen
 
 __all__ = ["candidate_race", "candidate_race_reference"]
 
@@ -57,9 +59,10 @@ def _softmax(x):
 
 @triton.jit
 def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_ptr, table_ptr, stride_t,
-                           noise_ptr, stride_n, seeds_ptr, stride_s, out_ptr, K,
+                           noise_ptr, stride_n, seeds_ptr, stride_s, out_ptr, K, words_ptr, stride_w, rep_ptr,
                            BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_NOISE: tl.constexpr,
-                           HAS_SEEDS: tl.constexpr, LIBDEVICE_LOG: tl.constexpr, USE_PDL: tl.constexpr):
+                           HAS_SEEDS: tl.constexpr, HAS_SEEN: tl.constexpr, LIBDEVICE_LOG: tl.constexpr,
+                           USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     row = r
@@ -70,6 +73,8 @@ def _candidate_race_kernel(logits_ptr, stride_l, ids_ptr, stride_ids, S, rows_pt
     inside = ids >= 0  # -1: an unused slot (``topk_candidates``), as padding
     n_real = tl.sum(inside.to(tl.int32), axis=0)
     v = tl.load(logits_ptr + row * stride_l + ids, mask=inside, other=0.0).to(tl.float32)  # 16 bits: exact
+    if HAS_SEEN:  # the repetition penalty on read (``kernels/penalties.py``)
+        v = seen_penalty(v, ids, words_ptr + row * stride_w, tl.load(rep_ptr + row), inside)
     bits = v.to(tl.int32, bitcast=True).to(tl.int64)
     bits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     key = (bits << 32) + (0xFFFFFFFF - ids)  # the reference's ordered_keys
@@ -118,15 +123,18 @@ def launch_config(S: int) -> tuple[int, int]:
 
 def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch.Tensor,
                    noise: torch.Tensor | None, seeds: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                   out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, pdl: bool | None = None,
+                   seen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The reference's ``candidate_race`` in one launch. ``logits`` [B, V] (the penalised logits, fp32, or the
     model's 16-bit ones where nothing changed them; last dim contiguous), ``ids`` [R, S] int64 (each row's
     candidates, S >= k, any order; -1: an unused slot), ``table`` [>= 4, B] fp32, ``noise`` [R, k] fp32 or None
     (every row seeded), ``seeds`` [3, R] int64 or None, ``rows`` [R] int64 or None. The token of candidate row r is
     written to ``out[rows[r]]`` (``out[r]`` without rows; ``out`` [B] int64, a new one if None), which is
-    returned. ``pdl``: see ``_util.use_pdl``, except that any row count may use it,
-    as the argmax's (``_util``: a PDL launch between two decode graph replays)."""
+    returned. ``seen``: None, or (words, penalty) as ``topk_candidates``' (the race over ``reference.apply_seen(logits,
+    *seen)``). ``pdl``: see ``_util.use_pdl``, except that any row count may use it, as the argmax's (``_util``: a PDL
+    launch between two decode graph replays)."""
     check("logits", logits, ndim=2, dtype=KERNEL_DTYPES)
+    words, rep = _check_seen(seen, logits)
     check("ids", ids, ndim=2, dtype=torch.int64)
     check("table", table, ndim=2, dtype=torch.float32)
     R, S = ids.shape
@@ -143,7 +151,8 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
     if rows is not None:
         check("rows", rows, shape=(R,), dtype=torch.int64)
     check_device(logits=logits, ids=ids, table=table, **{n: t for n, t in
-                 (("noise", noise), ("seeds", seeds), ("rows", rows), ("out", out)) if t is not None})
+                 (("noise", noise), ("seeds", seeds), ("rows", rows), ("out", out), ("words", words),
+                  ("penalty", rep)) if t is not None})
     for name, t in (("logits", logits), ("ids", ids), ("table", table)):
         if t.shape[1] > 1 and t.stride(1) != 1:  # a dimension of one may have any stride (a [7, 1] table)
             raise ValueError(f"candidate_race: {name} needs a contiguous last dimension")
@@ -156,6 +165,7 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
             logits, logits.stride(0), ids, ids.stride(0), S, dummy if rows is None else rows, table, table.stride(0),
             dummy if noise is None else noise, 0 if noise is None else noise.stride(0),
             dummy if seeds is None else seeds, 0 if seeds is None else seeds.stride(0), out, k,
+            *((dummy, 0, table) if seen is None else (words, words.stride(0), rep)),
             BLOCK=block, HAS_ROWS=rows is not None, HAS_NOISE=noise is not None, HAS_SEEDS=seeds is not None,
-            LIBDEVICE_LOG=not interpreting(), num_warps=warps, **pdl_args(logits, 1, pdl))
+            HAS_SEEN=seen is not None, LIBDEVICE_LOG=not interpreting(), num_warps=warps, **pdl_args(logits, 1, pdl))
     return out

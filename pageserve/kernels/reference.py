@@ -352,6 +352,32 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
     return logits
 
 
+def seen_words(batch: int, vocab_size: int, rows: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor,
+               pending: torch.Tensor | None = None, pending_src: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens each row has seen as bits: [batch, ceil(vocab_size / 32)] int32 words, token t of row ``rows[j]``
+    at bit ``t % 32`` of word ``t // 32`` for every id in ``ids[starts[j]:starts[j + 1]]`` and ``pending[
+    pending_src[j]]`` where that index is not -1 (``repetition_penalty``'s arguments); every other bit clear."""
+    seen = torch.zeros(batch, (vocab_size + 31) // 32 * 32, dtype=torch.bool, device=ids.device)
+    for j, row in enumerate(rows.tolist()):
+        t = ids[starts[j]:starts[j + 1]].long()
+        if pending_src is not None and int(pending_src[j]) >= 0:
+            t = torch.cat([t, pending[int(pending_src[j])].view(1).long()])
+        seen[row, t[(t >= 0) & (t < seen.shape[1])]] = True  # (past the row's words: dropped)
+    shifts = torch.arange(32, device=ids.device, dtype=torch.int64)
+    words = (seen.view(batch, -1, 32).long() << shifts).sum(-1)  # 0 .. 2**32 - 1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def apply_seen(logits: torch.Tensor, words: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """``repetition_penalty`` from ``seen_words``'s bits: ``logits`` [B, V] (any float dtype) -> a new fp32 [B, V],
+    each row's seen tokens divided by ``penalty`` [B] where positive, multiplied by it where not, the rest as they
+    are (the same IEEE operations on the same fp32 values: the same bits)."""
+    x = logits.float()
+    seen = unpack_token_bits(words, x.shape[1])
+    rep = penalty[:, None]
+    return torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+
+
 def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's k highest finite values' ids by ``ordered_keys`` (value, then the lower id), best first: ``x``
     [B, V] float, ``rows`` [R] int64 or None -> [R, k] int64, -1 where a row has fewer than k values above -inf."""

@@ -17,7 +17,9 @@ select's passes), three quarters of a sampled step's extra time (NOTES, session 
 Keys, not floats, are compared throughout (a float's bits made monotonic: -0.0 below +0.0, as the race orders them),
 so no two zeros can disagree about a chunk's maximum. -inf values are never candidates: after the race's filters
 their probability is 0, so leaving them out changes no draw. Unused slots hold -1. The values read may be the
-model's bf16 / fp16 logits (their exact fp32 values, the same keys) or the penalised fp32 ones.
+model's bf16 / fp16 logits (their exact fp32 values, the same keys) or the penalised fp32 ones; with ``seen``
+(``kernels/penalties.py``) a repetition penalty is applied to each value as it is read, the penalty kernel's bits
+without a penalised copy of the rows.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import triton.language as tl
 
 from .reference import topk_candidates as topk_candidates_reference
 from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args, pdl_enter
+from .penalties import seen_penalty
 
 __all__ = ["topk_candidates", "topk_candidates_reference", "default_cap"]
 
@@ -48,8 +51,18 @@ def _key32(v):
 
 
 @triton.jit
-def _chunk_max_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC,
-                      CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+def _read(x_row, col, ok, words_row, rep, HAS_SEEN: tl.constexpr):
+    """fp32 values at ``col`` where ``ok`` (-inf elsewhere), penalised where seen (``HAS_SEEN``)."""
+    v = tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
+    if HAS_SEEN:
+        v = seen_penalty(v, col, words_row, rep, ok)
+    return v
+
+
+@triton.jit
+def _chunk_max_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, words_ptr, stride_w, rep_ptr,
+                      CHUNK: tl.constexpr, CHUNKS: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_SEEN: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     row = r
@@ -57,7 +70,10 @@ def _chunk_max_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC,
         row = tl.load(rows_ptr + r)
     c = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
     col = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    v = tl.load(x_ptr + row * stride_x + col, mask=col < V, other=float("-inf")).to(tl.float32)
+    rep = 1.0
+    if HAS_SEEN:
+        rep = tl.load(rep_ptr + row)
+    v = _read(x_ptr + row * stride_x, col, col < V, words_ptr + row * stride_w, rep, HAS_SEEN)
     tl.store(max_ptr + r * NC + c, tl.max(_key32(v), axis=1), mask=c < NC)
 
 
@@ -76,26 +92,31 @@ def _kth_key(keys, mask, K):
 
 
 @triton.jit
-def _listed_tile(x_row, list_row, i, n_list, V, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def _listed_tile(x_row, list_row, i, n_list, V, words_row, rep, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                 HAS_SEEN: tl.constexpr):
     """Columns, validity and fp32 values of listed chunks i .. i + TILE - 1, flattened in column order."""
     t = tl.arange(0, TILE)
     lanes = tl.arange(0, CHUNK)
     ci = tl.load(list_row + i + t, mask=i + t < n_list, other=0)
     col = tl.reshape(ci[:, None] * CHUNK + lanes[None, :], [TILE * CHUNK])
     ok = tl.reshape(((i + t) < n_list)[:, None] & (lanes[None, :] >= 0), [TILE * CHUNK]) & (col < V)
-    return col, ok, tl.load(x_row + col, mask=ok, other=float("-inf")).to(tl.float32)
+    return col, ok, _read(x_row, col, ok, words_row, rep, HAS_SEEN)
 
 
 @triton.jit
-def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr, K, CAP,
+def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr, K, CAP, words_ptr, stride_w, rep_ptr,
                    CHUNK: tl.constexpr, BLOCK_NC: tl.constexpr, TILE: tl.constexpr, BLOCK_CAP: tl.constexpr,
-                   HAS_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
+                   HAS_ROWS: tl.constexpr, HAS_SEEN: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     row = r
     if HAS_ROWS:
         row = tl.load(rows_ptr + r)
     x_row = x_ptr + row * stride_x
+    words_row = words_ptr + row * stride_w
+    rep = 1.0
+    if HAS_SEEN:
+        rep = tl.load(rep_ptr + row)
     c = tl.arange(0, BLOCK_NC)
     cmax = tl.load(max_ptr + r * NC + c, mask=c < NC, other=-2147483648)
     T = _kth_key(cmax, c < NC, K)
@@ -107,7 +128,7 @@ def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr,
     list_row = list_ptr + r * NC
     count = tl.full([], 0, tl.int32)
     for i in range(0, n_list, TILE):  # ids of the listed chunks' values at or above T, in column order, up to CAP
-        col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, CHUNK, TILE)
+        col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, words_row, rep, CHUNK, TILE, HAS_SEEN)
         keep = ok & (_key32(v).to(tl.int64) >= T) & (v > float("-inf"))
         at = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(out_ptr + r * CAP + at, col.to(tl.int64), mask=keep & (at < CAP))
@@ -120,14 +141,14 @@ def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr,
             mid = lo + (hi - lo + 1) // 2
             n = tl.full([], 0, tl.int32)
             for i in range(0, n_list, TILE):
-                col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, CHUNK, TILE)
+                col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, words_row, rep, CHUNK, TILE, HAS_SEEN)
                 n += tl.sum((ok & (_key32(v).to(tl.int64) >= mid) & (v > float("-inf"))).to(tl.int32), axis=0)
             lo = tl.where(n >= K, mid, lo)
             hi = tl.where(n >= K, hi, mid - 1)
         count = tl.full([], 0, tl.int32)
         for above in range(2):  # first the values above the K-th key, then those equal to it, in column order
             for i in range(0, n_list, TILE):
-                col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, CHUNK, TILE)
+                col, ok, v = _listed_tile(x_row, list_row, i, n_list, V, words_row, rep, CHUNK, TILE, HAS_SEEN)
                 key = _key32(v).to(tl.int64)
                 keep = ok & (v > float("-inf")) & tl.where(above == 0, key > lo, key == lo)
                 at = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
@@ -138,18 +159,22 @@ def _select_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, list_ptr, out_ptr,
 
 
 def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, cap: int | None = None,
-                    pdl: bool | None = None) -> torch.Tensor:
+                    pdl: bool | None = None, seen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``x`` [B, V] float (last dim contiguous, rows may be strided); ``rows`` [R] int64 or None (every row) ->
     [R, cap] int64 ids, -1 where unused: for each row a superset of its top k finite values' ids (the reference's),
-    in no particular order. ``cap`` (default ``default_cap(k)``) >= k. ``pdl``: see ``_util.use_pdl``, except that
-    any row count may use it, as the argmax's (``_util``: a PDL launch between two decode graph replays)."""
+    in no particular order. ``cap`` (default ``default_cap(k)``) >= k. ``seen``: None, or (words [B, ceil(V / 32)]
+    int32, penalty [B] fp32) to pick from ``reference.apply_seen(x, *seen)`` without making it. ``pdl``: see
+    ``_util.use_pdl``, except that any row count may use it, as the argmax's (``_util``: a PDL launch between two
+    decode graph replays)."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
+    words, rep = _check_seen(seen, x)
     cap = default_cap(k) if cap is None else cap
     if not 0 < k <= cap:
         raise ValueError(f"topk_candidates: k {k} must be in 1..cap ({cap})")
     if rows is not None:
         check("rows", rows, ndim=1, dtype=torch.int64)
-    check_device(x=x, **({} if rows is None else {"rows": rows}))
+    check_device(x=x, **({} if rows is None else {"rows": rows}), **({} if seen is None else {"words": words,
+                                                                                               "penalty": rep}))
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise ValueError("topk_candidates: x needs a contiguous last dimension")
     R = x.shape[0] if rows is None else rows.shape[0]
@@ -162,10 +187,23 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, c
     listed = torch.empty(R, NC, dtype=torch.int32, device=x.device)
     r = x if rows is None else rows  # a pointer for a launch without rows
     kw = pdl_args(x, 1, pdl)
-    _chunk_max_kernel[(R, cdiv(NC, CHUNKS_PER_PROGRAM))](x, x.stride(0), r, V, maxima, NC, CHUNK=CHUNK,
+    w = (maxima, 0, maxima) if seen is None else (words, words.stride(0), rep)  # (pointers a launch does not read)
+    _chunk_max_kernel[(R, cdiv(NC, CHUNKS_PER_PROGRAM))](x, x.stride(0), r, V, maxima, NC, *w, CHUNK=CHUNK,
                                                          CHUNKS=CHUNKS_PER_PROGRAM, HAS_ROWS=rows is not None,
-                                                         num_warps=4, **kw)
-    _select_kernel[(R,)](x, x.stride(0), r, V, maxima, NC, listed, out, k, cap, CHUNK=CHUNK,
+                                                         HAS_SEEN=seen is not None, num_warps=4, **kw)
+    _select_kernel[(R,)](x, x.stride(0), r, V, maxima, NC, listed, out, k, cap, *w, CHUNK=CHUNK,
                          BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS, BLOCK_CAP=max(16, next_pow2(cap)),
-                         HAS_ROWS=rows is not None, num_warps=8, **kw)
+                         HAS_ROWS=rows is not None, HAS_SEEN=seen is not None, num_warps=8, **kw)
     return out
+
+
+def _check_seen(seen: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor):
+    """``seen``'s (words, penalty) checked against ``x`` [B, V] (``topk_candidates``, ``candidate_race``), or
+    (None, None)."""
+    if seen is None:
+        return None, None
+    words, rep = seen
+    B, V = x.shape
+    check("words", words, shape=(B, (V + 31) // 32), dtype=torch.int32)
+    check("penalty", rep, shape=(B,), dtype=torch.float32)
+    return words, rep
