@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Re-splits the vLLM pack of ../shared/peers/vllm-pack.sh (.vllm1/ .vllm2/ .vllm3/, 50 MiB pieces) into carries
-# that fit the device tool's 64 MiB beside the tracked tree: .vllmA/ (20 MiB, carried with .wheels), then
-# .vllmB/, .vllmC/, ... each as large as the tree leaves room for (less a 3 MiB margin for results committed
-# during the session), the last with install.sh. Carried back to back, each call copying its piece into /tmp/acc;
+# that fit the device tool's 64 MiB beside the tracked tree: .vllmA/ (as large as the tree and .wheels leave room
+# for: it is carried with them), then .vllmB/, .vllmC/, ... each as large as the tree leaves room for (less margins:
+# below), the last with install.sh. Carried back to back, each call copying its piece into /tmp/acc;
 # the last runs `bash /tmp/acc/install.sh` (NOTES.md session 31). Run again when the tree has grown: it rebuilds
 # the bundle from .vllm1-3 if they are there, else from the pieces it made before.
 # Add /.vllmA/ ... /.vllmF/ to .git/info/exclude.
@@ -18,10 +18,15 @@ else
 fi
 mib=$((1024 * 1024))
 tree=$(git ls-files -z | xargs -0 stat -c %s | awk '{s += $1} END {print s}')
-piece=$(( (64 * mib - tree - 3 * mib) / mib ))
-[ "$piece" -ge 8 ] || { echo "the tracked tree ($tree bytes) leaves no room for a piece"; exit 1; }
-head -c $((20 * mib)) "$work/bundle.tar" > "$work/q00"
-tail -c +$((20 * mib + 1)) "$work/bundle.tar" | split -b "${piece}M" -d -a 2 --numeric-suffixes=1 - "$work/q"
+wheels=$( [ -d .wheels ] && du -sb .wheels | cut -f1 || echo $((20 * mib)) )
+# the device counts more than the files' bytes (a call at 66.3 MB of files was refused, one at 66.0 ran): keep
+# 1.5 MiB for that and 3 MiB for results committed during the session
+room=$(( 64 * mib - tree - 9 * mib / 2 ))
+first=$(( (room - wheels) / mib ))
+piece=$(( room / mib ))
+[ "$first" -ge 4 ] || { echo "the tracked tree ($tree bytes) and .wheels leave no room for .vllmA"; exit 1; }
+head -c $((first * mib)) "$work/bundle.tar" > "$work/q00"
+tail -c +$((first * mib + 1)) "$work/bundle.tar" | split -b "${piece}M" -d -a 2 --numeric-suffixes=1 - "$work/q"
 names=(A B C D E F)
 n=$(ls "$work"/q[0-9][0-9] | wc -l)
 [ "$n" -le 6 ] || { echo "the bundle made $n pieces, more than .vllmA-F"; exit 1; }
@@ -37,5 +42,5 @@ last=".vllm${names[$((n - 1))]}"
     echo 'mkdir -p /tmp/site && tar -xJf vllm.tar.xz -C /tmp/site'
     echo 'python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site deps/*.whl'
 } > "$last/install.sh"
-echo "tree $tree bytes; pieces of ${piece} MiB after .vllmA's 20; install.sh in $last"
+echo "tree $tree bytes; .vllmA ${first} MiB (carried with .wheels), then pieces of ${piece} MiB; install.sh in $last"
 du -sh .vllm[A-F]
