@@ -27,7 +27,8 @@ import triton.language as tl
 from .reference import repetition_penalty as repetition_penalty_reference, seen_words as seen_words_reference
 from ._util import check, check_device, pdl_args, pdl_enter
 
-__all__ = ["repetition_penalty", "repetition_penalty_reference", "seen_words", "seen_words_reference", "seen_penalty"]
+__all__ = ["repetition_penalty", "repetition_penalty_reference", "seen_words", "seen_words_reference", "seen_penalty",
+           "penalise_where"]
 
 BLOCK = 1024  # seen ids a program reads at a time
 
@@ -71,7 +72,13 @@ def seen_penalty(v, col, words_row, rep, mask):
     """fp32 values ``v`` at columns ``col`` (``mask``: where read) of one row, with the repetition penalty ``rep``
     applied where the row's bits at ``words_row`` (``seen_words``) mark the token seen: the penalty kernel's ops."""
     w = tl.load(words_row + (col >> 5), mask=mask, other=0)
-    seen = ((w >> (col & 31).to(tl.int32)) & 1) != 0
+    return penalise_where(v, ((w >> (col & 31).to(tl.int32)) & 1) != 0, rep)
+
+
+@triton.jit
+def penalise_where(v, seen, rep):
+    """The repetition penalty ``rep`` on fp32 values ``v`` where ``seen``: divided where positive, multiplied where
+    not (IEEE-rounded: the penalty kernel's and the reference's bits)."""
     return tl.where(seen, tl.where(v > 0, tl.math.div_rn(v, rep), v * rep), v)
 
 

@@ -29,11 +29,11 @@ import triton.language as tl
 
 from .reference import topk_candidates as topk_candidates_reference
 from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args, pdl_enter
-from .penalties import seen_penalty
+from .penalties import penalise_where, seen_penalty
 
 __all__ = ["topk_candidates", "topk_candidates_reference", "default_cap"]
 
-CHUNK = 128  # columns whose maximum one key stands for
+CHUNK = 128  # columns whose maximum one key stands for (a multiple of 32: whole words of seen bits)
 CHUNKS_PER_PROGRAM = 16  # the first launch's tile: 16 chunks (2,048 columns) of one row
 TILE_CHUNKS = 8  # listed chunks the second launch reads at a time
 
@@ -69,12 +69,21 @@ def _chunk_max_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, words_ptr, stri
     if HAS_ROWS:
         row = tl.load(rows_ptr + r)
     c = tl.program_id(1) * CHUNKS + tl.arange(0, CHUNKS)
-    col = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    rep = 1.0
-    if HAS_SEEN:
+    if HAS_SEEN:  # as [chunks, words, bits]: each chunk's seen words loaded once, not once a value
         rep = tl.load(rep_ptr + row)
-    v = _read(x_ptr + row * stride_x, col, col < V, words_ptr + row * stride_w, rep, HAS_SEEN)
-    tl.store(max_ptr + r * NC + c, tl.max(_key32(v), axis=1), mask=c < NC)
+        wi = tl.arange(0, CHUNK // 32)
+        bit = tl.arange(0, 32)
+        col3 = c[:, None, None] * CHUNK + wi[None, :, None] * 32 + bit[None, None, :]
+        v3 = tl.load(x_ptr + row * stride_x + col3, mask=col3 < V, other=float("-inf")).to(tl.float32)
+        w = c[:, None] * (CHUNK // 32) + wi[None, :]
+        words = tl.load(words_ptr + row * stride_w + w, mask=w * 32 < V, other=0)
+        v3 = penalise_where(v3, ((words[:, :, None] >> bit[None, None, :]) & 1) != 0, rep)
+        top = tl.max(tl.max(_key32(v3), axis=2), axis=1)
+    else:
+        col = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+        v = tl.load(x_ptr + row * stride_x + col, mask=col < V, other=float("-inf")).to(tl.float32)
+        top = tl.max(_key32(v), axis=1)
+    tl.store(max_ptr + r * NC + c, top, mask=c < NC)
 
 
 @triton.jit
