@@ -192,21 +192,23 @@ def test_one_row_with_its_table_as_the_sampler_builds_it(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(device):
     # Qwen2.5-Instruct's defaults (a repetition penalty with temperature / top_p / top_k) beside unpenalised sampled
-    # rows, greedy rows, a whole-row row and seeded rows, with the newest tokens still on the device: the sampler
-    # that applies the penalty as its kernels read the bf16 logits draws the same tokens as the one that penalises
-    # an fp32 copy, step after step, and makes no copy. A row asking for logprobs sends the step back to the copy.
+    # rows, greedy rows with and without the penalty, a whole-row row and seeded rows, with the newest tokens still
+    # on the device: the sampler that applies the penalty as its kernels read the bf16 logits draws the same tokens
+    # as the one that penalises an fp32 copy, step after step, and makes no copy. A row asking for logprobs sends
+    # the step back to the copy; so does a penalised row sampled from its whole row (no top-k).
+    from pageserve.kernels.argmax import argmax_rows
     from pageserve.kernels.penalties import repetition_penalty, seen_words
 
     B, V = 12, 2000
     qwen = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
     kinds = [qwen, SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.5, seed=5),
              SamplingParams(temperature=0.9, top_k=100, min_p=0.05), SamplingParams(temperature=0.0),
-             SamplingParams(temperature=0.8, top_p=0.9), qwen]
+             SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.0, repetition_penalty=1.3)]
     params = [kinds[i % len(kinds)] for i in range(B)]
     seeds = [p.seed for p in params]
     copy, on_read = _sampler_pair(V, device)
     for s in (copy, on_read):
-        s.repetition_kernel = repetition_penalty
+        s.repetition_kernel, s._argmax = repetition_penalty, argmax_rows
     on_read.seen_words = seen_words
     copy.seen_words = None
     g = torch.Generator().manual_seed(31)
@@ -221,8 +223,12 @@ def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(
         # the previous step's tokens: on the device only (async scheduling), not yet in the output lists
         pending = None if prev is None else (prev, list(range(B)))
         if step == 0:
-            assert copy._process(logits, params, prompts, outs)[0].dtype == torch.float32
-            assert on_read._process(logits, params, prompts, outs)[0].dtype == torch.bfloat16  # no copy made
+            assert copy._prepare(logits, params, prompts, outs)[3] is None
+            got = on_read._prepare(logits, params, prompts, outs)
+            assert got[0].dtype == torch.bfloat16 and got[3] is not None  # no copy made: the bits go to the kernels
+            # the penalised logits that ``_process`` makes of them for references are the copy's bits
+            assert torch.equal(on_read._process(logits, params, prompts, outs)[0],
+                               copy._process(logits, params, prompts, outs)[0])
         a = copy.sample(logits, params, prompts, outs, seeds, pending=pending)
         b = on_read.sample(logits, params, prompts, outs, seeds, pending=pending)
         assert a.token_ids == b.token_ids
@@ -231,7 +237,16 @@ def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(
                 outs[i].append(int(prev[i]))
         prev = b.token_ids_gpu
     with_logprobs = params[:-1] + [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, logprobs=1)]
-    assert on_read._process(logits, with_logprobs, prompts, outs)[0].dtype == torch.float32
-    a = copy.sample(logits, with_logprobs, prompts, outs, seeds)
-    b = on_read.sample(logits, with_logprobs, prompts, outs, seeds)
-    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    whole_row = params[:-1] + [SamplingParams(temperature=0.7, repetition_penalty=1.05)]
+    for other in (with_logprobs, whole_row):
+        assert on_read._prepare(logits, other, prompts, outs)[3] is None
+        a = copy.sample(logits, other, prompts, outs, seeds)
+        b = on_read.sample(logits, other, prompts, outs, seeds)
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    # every row greedy and penalised, each having seen its best token: the argmax kernel alone applies it
+    greedy = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] * B
+    prompts = [p + [t] for p, t in zip(prompts, logits.float().argmax(dim=-1).tolist())]
+    assert on_read._prepare(logits, greedy, prompts, outs)[3] is not None
+    a = copy.sample(logits, greedy, prompts, outs, seeds)
+    assert a.token_ids == on_read.sample(logits, greedy, prompts, outs, seeds).token_ids
+    assert a.token_ids != copy.sample(logits, [SamplingParams(temperature=0.0)] * B, prompts, outs, seeds).token_ids

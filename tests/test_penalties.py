@@ -117,3 +117,25 @@ def test_the_penalty_on_read_picks_and_races_as_the_penalised_copy_does(device, 
     assert torch.equal(got, candidate_race(dense, picked, k, table, noise))
     with pytest.raises(ValueError, match="words"):
         topk_candidates(x, k, seen=(words[:, 1:].contiguous(), penalty))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_argmax_with_the_penalty_on_read_is_the_penalised_copys(device, dtype):
+    # a greedy penalised row: the argmax kernel applying the penalty as it reads gives the copy's argmax, at both
+    # first-stage widths and with a block ending mid-row; here each row's best token is seen, so the penalty moves it
+    from pageserve.kernels.argmax import argmax_rows
+    from pageserve.kernels.penalties import seen_words
+    from pageserve.kernels.reference import apply_seen
+
+    g = torch.Generator().manual_seed(29)
+    B, V = 6, 5000
+    logits, rows, starts, ids, pending, pending_src = _seen_inputs(g, B, V, [30, 0, 500, 12, 2], True)
+    x = logits.to(dtype).to(device)
+    penalty = torch.tensor([1.3, 1.0, 2.0, 1.0, 1.05, 0.7], device=device)
+    words = seen_words(B, V, *(t.to(device) for t in (rows, starts, ids, pending, pending_src)))
+    dense = apply_seen(x, words, penalty)
+    want = dense.argmax(dim=-1)
+    assert not torch.equal(want, x.float().argmax(dim=-1))
+    for block in (None, 64, 2048):
+        assert torch.equal(argmax_rows(x, block=block, seen=(words, penalty)), want)

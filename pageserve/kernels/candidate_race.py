@@ -26,8 +26,7 @@ from triton.language.extra import libdevice
 
 from .reference import UNIFORM_BITS, GOLDEN, TOKEN_MUL, candidate_race as candidate_race_reference, signed64
 from ._util import KERNEL_DTYPES, check, check_device, interpreting, next_pow2, pdl_args, pdl_enter
-from .penalties import seen_penalty
-from .topk_select import _check_seen
+from .penalties import check_seen, seen_penalty
 
 __all__ = ["candidate_race", "candidate_race_reference"]
 
@@ -134,7 +133,7 @@ def candidate_race(logits: torch.Tensor, ids: torch.Tensor, k: int, table: torch
     *seen)``). ``pdl``: see ``_util.use_pdl``, except that any row count may use it, as the argmax's (``_util``: a PDL
     launch between two decode graph replays)."""
     check("logits", logits, ndim=2, dtype=KERNEL_DTYPES)
-    words, rep = _check_seen(seen, logits)
+    words, rep = check_seen(seen, logits)
     check("ids", ids, ndim=2, dtype=torch.int64)
     check("table", table, ndim=2, dtype=torch.float32)
     R, S = ids.shape

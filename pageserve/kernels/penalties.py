@@ -28,7 +28,7 @@ from .reference import repetition_penalty as repetition_penalty_reference, seen_
 from ._util import check, check_device, pdl_args, pdl_enter
 
 __all__ = ["repetition_penalty", "repetition_penalty_reference", "seen_words", "seen_words_reference", "seen_penalty",
-           "penalise_where"]
+           "penalise_where", "check_seen"]
 
 BLOCK = 1024  # seen ids a program reads at a time
 
@@ -165,3 +165,15 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
             rows if pending_src is None else pending_src, scratch, BLOCK=BLOCK, HAS_PENDING=pending is not None,
             num_warps=4, **pdl_args(logits, 1, pdl))
     return logits
+
+
+def check_seen(seen: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor):
+    """``seen``'s (words, penalty) checked against ``x`` [B, V] (the pick, race and argmax kernels' ``seen``), or
+    (None, None)."""
+    if seen is None:
+        return None, None
+    words, rep = seen
+    B, V = x.shape
+    check("words", words, shape=(B, (V + 31) // 32), dtype=torch.int32)
+    check("penalty", rep, shape=(B,), dtype=torch.float32)
+    return words, rep

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .reference import topk_candidates as topk_candidates_reference
 from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args, pdl_enter
-from .penalties import penalise_where, seen_penalty
+from .penalties import check_seen, penalise_where, seen_penalty
 
 __all__ = ["topk_candidates", "topk_candidates_reference", "default_cap"]
 
@@ -176,7 +176,7 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, c
     ``_util.use_pdl``, except that any row count may use it, as the argmax's (``_util``: a PDL launch between two
     decode graph replays)."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    words, rep = _check_seen(seen, x)
+    words, rep = check_seen(seen, x)
     cap = default_cap(k) if cap is None else cap
     if not 0 < k <= cap:
         raise ValueError(f"topk_candidates: k {k} must be in 1..cap ({cap})")
@@ -204,15 +204,3 @@ def topk_candidates(x: torch.Tensor, k: int, rows: torch.Tensor | None = None, c
                          BLOCK_NC=max(16, next_pow2(NC)), TILE=TILE_CHUNKS, BLOCK_CAP=max(16, next_pow2(cap)),
                          HAS_ROWS=rows is not None, HAS_SEEN=seen is not None, num_warps=8, **kw)
     return out
-
-
-def _check_seen(seen: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor):
-    """``seen``'s (words, penalty) checked against ``x`` [B, V] (``topk_candidates``, ``candidate_race``), or
-    (None, None)."""
-    if seen is None:
-        return None, None
-    words, rep = seen
-    B, V = x.shape
-    check("words", words, shape=(B, (V + 31) // 32), dtype=torch.int32)
-    check("penalty", rep, shape=(B,), dtype=torch.float32)
-    return words, rep
