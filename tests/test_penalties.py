@@ -2,6 +2,7 @@
 block, ids repeated within and across blocks, rows with nothing seen, the newest token from the device (also one
 already seen), -inf and zero logits, penalties below and above 1. The sampler's own tests run it against the dense
 penalties (tests/test_sampler.py, ``_repetition_kernels``)."""
+import numpy as np
 import pytest
 import torch
 
@@ -101,11 +102,17 @@ def test_the_penalty_on_read_picks_and_races_as_the_penalised_copy_does(device, 
     g = torch.Generator().manual_seed(23)
     B, V, k = 6, 3000, 20
     logits, rows, starts, ids, pending, pending_src = _seen_inputs(g, B, V, [30, 0, 500, 12, 2], True)
+    if dtype == torch.float32:  # row 5 (its ids last): a seen NaN, and a seen negative NaN (0xFFC00000) alone in
+        # its chunk (a GPU's NaN arithmetic gives +NaN for it, the CPU's keeps its sign: the kernels must agree)
+        logits[5, 7] = float("nan")
+        logits[5, 300] = torch.tensor([-0x400000], dtype=torch.int32).view(torch.float32).item()
+        ids, starts = torch.cat([ids, torch.tensor([7, 300], dtype=torch.int32)]), starts.clone()
+        starts[-1] += 2
     x = logits.to(dtype).to(device)
     penalty = torch.tensor([1.3, 1.0, 2.0, 1.0, 1.05, 0.7], device=device)
     words = seen_words(B, V, *(t.to(device) for t in (rows, starts, ids, pending, pending_src)))
     dense = apply_seen(x, words, penalty)
-    assert dense.dtype == torch.float32 and not torch.equal(dense, x.float())
+    assert dense.dtype == torch.float32 and not torch.equal(dense[:5], x[:5].float())
     for sub in (None, torch.tensor([5, 0, 2], device=device)):
         picked = topk_candidates(x, k, rows=sub, seen=(words, penalty))
         assert torch.equal(picked, topk_candidates(dense, k, rows=sub))
@@ -134,8 +141,33 @@ def test_the_argmax_with_the_penalty_on_read_is_the_penalised_copys(device, dtyp
     x = logits.to(dtype).to(device)
     penalty = torch.tensor([1.3, 1.0, 2.0, 1.0, 1.05, 0.7], device=device)
     words = seen_words(B, V, *(t.to(device) for t in (rows, starts, ids, pending, pending_src)))
+    if dtype == torch.float32:
+        # row 0: its two largest values adjacent floats near 1.5 that a penalty of 1.05 rounds to one quotient,
+        # both seen, the larger at the higher index: the first index holding the top is the smaller value's (the
+        # kernel's one-division shortcut must see the tie). Row 2: a seen NaN and a seen negative NaN.
+        x[0] = x[0].clamp(max=1.0)
+        low = np.float32(1.5)
+        while low / np.float32(1.05) != np.nextafter(low, np.float32(2)) / np.float32(1.05):  # (a few steps)
+            low = np.nextafter(low, np.float32(2))
+        x[0, 100], x[0, 101] = float(low), float(np.nextafter(low, np.float32(2)))
+        x[2, 7] = float("nan")
+        x[2, 9] = torch.tensor([-0x400000], dtype=torch.int32).view(torch.float32).item()  # 0xFFC00000: -NaN
+        extra = torch.tensor([100, 101], dtype=torch.int32)
+        ids = torch.cat([ids[:starts[2]], extra, ids[starts[2]:]])
+        starts = starts + torch.tensor([0, 0, 0, 2, 2, 2], dtype=torch.int32)
+        ids = torch.cat([ids, torch.tensor([7, 9], dtype=torch.int32)])
+        starts[-1] += 2  # (row 5 is the last: it gets 7 and 9 instead)
+        penalty[0] = 1.05
+        rows = torch.tensor([4, 2, 0, 1, 5], dtype=torch.int32)
+        words = seen_words(B, V, *(t.to(device) for t in (rows, starts, ids, pending, pending_src)))
+        x[5, 7], x[5, 9] = x[2, 7], x[2, 9]
+        assert (apply_seen(x, words, penalty)[0, 100] == apply_seen(x, words, penalty)[0, 101]).item()
     dense = apply_seen(x, words, penalty)
     want = dense.argmax(dim=-1)
     assert not torch.equal(want, x.float().argmax(dim=-1))
     for block in (None, 64, 2048):
-        assert torch.equal(argmax_rows(x, block=block, seen=(words, penalty)), want)
+        got = argmax_rows(x, block=block, seen=(words, penalty))
+        assert torch.equal(got, argmax_rows(dense, block=block))
+        assert torch.equal(got[[0, 1, 3, 4]], want[[0, 1, 3, 4]])  # (rows 2 and 5 hold NaNs: torch's first NaN)
+    if dtype == torch.float32:
+        assert want[0].item() == 100

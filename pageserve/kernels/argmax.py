@@ -43,11 +43,26 @@ def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, PARTS, words_pt
         bit = tl.arange(0, 32)
         j2 = wi[:, None] * 32 + bit[None, :]
         v2 = tl.load(x_ptr + row * stride_x + j2, mask=j2 < V, other=float("-inf")).to(tl.float32)
+        v2 = tl.where(v2 != v2, float("inf"), v2)  # (the penalty keeps NaN a NaN and inf an inf: before or after)
         words = tl.load(words_ptr + row * stride_w + wi, mask=wi * 32 < V, other=0)
-        v2 = penalise_where(v2, ((words[:, None] >> bit[None, :]) & 1) != 0, tl.load(rep_ptr + row))
-        v2 = tl.where(v2 != v2, float("inf"), v2)
-        top = tl.max(tl.max(v2, axis=1), axis=0)
-        first = tl.min(tl.min(tl.where(v2 == top, j2, V), axis=1), axis=0)
+        seen = ((words[:, None] >> bit[None, :]) & 1) != 0
+        rep = tl.load(rep_ptr + row)
+        # The penalty is monotone (non-decreasing), so the largest penalised seen value is the largest seen value
+        # penalised: one division a block, not one a value. Which seen values tie with it: only those equal to it,
+        # unless the next smaller seen value rounds to the same quotient; then every seen value is penalised.
+        xs = tl.max(tl.max(tl.where(seen, v2, float("-inf")), axis=1), axis=0)
+        fs = penalise_where(xs, xs == xs, rep)  # (no NaN is left: a true mask)
+        xp = tl.max(tl.max(tl.where(seen & (v2 < xs), v2, float("-inf")), axis=1), axis=0)
+        collide = (penalise_where(xp, xp == xp, rep) == fs) & (xp > float("-inf"))
+        if collide:
+            pv = penalise_where(v2, seen, rep)
+            top = tl.max(tl.max(pv, axis=1), axis=0)
+            first = tl.min(tl.min(tl.where(pv == top, j2, V), axis=1), axis=0)
+        else:
+            top = tl.maximum(tl.max(tl.max(tl.where(seen, float("-inf"), v2), axis=1), axis=0), fs)
+            # seen: those equal to xs where its quotient is the top (NaN, equal to nothing, where it is not)
+            hit = tl.where(seen, v2 == tl.where(fs == top, xs, float("nan")), v2 == top)
+            first = tl.min(tl.min(tl.where(hit, j2, V), axis=1), axis=0)
     else:
         j = part * BLOCK + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + row * stride_x + j, mask=j < V, other=float("-inf")).to(tl.float32)
