@@ -338,18 +338,16 @@ def silu_and_mul_launch(mode: str, m: Model, rows: int) -> Launch:
                   dict(BLOCK=1024 if I >= 1024 else 128, **_pdl_off()), 4, rows=[rows])
 
 
-def argmax_launches(mode: str, m: Model, B: int, dtype: str, seen: bool = False) -> list[Launch]:
-    """The argmax's two launches; ``seen``: the first with a repetition penalty on read (greedy penalised rows)."""
+def argmax_launches(mode: str, m: Model, B: int, dtype: str) -> list[Launch]:
     from pageserve.kernels._util import cdiv, next_pow2
     from pageserve.kernels.argmax import default_block
 
     block = default_block(B)
     parts = cdiv(m.vocab, block)
-    return [Launch(mode, m.name, f"argmax partials {dtype} V={m.vocab} / {block}{' seen' if seen else ''}",
+    return [Launch(mode, m.name, f"argmax partials {dtype} V={m.vocab} / {block}",
                    "pageserve.kernels.argmax:_argmax_partial_kernel",
-                   dict(x_ptr="*" + dtype, val_ptr="*fp32", idx_ptr="*i32", V=m.vocab, stride_x=m.vocab, PARTS=parts,
-                        words_ptr="*i32", stride_w=(m.vocab + 31) // 32, rep_ptr="*fp32"),
-                   dict(BLOCK=block, HAS_SEEN=seen, **_pdl_off()), 4 if block <= 4096 else 8, rows=[B]),
+                   dict(x_ptr="*" + dtype, val_ptr="*fp32", idx_ptr="*i32", V=m.vocab, stride_x=m.vocab, PARTS=parts),
+                   dict(BLOCK=block, **_pdl_off()), 4 if block <= 4096 else 8, rows=[B]),
             Launch(mode, m.name, f"argmax reduce of {parts}", "pageserve.kernels.argmax:_argmax_reduce_kernel",
                    dict(val_ptr="*fp32", idx_ptr="*i32", out_ptr="*i64", V=m.vocab, PARTS=parts),
                    dict(BLOCK_P=max(16, next_pow2(parts)), **_pdl_off()), 4, rows=[B])]
@@ -547,7 +545,6 @@ def launches() -> list[Launch]:
                 out.append(stage_inputs_launch(m, rows))
                 for dtype in (DTYPE, "fp32"):  # graphs' logits, or the sampler's processed fp32 rows
                     out += argmax_launches("default", m, rows, dtype)
-                out += argmax_launches("default", m, rows, DTYPE, seen=True)[:1]  # greedy penalised rows
                 out.append(token_bitmask_launch(m, rows))
                 out += candidate_race_launches(m, rows)
                 out += repetition_penalty_launches(m, rows)

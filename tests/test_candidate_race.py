@@ -192,10 +192,10 @@ def test_one_row_with_its_table_as_the_sampler_builds_it(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(device):
     # Qwen2.5-Instruct's defaults (a repetition penalty with temperature / top_p / top_k) beside unpenalised sampled
-    # rows, greedy rows with and without the penalty, a whole-row row and seeded rows, with the newest tokens still
-    # on the device: the sampler that applies the penalty as its kernels read the bf16 logits draws the same tokens
-    # as the one that penalises an fp32 copy, step after step, and makes no copy. A row asking for logprobs sends
-    # the step back to the copy; so does a penalised row sampled from its whole row (no top-k).
+    # rows, greedy rows, a whole-row row and seeded rows, with the newest tokens still on the device: the sampler
+    # that applies the penalty as its kernels read the bf16 logits draws the same tokens as the one that penalises
+    # an fp32 copy, step after step, and makes no copy. A row asking for logprobs sends the step back to the copy;
+    # so do a penalised row sampled from its whole row (no top-k) and a penalised greedy row.
     from pageserve.kernels.argmax import argmax_rows
     from pageserve.kernels.penalties import repetition_penalty, seen_words
 
@@ -203,7 +203,7 @@ def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(
     qwen = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
     kinds = [qwen, SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.5, seed=5),
              SamplingParams(temperature=0.9, top_k=100, min_p=0.05), SamplingParams(temperature=0.0),
-             SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=0.0, repetition_penalty=1.3)]
+             SamplingParams(temperature=0.8, top_p=0.9), qwen]
     params = [kinds[i % len(kinds)] for i in range(B)]
     seeds = [p.seed for p in params]
     copy, on_read = _sampler_pair(V, device)
@@ -238,15 +238,9 @@ def test_the_repetition_penalty_on_read_samples_what_the_penalised_copy_samples(
         prev = b.token_ids_gpu
     with_logprobs = params[:-1] + [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, logprobs=1)]
     whole_row = params[:-1] + [SamplingParams(temperature=0.7, repetition_penalty=1.05)]
-    for other in (with_logprobs, whole_row):
+    greedy = params[:-1] + [SamplingParams(temperature=0.0, repetition_penalty=1.3)]
+    for other in (with_logprobs, whole_row, greedy):
         assert on_read._prepare(logits, other, prompts, outs)[3] is None
         a = copy.sample(logits, other, prompts, outs, seeds)
         b = on_read.sample(logits, other, prompts, outs, seeds)
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    # every row greedy and penalised, each having seen its best token: the argmax kernel alone applies it
-    greedy = [SamplingParams(temperature=0.0, repetition_penalty=1.3)] * B
-    prompts = [p + [t] for p, t in zip(prompts, logits.float().argmax(dim=-1).tolist())]
-    assert on_read._prepare(logits, greedy, prompts, outs)[3] is not None
-    a = copy.sample(logits, greedy, prompts, outs, seeds)
-    assert a.token_ids == on_read.sample(logits, greedy, prompts, outs, seeds).token_ids
-    assert a.token_ids != copy.sample(logits, [SamplingParams(temperature=0.0)] * B, prompts, outs, seeds).token_ids

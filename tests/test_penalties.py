@@ -2,7 +2,6 @@
 block, ids repeated within and across blocks, rows with nothing seen, the newest token from the device (also one
 already seen), -inf and zero logits, penalties below and above 1. The sampler's own tests run it against the dense
 penalties (tests/test_sampler.py, ``_repetition_kernels``)."""
-import numpy as np
 import pytest
 import torch
 
@@ -124,50 +123,3 @@ def test_the_penalty_on_read_picks_and_races_as_the_penalised_copy_does(device, 
     assert torch.equal(got, candidate_race(dense, picked, k, table, noise))
     with pytest.raises(ValueError, match="words"):
         topk_candidates(x, k, seen=(words[:, 1:].contiguous(), penalty))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_argmax_with_the_penalty_on_read_is_the_penalised_copys(device, dtype):
-    # a greedy penalised row: the argmax kernel applying the penalty as it reads gives the copy's argmax, at both
-    # first-stage widths and with a block ending mid-row; here each row's best token is seen, so the penalty moves it
-    from pageserve.kernels.argmax import argmax_rows
-    from pageserve.kernels.penalties import seen_words
-    from pageserve.kernels.reference import apply_seen
-
-    g = torch.Generator().manual_seed(29)
-    B, V = 6, 5000
-    logits, rows, starts, ids, pending, pending_src = _seen_inputs(g, B, V, [30, 0, 500, 12, 2], True)
-    x = logits.to(dtype).to(device)
-    penalty = torch.tensor([1.3, 1.0, 2.0, 1.0, 1.05, 0.7], device=device)
-    words = seen_words(B, V, *(t.to(device) for t in (rows, starts, ids, pending, pending_src)))
-    if dtype == torch.float32:
-        # row 0: its two largest values adjacent floats near 1.5 that a penalty of 1.05 rounds to one quotient,
-        # both seen, the larger at the higher index: the first index holding the top is the smaller value's (the
-        # kernel's one-division shortcut must see the tie). Row 2: a seen NaN and a seen negative NaN.
-        x[0] = x[0].clamp(max=1.0)
-        low = np.float32(1.5)
-        while low / np.float32(1.05) != np.nextafter(low, np.float32(2)) / np.float32(1.05):  # (a few steps)
-            low = np.nextafter(low, np.float32(2))
-        x[0, 100], x[0, 101] = float(low), float(np.nextafter(low, np.float32(2)))
-        x[2, 7] = float("nan")
-        x[2, 9] = torch.tensor([-0x400000], dtype=torch.int32).view(torch.float32).item()  # 0xFFC00000: -NaN
-        extra = torch.tensor([100, 101], dtype=torch.int32)
-        ids = torch.cat([ids[:starts[2]], extra, ids[starts[2]:]])
-        starts = starts + torch.tensor([0, 0, 0, 2, 2, 2], dtype=torch.int32)
-        ids = torch.cat([ids, torch.tensor([7, 9], dtype=torch.int32)])
-        starts[-1] += 2  # (row 5 is the last: it gets 7 and 9 instead)
-        penalty[0] = 1.05
-        rows = torch.tensor([4, 2, 0, 1, 5], dtype=torch.int32)
-        words = seen_words(B, V, *(t.to(device) for t in (rows, starts, ids, pending, pending_src)))
-        x[5, 7], x[5, 9] = x[2, 7], x[2, 9]
-        assert (apply_seen(x, words, penalty)[0, 100] == apply_seen(x, words, penalty)[0, 101]).item()
-    dense = apply_seen(x, words, penalty)
-    want = dense.argmax(dim=-1)
-    assert not torch.equal(want, x.float().argmax(dim=-1))
-    for block in (None, 64, 2048):
-        got = argmax_rows(x, block=block, seen=(words, penalty))
-        assert torch.equal(got, argmax_rows(dense, block=block))
-        assert torch.equal(got[[0, 1, 3, 4]], want[[0, 1, 3, 4]])  # (rows 2 and 5 hold NaNs: torch's first NaN)
-    if dtype == torch.float32:
-        assert want[0].item() == 100

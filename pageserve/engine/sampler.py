@@ -20,10 +20,9 @@ pick (``kernels/topk_select.py``, widths up to ``SELECT_MAX_WIDTH``; wider ones 
 rounded back to the model's 16-bit dtype, monotonic, so the same pick); and its ordering, filters and race in one
 launch (``kernels/candidate_race.py``, ``Pick``). There the logits stay in the model's 16-bit dtype until a value
 is changed: their fp32 values are exact, so every pick, argmax and race reads the same numbers. A repetition penalty
-alone on rows that the pick and race kernels sample (Qwen2.5-Instruct's defaults) or the argmax kernel picks (the same
-with temperature 0) changes no value either: each row's seen tokens go to the kernels as bits
-(``kernels/penalties.py``, ``seen_words``) and the penalty is applied as they read the logits, the penalty kernel's
-bits without its fp32 copy of every row (``_penalty_on_read``).
+alone on rows that the pick and race kernels sample (Qwen2.5-Instruct's defaults) changes no value either: each row's
+seen tokens go to the kernels as bits (``kernels/penalties.py``, ``seen_words``) and the penalty is applied as they
+read the logits, the penalty kernel's bits without its fp32 copy of every row (``_penalty_on_read``).
 
 Rows with ``temperature == 0`` take the argmax of the penalised logits. On CUDA every argmax
 here is ``kernels.argmax.argmax_rows`` (the same first maximal index as ``torch.argmax``).
@@ -351,13 +350,13 @@ class Sampler:
         if masks is None and self._all_plain_greedy(params, num_outputs):
             return SamplerOutput(self._argmax(logits))
 
-        penalised, probs, greedy_rows, seen = self._prepare(
+        penalised, probs, greedy_rows, _ = self._prepare(
             logits, params, prompt_token_ids, output_token_ids, num_outputs, masks, histories, pending
         )
         B = logits.shape[0]
         draws = probs
         if draws is None:  # every row greedy
-            token_ids_gpu = self._greedy(penalised, seen)
+            token_ids_gpu = self._argmax(penalised)
         else:
             token_ids_gpu = None
             if draws.dense is not None:
@@ -367,9 +366,9 @@ class Sampler:
                     is_greedy = torch.zeros(B, dtype=torch.bool)
                     is_greedy[greedy_rows] = True
                     is_greedy = self._to_device(is_greedy)
-                    token_ids_gpu = torch.where(is_greedy, self._greedy(penalised, seen), token_ids_gpu)
+                    token_ids_gpu = torch.where(is_greedy, self._argmax(penalised), token_ids_gpu)
             elif greedy_rows:
-                token_ids_gpu = self._greedy(penalised, seen)
+                token_ids_gpu = self._argmax(penalised)
             for rows, where, cand in draws.groups:
                 if isinstance(cand, Pick):  # ordered, filtered and raced in one launch, written at its rows
                     if token_ids_gpu is None:
@@ -437,11 +436,6 @@ class Sampler:
                 banned.append(word[-1])
         return [t for t in banned if t < self.vocab_size]
 
-    def _greedy(self, penalised: Tensor, seen: tuple[Tensor, Tensor] | None) -> Tensor:
-        """Each row's argmax of its penalised logits: ``penalised``, or with ``seen`` the logits before the
-        repetition penalty that the argmax kernel applies as it reads them (``_prepare``)."""
-        return self._argmax(penalised) if seen is None else self._argmax(penalised, seen=seen)
-
     def _process(self, logits, params, prompt_token_ids, output_token_ids, num_outputs=None, masks=None,
                  histories=None, pending=None):
         """-> (penalised logits [B, V], unnormalised sampling probs [B, V] or None, greedy rows). The penalised
@@ -457,8 +451,8 @@ class Sampler:
                  histories=None, pending=None):
         """``_process``'s work, -> (logits [B, V], sampling probs or None, greedy rows, seen). ``seen``: None, and
         the logits are the penalised ones; or (words, penalties) where a repetition penalty is applied on read
-        (``_penalty_on_read``): the logits are from before it, and the kernels that read them (the pick and race
-        through each ``Pick``, the greedy argmax through ``_greedy``) apply it."""
+        (``_penalty_on_read``): the logits are from before it (right for every unpenalised row), and the pick and
+        race kernels apply it through each ``Pick``."""
         B, V = logits.shape
         # the bias and bans below write in place: into an fp32 copy of the caller's logits, made once, where first
         # written (``_own``)
@@ -668,19 +662,15 @@ class Sampler:
 
     def _penalty_on_read(self, params: list[SamplingParams], pen_rows: list[int]) -> bool:
         """Whether this step's penalties can be applied as the kernels read the logits (``seen_words``): a
-        repetition penalty alone (the caller checks), and every penalised row greedy (the argmax kernel) or sampled
-        from candidates that the pick and race kernels handle; no row asks for logprobs (they read the penalised
-        logits whole)."""
-        if self.seen_words is None or any(p.logprobs is not None for p in params):
+        repetition penalty alone (the caller checks), and every penalised row sampled from candidates that the pick
+        and race kernels handle; no row asks for logprobs (they read the penalised logits whole). A penalised greedy
+        row takes the copy: the argmax with the bits (built and measured in session 55, 1e75c3b) was no faster."""
+        if (self.seen_words is None or self.topk_select is None or self.candidate_race is None or not self.candidates
+                or any(p.logprobs is not None for p in params)):
             return False
         for i in pen_rows:
             p = params[i]
-            if p.temperature == 0:
-                if self._argmax is _torch_argmax:
-                    return False
-                continue
-            if (self.topk_select is None or self.candidate_race is None or not self.candidates
-                    or not 0 < p.top_k <= CANDIDATE_MAX_TOP_K):
+            if p.temperature == 0 or not 0 < p.top_k <= CANDIDATE_MAX_TOP_K:
                 return False
             if next(w for w in CANDIDATE_WIDTHS if w >= p.top_k) > SELECT_MAX_WIDTH:
                 return False

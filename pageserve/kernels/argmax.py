@@ -8,9 +8,7 @@ in every decode step at batch 1. Here ``V / BLOCK`` programs per row each take t
 one block and its first index, then one program per row reduces those partials: the global
 maximum, at the lowest index that holds it (as torch, which documents the first maximal
 index). NaN counts as larger than any number, as in torch; a row holding both +inf and NaN
-is where the two can differ (torch takes the first NaN, this the first of either). With ``seen``
-(``kernels/penalties.py``) each value is read with a repetition penalty where its row's bit is set: the argmax of
-``reference.apply_seen(x, *seen)`` without making it (a greedy row's penalty, as the pick and race apply it).
+is where the two can differ (torch takes the first NaN, this the first of either).
 """
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ import triton.language as tl
 
 from .reference import argmax_rows as argmax_rows_reference
 from ._util import KERNEL_DTYPES, cdiv, check, check_device, next_pow2, pdl_args, pdl_enter
-from .penalties import check_seen, penalise_where
 
 __all__ = ["argmax_rows", "argmax_rows_reference"]
 
@@ -33,42 +30,16 @@ MAX_PARTS = 1024  # partials the second stage reduces in one tile: rows up to 2M
 
 
 @triton.jit
-def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, PARTS, words_ptr, stride_w, rep_ptr,
-                           BLOCK: tl.constexpr, HAS_SEEN: tl.constexpr, USE_PDL: tl.constexpr):
+def _argmax_partial_kernel(x_ptr, val_ptr, idx_ptr, V, stride_x, PARTS,
+                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    if HAS_SEEN:  # as [words, bits]: each word of seen bits loaded once
-        wi = part * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
-        bit = tl.arange(0, 32)
-        j2 = wi[:, None] * 32 + bit[None, :]
-        v2 = tl.load(x_ptr + row * stride_x + j2, mask=j2 < V, other=float("-inf")).to(tl.float32)
-        v2 = tl.where(v2 != v2, float("inf"), v2)  # (the penalty keeps NaN a NaN and inf an inf: before or after)
-        words = tl.load(words_ptr + row * stride_w + wi, mask=wi * 32 < V, other=0)
-        seen = ((words[:, None] >> bit[None, :]) & 1) != 0
-        rep = tl.load(rep_ptr + row)
-        # The penalty is monotone (non-decreasing), so the largest penalised seen value is the largest seen value
-        # penalised: one division a block, not one a value. Which seen values tie with it: only those equal to it,
-        # unless the next smaller seen value rounds to the same quotient; then every seen value is penalised.
-        xs = tl.max(tl.max(tl.where(seen, v2, float("-inf")), axis=1), axis=0)
-        fs = penalise_where(xs, xs == xs, rep)  # (no NaN is left: a true mask)
-        xp = tl.max(tl.max(tl.where(seen & (v2 < xs), v2, float("-inf")), axis=1), axis=0)
-        collide = (penalise_where(xp, xp == xp, rep) == fs) & (xp > float("-inf"))
-        if collide:
-            pv = penalise_where(v2, seen, rep)
-            top = tl.max(tl.max(pv, axis=1), axis=0)
-            first = tl.min(tl.min(tl.where(pv == top, j2, V), axis=1), axis=0)
-        else:
-            top = tl.maximum(tl.max(tl.max(tl.where(seen, float("-inf"), v2), axis=1), axis=0), fs)
-            # seen: those equal to xs where its quotient is the top (NaN, equal to nothing, where it is not)
-            hit = tl.where(seen, v2 == tl.where(fs == top, xs, float("nan")), v2 == top)
-            first = tl.min(tl.min(tl.where(hit, j2, V), axis=1), axis=0)
-    else:
-        j = part * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(x_ptr + row * stride_x + j, mask=j < V, other=float("-inf")).to(tl.float32)
-        v = tl.where(v != v, float("inf"), v)  # NaN above every number (torch's order); +inf ties it here
-        top = tl.max(v, axis=0)
-        first = tl.min(tl.where(v == top, j, V), axis=0)  # the block's first index holding its max
+    j = part * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + row * stride_x + j, mask=j < V, other=float("-inf")).to(tl.float32)
+    v = tl.where(v != v, float("inf"), v)  # NaN above every number (torch's order); +inf ties it here
+    top = tl.max(v, axis=0)
+    first = tl.min(tl.where(v == top, j, V), axis=0)  # the block's first index holding its max
     tl.store(val_ptr + row * PARTS + part, top)
     tl.store(idx_ptr + row * PARTS + part, first)
 
@@ -94,23 +65,20 @@ def default_block(rows: int) -> int:
     return WIDE_BLOCK if rows >= WIDE_ROWS else BLOCK
 
 
-def argmax_rows(x: torch.Tensor, pdl: bool | None = None, block: int | None = None,
-                seen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, pdl: bool | None = None, block: int | None = None) -> torch.Tensor:
     """x: [B, V] float (last dim contiguous, rows may be strided) -> [B] int64, the index of each
     row's first maximum. ``pdl``: see ``_util.use_pdl``, except that any row count may use it.
-    ``block``: columns a first-stage program reads, a power of two >= 32 (default ``BLOCK``, ``WIDE_BLOCK`` from
-    ``WIDE_ROWS`` rows). ``seen``: None, or (words [B, ceil(V / 32)] int32, penalty [B] fp32): the argmax of
-    ``reference.apply_seen(x, *seen)``."""
+    ``block``: columns a first-stage program reads, a power of two (default ``BLOCK``, ``WIDE_BLOCK`` from
+    ``WIDE_ROWS`` rows)."""
     check("x", x, ndim=2, dtype=KERNEL_DTYPES)
-    words, rep = check_seen(seen, x)
-    check_device(x=x, **({} if seen is None else {"words": words, "penalty": rep}))
+    check_device(x=x)
     B, V = x.shape
     if V == 0:
         raise ValueError("argmax_rows: a row needs at least one column")
     if block is None:
         block = default_block(B)
-    if block < 32 or block & (block - 1):
-        raise ValueError(f"argmax_rows: block must be a power of two >= 32, got {block}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"argmax_rows: block must be a power of two >= 16, got {block}")
     if V >= 2**31 or cdiv(V, block) > MAX_PARTS:
         raise ValueError(f"argmax_rows: rows of {V} columns exceed {block * MAX_PARTS}")
     out = torch.empty(B, dtype=torch.int64, device=x.device)
@@ -123,8 +91,6 @@ def argmax_rows(x: torch.Tensor, pdl: bool | None = None, block: int | None = No
     # right after a graph replay, it made that graph's next replays 0.14-0.16 ms faster at 2-64 rows,
     # tokens unchanged (H200, one engine, diagnostics/argmax_ab_c6f794a.*; mechanism unknown)
     kw = pdl_args(x, 1, pdl)
-    w = (vals, 0, vals) if seen is None else (words, words.stride(0), rep)  # (pointers a launch does not read)
-    _argmax_partial_kernel[(B, parts)](x, vals, idxs, V, x.stride(0), parts, *w, BLOCK=block,
-                                       HAS_SEEN=seen is not None, num_warps=4 if block <= 4096 else 8, **kw)
+    _argmax_partial_kernel[(B, parts)](x, vals, idxs, V, x.stride(0), parts, BLOCK=block, num_warps=4 if block <= 4096 else 8, **kw)
     _argmax_reduce_kernel[(B,)](vals, idxs, out, V, parts, BLOCK_P=max(16, next_pow2(parts)), num_warps=4, **kw)
     return out

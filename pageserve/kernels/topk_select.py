@@ -77,17 +77,8 @@ def _chunk_max_kernel(x_ptr, stride_x, rows_ptr, V, max_ptr, NC, words_ptr, stri
         v3 = tl.load(x_ptr + row * stride_x + col3, mask=col3 < V, other=float("-inf")).to(tl.float32)
         w = c[:, None] * (CHUNK // 32) + wi[None, :]
         words = tl.load(words_ptr + row * stride_w + w, mask=w * 32 < V, other=0)
-        seen = ((words[:, :, None] >> bit[None, None, :]) & 1) != 0
-        if tl.max(tl.max(tl.max((seen & (v3 != v3)).to(tl.int32), axis=2), axis=1), axis=0) > 0:
-            top = tl.max(tl.max(_key32(penalise_where(v3, seen, rep)), axis=2), axis=1)  # a seen NaN: all penalised
-        else:
-            # the penalty is monotone in the keys' order (-0.0 stays below +0.0), so a chunk's largest penalised
-            # seen key is its largest seen key's value penalised: one division a chunk, not one a value
-            keys = _key32(v3)
-            ks = tl.max(tl.max(tl.where(seen, keys, -2147483648), axis=2), axis=1)
-            xs = tl.where(ks < 0, ks ^ 0x7FFFFFFF, ks).to(tl.float32, bitcast=True)
-            fs = tl.where(ks > -2147483648, _key32(penalise_where(xs, xs == xs, rep)), -2147483648)  # none seen
-            top = tl.maximum(tl.max(tl.max(tl.where(seen, -2147483648, keys), axis=2), axis=1), fs)
+        v3 = penalise_where(v3, ((words[:, :, None] >> bit[None, None, :]) & 1) != 0, rep)
+        top = tl.max(tl.max(_key32(v3), axis=2), axis=1)
     else:
         col = c[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
         v = tl.load(x_ptr + row * stride_x + col, mask=col < V, other=float("-inf")).to(tl.float32)
