@@ -244,7 +244,8 @@ for st in $stages; do
     pytest) # any test files on the GPU (PYTEST_FILES, default the sampler's), log in diagnostics/; the real-weights
             # tests read the carried GGUF when there is one (no package index on the GPU machine)
              [ -f /tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf ] && export PAGESERVE_TEST_MODEL=/tmp/realw/SmolLM2-135M-Instruct.Q4_1.gguf
-             timeout "$t" python3 -m pytest -v -rfE -n 4 -p no:cacheprovider ${PYTEST_FILES:-tests/test_sampler.py} \
+             { echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"  # as tests' log
+               timeout "$t" python3 -m pytest -v -rfE -n 4 -p no:cacheprovider ${PYTEST_FILES:-tests/test_sampler.py}; } \
                > "$RES/diagnostics/gpu_pytest.log" 2>&1; echo "pytest rc=$?"; grep -E "FAILED|ERROR" "$RES/diagnostics/gpu_pytest.log" | head -n 20; tail -n 3 "$RES/diagnostics/gpu_pytest.log" ;;
     dettests) { echo "git commit ${PAGESERVE_GIT_COMMIT:-unknown} dirty ${PAGESERVE_GIT_DIRTY:-unknown}"  # as tests' log
              timeout "$t" python3 -m pytest -q -rA -p no:cacheprovider $XDIST --junitxml "$RES/gpu_det_tests.xml" \
