@@ -113,18 +113,7 @@ def seen_words(batch: int, vocab_size: int, rows: torch.Tensor, starts: torch.Te
     [batch, ceil(vocab_size / 32)] int32 on ``ids``' device; the arguments as ``repetition_penalty``'s (ids below
     ``vocab_size``: one past the row's last word is dropped, never another row's). ``pdl``: as
     ``repetition_penalty``'s."""
-    for name, t in (("rows", rows), ("starts", starts), ("ids", ids)):
-        check(name, t, ndim=1, dtype=torch.int32)
-    P = rows.shape[0]
-    if starts.shape[0] != P + 1:
-        raise ValueError(f"seen_words: {P} rows need {P + 1} starts, not {starts.shape[0]}")
-    if (pending is None) != (pending_src is None):
-        raise ValueError("seen_words: pending and pending_src go together")
-    if pending is not None:
-        check("pending", pending, ndim=1, dtype=torch.int64)
-        check("pending_src", pending_src, shape=(P,), dtype=torch.int32)
-    check_device(rows=rows, starts=starts, ids=ids,
-                 **({} if pending is None else {"pending": pending, "pending_src": pending_src}))
+    P = _check_seen_ids("seen_words", rows, starts, ids, pending, pending_src)
     words = torch.zeros(batch, (vocab_size + 31) // 32, dtype=torch.int32, device=ids.device)
     if P:
         _seen_words_kernel[(P,)](
@@ -144,18 +133,8 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
     replays)."""
     check("logits", logits, ndim=2, dtype=torch.float32)
     check("penalty", penalty, ndim=1, dtype=torch.float32)
-    for name, t in (("rows", rows), ("starts", starts), ("ids", ids)):
-        check(name, t, ndim=1, dtype=torch.int32)
-    P = rows.shape[0]
-    if starts.shape[0] != P + 1:
-        raise ValueError(f"repetition_penalty: {P} rows need {P + 1} starts, not {starts.shape[0]}")
-    if (pending is None) != (pending_src is None):
-        raise ValueError("repetition_penalty: pending and pending_src go together")
-    if pending is not None:
-        check("pending", pending, ndim=1, dtype=torch.int64)
-        check("pending_src", pending_src, shape=(P,), dtype=torch.int32)
-    check_device(logits=logits, rows=rows, starts=starts, ids=ids, penalty=penalty,
-                 **({} if pending is None else {"pending": pending, "pending_src": pending_src}))
+    P = _check_seen_ids("repetition_penalty", rows, starts, ids, pending, pending_src)
+    check_device(logits=logits, rows=rows, penalty=penalty)
     if logits.shape[1] > 1 and logits.stride(1) != 1:
         raise ValueError("repetition_penalty: logits need a contiguous last dimension")
     if P:
@@ -165,6 +144,24 @@ def repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, starts: torch.T
             rows if pending_src is None else pending_src, scratch, BLOCK=BLOCK, HAS_PENDING=pending is not None,
             num_warps=4, **pdl_args(logits, 1, pdl))
     return logits
+
+
+def _check_seen_ids(what: str, rows: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor,
+                    pending: torch.Tensor | None, pending_src: torch.Tensor | None) -> int:
+    """The seen ids' checks (``repetition_penalty``'s and ``seen_words``' arguments), all on one device; -> P."""
+    for name, t in (("rows", rows), ("starts", starts), ("ids", ids)):
+        check(name, t, ndim=1, dtype=torch.int32)
+    P = rows.shape[0]
+    if starts.shape[0] != P + 1:
+        raise ValueError(f"{what}: {P} rows need {P + 1} starts, not {starts.shape[0]}")
+    if (pending is None) != (pending_src is None):
+        raise ValueError(f"{what}: pending and pending_src go together")
+    if pending is not None:
+        check("pending", pending, ndim=1, dtype=torch.int64)
+        check("pending_src", pending_src, shape=(P,), dtype=torch.int32)
+    check_device(rows=rows, starts=starts, ids=ids,
+                 **({} if pending is None else {"pending": pending, "pending_src": pending_src}))
+    return P
 
 
 def check_seen(seen: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor):
