@@ -133,7 +133,8 @@ for st in $stages; do
         # 518 s at 3eef1891 (one process per engine); now two per engine for pageserve and vLLM (prefix
         # caching off / on) and per-workload warm-ups, so HF on 32 W1 requests and 12 s per rate: predicted
         # ~560 s. Run it alone (08:585); if it times out, drop hf_generate from ENGINES.
-        [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08: vLLM install failed; running without it"
+        [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
+          || echo "08: vLLM install failed; running without it"  # install.sh: scripts/vllm_resplit.sh's pieces
         [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl  # scripts/vllm_extra_wheels.sh
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
           -y 'ENGINES: [pageserve, vllm, hf_generate_batch, hf_generate]' -y 'SERVE_ENGINES: [pageserve, vllm]' \
@@ -230,7 +231,8 @@ for st in $stages; do
     08tput) # issue 14's comparison alone (results/h200/08_throughput.*): pageserve and vLLM offline, defaults on
         # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving.
         # One engine, another record name: TPUT08_ENGINES='[vllm]' TPUT08_RECORD=08_throughput_vllm_cold
-        [ -d /tmp/site/vllm ] || (cd /tmp/acc && bash .vllm3/install.sh) || echo "08tput: vLLM install failed; running without it"
+        [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
+          || echo "08tput: vLLM install failed; running without it"  # install.sh: scripts/vllm_resplit.sh's pieces
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME "${TPUT08_RECORD:-08_throughput}" \
           -y "ENGINES: ${TPUT08_ENGINES:-[pageserve, vllm]}" -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
           -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: []' -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
