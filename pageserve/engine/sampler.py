@@ -668,13 +668,8 @@ class Sampler:
         if (self.seen_words is None or self.topk_select is None or self.candidate_race is None or not self.candidates
                 or any(p.logprobs is not None for p in params)):
             return False
-        for i in pen_rows:
-            p = params[i]
-            if p.temperature == 0 or not 0 < p.top_k <= CANDIDATE_MAX_TOP_K:
-                return False
-            if next(w for w in CANDIDATE_WIDTHS if w >= p.top_k) > SELECT_MAX_WIDTH:
-                return False
-        return True
+        # (SELECT_MAX_WIDTH is one of CANDIDATE_WIDTHS: a top-k up to it is in a group the pick kernel serves)
+        return all(params[i].temperature != 0 and 0 < params[i].top_k <= SELECT_MAX_WIDTH for i in pen_rows)
 
     def _seen_upload(self, rows, prompts, outputs, pending=None) -> tuple | None:
         """The repetition penalty kernel's and ``seen_words``' arguments after the logits, in one int32 upload:
@@ -717,6 +712,9 @@ class Sampler:
         ``counts`` False (no row has a frequency or presence penalty: a repetition penalty alone, as Qwen2.5-Instruct's
         generation_config gives every request): the output counts are not found, which takes 17 of a 256-row
         call's ~42 launches and half its upload of output ids; the bits are the same (x - 0 * n - 0 * seen = x)."""
+        if not counts and self.repetition_kernel is not None:  # one upload, one launch
+            up = self._seen_upload(rows, prompts, outputs, pending)
+            return logits if up is None else self.repetition_kernel(logits, *up[:3], table[_REP], *up[3:])
         P, V = len(rows), logits.shape[1]
         pend = [-1] * P if pending is None else list(pending[1])
         pend_rows = [j for j in range(P) if pend[j] >= 0]
@@ -724,9 +722,6 @@ class Sampler:
         out_len = np.fromiter((len(o) for o in outputs), np.int64, P)
         if not seen_len.any() and not pend_rows:
             return logits
-        if not counts and self.repetition_kernel is not None:  # one upload, one launch
-            rows_t, starts_t, ids, *pend_args = self._seen_upload(rows, prompts, outputs, pending)
-            return self.repetition_kernel(logits, rows_t, starts_t, ids, table[_REP], *pend_args)
         if not counts:  # no output counts to find: the outputs go up once
             outputs_again, out_len = [], out_len[:0]
         else:

@@ -240,7 +240,7 @@ import triton.language as tl  # noqa: E402
 # greedy path's argmax, or any kernel followed by a one-row PDL argmax, the replay takes 2,860 µs, after the same
 # kernels without it 2,990, and back-to-back replays keep whichever state the last work left
 # (scripts/replay_after_probe.py, results/h100/diagnostics/replay_after_probe_*; the mechanism, driver or
-# hardware, is not known). So the sampler's kernels (argmax, repetition penalty, candidate pick and race) launch
+# hardware, is not known). So the sampler's kernels (argmax, repetition penalty or its seen bits, pick, race) launch
 # under PDL at any row count: whichever path a step samples by, a PDL kernel runs between its replays.
 PDL_MAX_TOKENS = 8
 PDL_WAIT_FIRST = 2  # USE_PDL's value under pdl="wait_first"; True (1) is PDL with inputs before the wait

@@ -165,7 +165,7 @@ def _check_seen_ids(what: str, rows: torch.Tensor, starts: torch.Tensor, ids: to
 
 
 def check_seen(seen: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor):
-    """``seen``'s (words, penalty) checked against ``x`` [B, V] (the pick, race and argmax kernels' ``seen``), or
+    """``seen``'s (words, penalty) checked against ``x`` [B, V] (the pick and race kernels' ``seen``), or
     (None, None)."""
     if seen is None:
         return None, None
