@@ -177,7 +177,7 @@ for st in $stages; do
         sb=sampling_bench${SAMPLING_BENCH_TAG:-}
         timeout "$t" python3 scripts/sampling_bench.py --out "$RES/diagnostics/$sb" --model qwen2.5-3b --device cuda \
           --dtype bfloat16 ${SAMPLING_BENCH_ARGS:-} > "$RES/$sb.log" 2>&1
-        echo "samplingbench$SAMPLING_BENCH_TAG rc=$?"; grep -v USDT "$RES/$sb.log" | tail -n 1 | cut -c1-1500 ;;
+        echo "samplingbench${SAMPLING_BENCH_TAG:-} rc=$?"; grep -v USDT "$RES/$sb.log" | tail -n 1 | cut -c1-1500 ;;
     specoracle) # the verify step's cost at the 3B shape (random weights): drafts from the plain run, all accepted
                 # (the deterministic mode: in the default one a near-tie flips at once; session 47)
         timeout "$t" python3 scripts/spec_bench.py --out "$RES/diagnostics/spec_oracle" --model qwen2.5-3b --device cuda \
