@@ -253,6 +253,51 @@ def test_gate_up_silu_rows_puts_silu_mul_in_the_gate_up_product_for_those_batche
     assert TritonOps(tuned_configs=False).gate_up_silu_rows == (triton_ops.GATE_UP_SILU_ROWS if hopper else None)
 
 
+def test_norm_fold_rows_fold_the_post_attention_norm_into_the_products_around_it(monkeypatch):
+    # TritonOps(norm_fold_rows=(2, 4)) (within gate_up_silu_rows): o_proj adds into the residual stream and the
+    # gate_up product normalises its input in its K loop; the post-attention add + RMSNorm kernel does not run.
+    # Logits as the reference's; 1 and 5+ rows, int8 weights and the deterministic mode keep the unfused path.
+    import copy
+
+    from pageserve.model.deterministic_ops import DeterministicOps
+    from pageserve.model.quant import quantize_model
+
+    cfg, model = _small_decoder(seed=8)
+    with torch.no_grad():  # norm weights far from ones: a fold that drops them fails the comparison
+        for layer in model.layers:
+            layer.post_attention_layernorm.weight.uniform_(0.3, 2.0)
+    folds, norms = [], []
+    real_fold, real_norm = TritonOps.norm_gate_up_silu, TritonOps.add_rms_norm
+    monkeypatch.setattr(TritonOps, "norm_gate_up_silu", lambda self, h, *a: folds.append(h.shape[0]) or
+                        real_fold(self, h, *a))
+    monkeypatch.setattr(TritonOps, "add_rms_norm", lambda self, x, *a: norms.append(x.shape[0]) or
+                        real_norm(self, x, *a))
+
+    def run(m, ops, rows):
+        return _decode_logits(m, cfg, ops, rows, cache_seed=9)
+
+    ops = TritonOps(gate_up_silu_rows=(2, 4), norm_fold_rows=(2, 4), tuned_configs=False)
+    for rows in (1, 3, 6):
+        folds.clear(), norms.clear()
+        assert checks.rel_err(run(model, ops, rows), run(model, TorchOps(), rows)) < 1e-5, rows
+        fold = rows == 3
+        assert folds == ([rows] * cfg.num_layers if fold else []), (rows, folds)
+        # per layer the input norm's add (not the first layer's) and, unfolded, the post-attention one; the final norm
+        assert len(norms) == (cfg.num_layers - 1) + (0 if fold else cfg.num_layers) + 1, (rows, norms)
+    qmodel = quantize_model(copy.deepcopy(model), "int8")
+    folds.clear()
+    assert checks.rel_err(run(qmodel, ops, 3), run(qmodel, TorchOps(), 3)) < 1e-5
+    assert folds == []
+    for bad in ((0, 4), (5, 4), "always"):
+        with pytest.raises(ValueError, match="norm_fold_rows"):
+            TritonOps(norm_fold_rows=bad)
+    with pytest.raises(ValueError, match="norm_fold_rows"):
+        DeterministicOps(norm_fold_rows=(2, 4))
+    assert DeterministicOps().norm_fold_rows is None
+    hopper = CUDA and torch.cuda.get_device_capability()[0] >= 9
+    assert TritonOps(tuned_configs=False).norm_fold_rows == (triton_ops.NORM_FOLD_ROWS if hopper else None)
+
+
 # ---------------------------------------------------------------- gate_up with SiLU·mul in one MMA chain
 GUS_CONFIGS = {  # block_n = the tile's weight rows (half gate, half up)
     "pointer": InvariantMatmulConfig(16, 32, 32, 4, 2), "tma": InvariantMatmulConfig(32, 16, 64, 4, 2, tma=True),

@@ -50,6 +50,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # whether the layer may add o_proj's product into the residual stream inside the product
+    # (``DecoderLayer.forward``): not where the product is a partial sum reduced across ranks
+    fold_residual = True
+
     def __init__(self, cfg: ModelConfig, layer: int, ops) -> None:
         super().__init__()
         self.layer = layer
@@ -117,6 +121,16 @@ class DecoderLayer(nn.Module):
         if self.lora is not None:
             return self._forward_lora(x, residual, positions, cos_sin, attn)
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
+        ops, mlp = self.mlp.ops, self.mlp
+        if self.self_attn.fold_residual and ops.post_norm_fold_for(qkv.shape[0], self.self_attn.o_proj.weight,
+                                                                   mlp.gate_up_proj.weight):
+            # the post-attention norm folded away: o_proj adds into the residual stream (the layer's own
+            # tensor), gate_up normalises its input in its K loop (``TorchOps.post_norm_fold_for``)
+            o = self.self_attn.attend(qkv, positions, cos_sin, attn)
+            residual = ops.residual_linear(o, self.self_attn.o_proj.weight, residual)
+            norm = self.post_attention_layernorm
+            h = ops.norm_gate_up_silu(residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
+            return mlp(h, silu_done=True), residual
         x = self.self_attn(qkv, positions, cos_sin, attn)
         silu = self.mlp.ops.silu_in_gate_up_for(x.shape[0], self.mlp.gate_up_proj.weight)
         h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_mul=silu)
