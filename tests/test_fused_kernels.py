@@ -298,6 +298,39 @@ def test_norm_fold_rows_fold_the_post_attention_norm_into_the_products_around_it
     assert TritonOps(tuned_configs=False).norm_fold_rows == (triton_ops.NORM_FOLD_ROWS if hopper else None)
 
 
+def test_input_norm_fold_rows_fold_every_norm_but_the_final_one(monkeypatch):
+    # with input_norm_fold_rows too, down adds into the residual stream and the next layer's qkv product normalises
+    # it in its K loop (bias after the 1 / rms); the first layer's qkv normalises the embeddings the same way. At
+    # 3 rows no add + RMSNorm kernel runs, one plain RMSNorm (the final); logits as the reference's.
+    from pageserve.model.deterministic_ops import DeterministicOps
+
+    cfg, model = _small_decoder(seed=10)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.input_layernorm.weight.uniform_(0.3, 2.0)
+            layer.post_attention_layernorm.weight.uniform_(0.3, 2.0)
+        model.norm.weight.uniform_(0.3, 2.0)
+    calls = []
+    for name in ("add_rms_norm", "rms_norm", "residual_linear"):
+        real = getattr(TritonOps, name)
+        monkeypatch.setattr(TritonOps, name, lambda self, *a, _n=name, _r=real: calls.append(_n) or _r(self, *a))
+
+    def run(ops, rows):
+        return _decode_logits(model, cfg, ops, rows, cache_seed=11)
+
+    ops = TritonOps(gate_up_silu_rows=(2, 4), norm_fold_rows=(2, 4), input_norm_fold_rows=(2, 4), tuned_configs=False)
+    for rows in (1, 3, 6):
+        calls.clear()
+        assert checks.rel_err(run(ops, rows), run(TorchOps(), rows)) < 1e-5, rows
+        if rows == 3:  # o and down of every layer into the stream; the final norm alone
+            assert sorted(calls) == ["residual_linear"] * (2 * cfg.num_layers) + ["rms_norm"], calls
+        else:
+            assert "residual_linear" not in calls and calls.count("add_rms_norm") == 2 * cfg.num_layers, (rows, calls)
+    with pytest.raises(ValueError, match="input_norm_fold_rows"):
+        DeterministicOps(input_norm_fold_rows=(2, 4))
+    assert TritonOps(tuned_configs=False).input_norm_fold_rows is None  # off by default until measured
+
+
 # ---------------------------------------------------------------- gate_up with SiLU·mul in one MMA chain
 GUS_CONFIGS = {  # block_n = the tile's weight rows (half gate, half up)
     "pointer": InvariantMatmulConfig(16, 32, 32, 4, 2), "tma": InvariantMatmulConfig(32, 16, 64, 4, 2, tma=True),

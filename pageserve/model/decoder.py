@@ -93,6 +93,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fold_residual = True  # as ``Attention.fold_residual``, for the down product
+
     def __init__(self, cfg: ModelConfig, ops) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -118,6 +120,10 @@ class DecoderLayer(nn.Module):
         self.lora = None  # LoRASlots (model/lora.py) when the engine serves adapters: the unfused path below
 
     def forward(self, x, residual, positions, cos_sin, attn):
+        # x None: the layer before added its output into the residual stream itself (``input_norm_fold_for``),
+        # so the stream is this layer's input with nothing to add (as the first layer's embeddings)
+        if x is None:
+            x, residual = residual, None
         if self.lora is not None:
             return self._forward_lora(x, residual, positions, cos_sin, attn)
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
@@ -130,6 +136,9 @@ class DecoderLayer(nn.Module):
             residual = ops.residual_linear(o, self.self_attn.o_proj.weight, residual)
             norm = self.post_attention_layernorm
             h = ops.norm_gate_up_silu(residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
+            if mlp.fold_residual and ops.input_norm_fold_for(h.shape[0], mlp.down_proj.weight):
+                # down adds into the residual stream too; the next layer's qkv (or the final norm) normalises it
+                return None, ops.residual_linear(h, mlp.down_proj.weight, residual)
             return mlp(h, silu_done=True), residual
         x = self.self_attn(qkv, positions, cos_sin, attn)
         silu = self.mlp.ops.silu_in_gate_up_for(x.shape[0], self.mlp.gate_up_proj.weight)
@@ -221,7 +230,7 @@ class Decoder(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(residual) if x is None else self.norm(x, residual)  # None: DecoderLayer.forward
         return x
 
     @property

@@ -161,8 +161,9 @@ class DeterministicOps(TritonOps):
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
         # the folded post-attention norm rounds elsewhere than the norm kernel: never in this mode
-        if triton_options.setdefault("norm_fold_rows", None) is not None:
-            raise ValueError("deterministic mode: norm_fold_rows is the default mode's fold (other bits)")
+        for fold in ("norm_fold_rows", "input_norm_fold_rows"):
+            if triton_options.setdefault(fold, None) is not None:
+                raise ValueError(f"deterministic mode: {fold} is the default mode's fold (other bits)")
         # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
         # (``rope_in_attention``): the default decode kernel's fusion is not its
         if triton_options.setdefault("fuse_rope_attention", False):

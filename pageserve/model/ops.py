@@ -88,6 +88,12 @@ class TorchOps:
         """Whether a step of ``rows`` rows takes the folded post-attention norm (the layer's two products)."""
         return False
 
+    def input_norm_fold_for(self, rows: int, down_weight) -> bool:
+        """Whether a step of ``rows`` rows (which took ``post_norm_fold_for``) also folds the next layer's input
+        norm: down adds into the residual stream (``residual_linear``) and qkv normalises the stream inside its
+        product (``add_rms_norm_linear`` with no residual)."""
+        return False
+
     def residual_linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual + x @ weight^T (no bias), summed before one rounding: the new residual stream [T, H]. May
         write into ``residual`` (the layer's own, read by nothing else)."""

@@ -221,6 +221,8 @@ class ParallelAttention(Attention):
 class ParallelMLP(MLP):
     """SwiGLU over this rank's slice of the intermediate width; down_proj all-reduced."""
 
+    fold_residual = False  # a partial sum: the residual is added after the all-reduce
+
     def forward(self, h, silu_done: bool | None = None):
         return all_reduce(super().forward(h, silu_done))
 

@@ -139,6 +139,10 @@ class TritonOps(TorchOps):
     post-attention add + RMSNorm into the products around it (``post_norm_fold_for``): o_proj adds into
     the residual stream (cuBLAS, beta = 1), the gate_up product normalises its x tiles in its K loop
     (``matmul_invariant(norm_weight=)``). Float weights only. "auto" (default): ``NORM_FOLD_ROWS`` on Hopper.
+    ``input_norm_fold_rows``: (lo, hi) or None: steps of lo..hi rows (within ``norm_fold_rows``) fold the
+    next layer's add + RMSNorm too: down adds into the residual stream (cuBLAS, beta = 1) and qkv runs the
+    invariant matmul with the norm in its K loop (and the bias), in place of the norm kernel + cuBLAS.
+    None (default) until measured.
 
     Launch settings, held by this object and passed to every kernel call (two objects with
     different settings run side by side):
@@ -190,7 +194,8 @@ class TritonOps(TorchOps):
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto",
                  paired_silu_rows: tuple[int, int] | str | None = "auto",
                  paired_silu_config: InvariantMatmulConfig | None = None,
-                 norm_fold_rows: tuple[int, int] | str | None = "auto") -> None:
+                 norm_fold_rows: tuple[int, int] | str | None = "auto",
+                 input_norm_fold_rows: tuple[int, int] | str | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -246,6 +251,8 @@ class TritonOps(TorchOps):
         self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
         self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
         self.norm_fold_rows = _row_range("norm_fold_rows", norm_fold_rows, NORM_FOLD_ROWS if hopper else None)
+        self.input_norm_fold_rows = _row_range("input_norm_fold_rows", input_norm_fold_rows,
+                                               NORM_FOLD_ROWS if hopper else None)
         if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
             raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
         self.paired_silu_config = paired_silu_config
@@ -355,6 +362,19 @@ class TritonOps(TorchOps):
         r = self.norm_fold_rows
         return (r is not None and r[0] <= rows <= r[1] and self._gate_up_silu_fits(rows, gate_up_weight)
                 and not isinstance(o_weight, QuantizedWeight))
+
+    def input_norm_fold_for(self, rows: int, down_weight) -> bool:
+        r = self.input_norm_fold_rows
+        return r is not None and r[0] <= rows <= r[1] and not isinstance(down_weight, QuantizedWeight)
+
+    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias, silu_mul=False):
+        if (residual is None and not silu_mul and self.input_norm_fold_for(x.shape[0], weight)
+                and x.dim() == 2 and x.shape[0] >= 2):
+            # the stream with nothing to add (``input_norm_fold_for``): the norm inside the qkv product
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            return matmul_invariant(x, weight, bias, pdl=self.pdl_for(x.shape[0]), specialize=False,
+                                    norm_weight=norm_weight, eps=eps), x
+        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, silu_mul)
 
     def residual_linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         # cuBLAS with beta = 1 into the residual itself: the product and the add in one launch, one rounding
