@@ -84,8 +84,8 @@ VARIANTS = {
     "default_gate_up_silu_2_192": (False, {"gate_up_silu_rows": (2, 192)}),
     "default_gate_up_silu_2_128": (False, {"gate_up_silu_rows": (2, 128)}),  # 80-112 rows: +0.22-0.27 ms (..._82a5456.*)
     "default_no_gate_up_silu": (False, {"gate_up_silu_rows": None}),
-    "default_no_norm_fold": (False, {"norm_fold_rows": None}),  # session 56: the post-attention norm kernel back
-    "default_input_norm_fold": (False, {"input_norm_fold_rows": (2, 64)}),  # session 56: the input norm folded too
+    # session 56: "default_no_norm_fold" / "default_input_norm_fold" (TritonOps(norm_fold_rows=, input_norm_fold_rows=):
+    # the add + RMSNorm folded into o_proj's beta and gate_up's / qkv's K loop) at 1c6cfef only: slower at every batch
     # session 34: decode steps' RoPE and K/V write as rope_kv's launch before the attention (as before), not
     # inside the decode attention's launch (kernels.paged_decode.rope_decode_attention, the default since)
     "default_no_rope_attention": (False, {"fuse_rope_attention": False}),

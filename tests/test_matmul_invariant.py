@@ -209,46 +209,6 @@ def test_silu_mul_in_the_epilogue_gives_the_separate_kernels_bits(dtype, M, gen)
             assert torch.equal(matmul_invariant(x, w, silu_mul=True, config=tile), separate), tile
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("M", [1, 17, 70])
-@pytest.mark.parametrize("silu_mul", [False, True])
-def test_the_folded_rms_norm_is_its_reference_and_near_the_norm_kernel_then_the_product(dtype, M, silu_mul, gen):
-    # norm_weight: the product of RMSNorm(x) with the norm folded into the K loop (x tiles times the weight,
-    # the rows' sums of squares beside them, 1 / rms applied to the sums): the default mode's decode steps
-    from pageserve.kernels import rms_norm
-    from pageserve.kernels.matmul_invariant import _tma_ok
-    from pageserve.kernels.reference import gate_up_silu_reference, rms_norm_matmul_folded
-    K = 2056 if CUDA else 264  # the last K tile partial: its zero columns add nothing to the squares
-    N = 2 * N_ODD if silu_mul else N_ODD
-    x = _rand(gen, M, K, dtype=dtype, scale=3.0)  # rms far from 1: a missing 1 / rms fails
-    g = (1 + 0.5 * torch.randn(K, generator=gen)).to(DEVICE, dtype)  # far from ones: a missing weight fails
-    w = _rand(gen, N, K, dtype=dtype, scale=K**-0.5)
-    b = None if silu_mul else _rand(gen, N, dtype=dtype)  # qkv's bias: added after the 1 / rms
-    eps = 1e-6
-    out = torch.full((M, N // 2 if silu_mul else N), float("nan"), device=DEVICE, dtype=dtype)
-    got = matmul_invariant(x, w, b, silu_mul=silu_mul, norm_weight=g, eps=eps, out=out)
-    assert got is out
-    exact = rms_norm_matmul_folded(x.double(), g.double(), eps, w.double(), silu_mul, None if b is None else b.double())
-    assert rel_err(got, exact) <= 4 * TIGHT[dtype]
-    # the reference at the kernel's dtype rounds where the kernel does
-    assert rel_err(got, rms_norm_matmul_folded(x, g, eps, w, silu_mul, b)) <= 2 * TIGHT[dtype]
-    # and the unfused path (norm kernel, then the product) is as near: only the rounding points differ
-    normed = rms_norm(x, g, eps)
-    unfused = gate_up_silu_reference(normed, w) if silu_mul else matmul_invariant_reference(normed, w, b)
-    assert rel_err(got, unfused) <= 4 * TOLERANCE[dtype]
-    # rows stay independent of each other, and TMA tiles give the pointer tiles' bits
-    assert all(torch.equal(matmul_invariant(x[i:i + 1].clone(), w, b, silu_mul=silu_mul, norm_weight=g, eps=eps)[0],
-                           got[i]) for i in (0, M - 1))
-    if _tma_ok(x, w):
-        cfg = invariant_config(M, N, dtype, sms=132, K=K)
-        for tile in (dataclasses.replace(cfg, tma=False), dataclasses.replace(cfg, tma=True),
-                     dataclasses.replace(cfg, block_n=32, tma=True, persistent=True)):
-            assert torch.equal(matmul_invariant(x, w, b, silu_mul=silu_mul, norm_weight=g, eps=eps, config=tile),
-                               got), tile
-    with pytest.raises(ValueError, match="norm_weight"):
-        matmul_invariant(x, w, silu_mul=silu_mul, norm_weight=g[:-1], eps=eps)
-
-
 def test_the_pdl_release_point_changes_no_bit_and_is_checked(gen):
     # pdl_release only moves where a program lets the next kernel launch (under PDL, on sm_90+): the same
     # values either way, on every path (pointer, TMA, SiLU·mul epilogue); an unknown point is refused

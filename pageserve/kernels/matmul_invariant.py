@@ -256,45 +256,22 @@ def _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ty: tl.constexpr, HAS_BIAS: t
 
 
 @triton.jit
-def _normed_tile(a, ss, g_ptr, k0, K, BLOCK_K: tl.constexpr):
-    """NORM's prologue for one x tile: the rows' squares added to ``ss`` (fp32) and the tile times the norm
-    weight's slice, rounded once to x's dtype, for the MMA. Columns past K load zeros and add nothing."""
-    af = a.to(tl.float32)
-    k = k0 + tl.arange(0, BLOCK_K)
-    g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-    return (af * g[None, :]).to(a.dtype), ss + tl.sum(af * af, axis=1)
-
-
-@triton.jit
-def _rms_scale(acc, acc_up, ss, K, eps):
-    """NORM's epilogue: the sums times each row's 1 / rms, the norm kernel's own expression."""
-    rstd = 1.0 / tl.sqrt(ss / K + eps)
-    return acc * rstd[:, None], acc_up * rstd[:, None]
-
-
-@triton.jit
-def _k_loop(x_rows, w_rows, up_offset, K, mmask, nmask, g_ptr, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr,
-            NORM: tl.constexpr):
+def _k_loop(x_rows, w_rows, up_offset, K, mmask, nmask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr):
     """The pointer kernel's K loop: (acc, acc_up) [BLOCK_M, BLOCK_N] fp32, x tile as the MMA's A side.
-    ``up_offset``: N * stride_wn, where SILU_MUL's up rows start. NORM: ``_normed_tile`` / ``_rms_scale``."""
+    ``up_offset``: N * stride_wn, where SILU_MUL's up rows start."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # SILU_MUL: the up columns, rows N.. of w
-    ss = tl.zeros([BLOCK_M], tl.float32)  # NORM: the rows' sums of squares
     # the same K slices in the same order for every tile, the whole of K in one program
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         a = tl.load(x_rows + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if NORM:
-            a, ss = _normed_tile(a, ss, g_ptr, k0, K, BLOCK_K)
         b = tl.load(w_rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         acc = _acc_dot(a, b, acc, PREC, UPCAST)
         if SILU_MUL:
             b_up = tl.load(w_rows + up_offset + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
             acc_up = _acc_dot(a, b_up, acc_up, PREC, UPCAST)
-    if NORM:
-        acc, acc_up = _rms_scale(acc, acc_up, ss, K, eps)
     return acc, acc_up
 
 
@@ -321,10 +298,10 @@ def _swapped_k_loop(x_rows, w_rows, up_offset, K, mmask, nmask, BLOCK_M: tl.cons
 
 
 def _matmul_invariant_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, g_ptr, eps, M, N, K, stride_xm, stride_wn, stride_om,
+    x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr, SWAP_AB: tl.constexpr = False, NORM: tl.constexpr = False,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -337,8 +314,8 @@ def _matmul_invariant_kernel(
         acc, acc_up = _swapped_k_loop(x_rows, w_rows, N * stride_wn, K, mmask, nmask, BLOCK_M, BLOCK_N, BLOCK_K,
                                       PREC, UPCAST, SILU_MUL)
     else:
-        acc, acc_up = _k_loop(x_rows, w_rows, N * stride_wn, K, mmask, nmask, g_ptr, eps, BLOCK_M, BLOCK_N, BLOCK_K,
-                              PREC, UPCAST, SILU_MUL, NORM)
+        acc, acc_up = _k_loop(x_rows, w_rows, N * stride_wn, K, mmask, nmask, BLOCK_M, BLOCK_N, BLOCK_K,
+                              PREC, UPCAST, SILU_MUL)
     if LATE_RELEASE:
         pdl_release(USE_PDL)
     y = _epilogue(acc, acc_up, bias_ptr, n, nmask, out_ptr.dtype.element_ty, HAS_BIAS, SILU_MUL)
@@ -346,26 +323,21 @@ def _matmul_invariant_kernel(
 
 
 @triton.jit
-def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, g_ptr, eps, pid_m, pid_n, M, N, K, stride_om,
+def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               PREC: tl.constexpr, UPCAST: tl.constexpr, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr,
-              LATE_RELEASE: tl.constexpr, NORM: tl.constexpr):
+              LATE_RELEASE: tl.constexpr):
     # the pointer kernel's tile with x and w fetched by TMA descriptors: rows past M and columns
     # past K come back as zeros (the descriptor's bounds), as the masked loads give. With
     # SILU_MUL the gate tile of a last column tile may read up rows past N: columns that are
     # never stored (each output column is its own chain)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    ss = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = x_desc.load([pid_m * BLOCK_M, k0])  # [BLOCK_M, BLOCK_K]
-        if NORM:
-            a, ss = _normed_tile(a, ss, g_ptr, k0, K, BLOCK_K)
         acc = _acc_dot(a, w_desc.load([pid_n * BLOCK_N, k0]), acc, PREC, UPCAST)  # w tile: [BLOCK_N, BLOCK_K]
         if SILU_MUL:
             acc_up = _acc_dot(a, w_desc.load([N + pid_n * BLOCK_N, k0]), acc_up, PREC, UPCAST)
-    if NORM:
-        acc, acc_up = _rms_scale(acc, acc_up, ss, K, eps)
     if LATE_RELEASE:
         pdl_release(USE_PDL)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -376,22 +348,22 @@ def _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, g_ptr, eps, pid_m, pid_n, M, N,
 
 
 def _matmul_invariant_tma_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, g_ptr, eps, M, N, K, stride_om,
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr, NORM: tl.constexpr = False,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _pdl_top(USE_PDL, LATE_RELEASE)
-    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, g_ptr, eps, pid_m, pid_n, M, N, K, stride_om,
-              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, LATE_RELEASE, NORM)
+    _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+              HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, LATE_RELEASE)
 
 
 def _matmul_invariant_persistent_kernel(
-    x_desc, w_desc, bias_ptr, out_ptr, g_ptr, eps, M, N, K, stride_om, num_programs,
+    x_desc, w_desc, bias_ptr, out_ptr, M, N, K, stride_om, num_programs,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr, NORM: tl.constexpr = False,
+    SILU_MUL: tl.constexpr, LATE_RELEASE: tl.constexpr,
 ):
     # the TMA kernel's tile, for tiles pid, pid + num_programs, ...: one launch wave, and a
     # program's next tile's loads can start under its last one's epilogue. Each tile is the
@@ -401,8 +373,8 @@ def _matmul_invariant_persistent_kernel(
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, num_programs):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, g_ptr, eps, pid_m, pid_n, M, N, K, stride_om,
-                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, False, NORM)
+        _tma_tile(x_desc, w_desc, bias_ptr, out_ptr, pid_m, pid_n, M, N, K, stride_om,
+                  HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC, UPCAST, SILU_MUL, USE_PDL, False)
 
 
 def _two_compiles(fn):
@@ -437,8 +409,7 @@ def _tma_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                      out: torch.Tensor | None = None, block_m: int | None = None, pdl: bool | None = None,
                      config: InvariantMatmulConfig | None = None, silu_mul: bool = False,
-                     specialize: bool | None = None, pdl_release: str = "top",
-                     norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+                     specialize: bool | None = None, pdl_release: str = "top") -> torch.Tensor:
     """x: [M, K], w: [N, K] row-major, bias: [N] or None -> x @ w^T + bias: [M, N] in x's dtype
     (fp32, fp16, bf16), fp32 accumulation, each row's bits independent of the batch (module
     docstring). ``out``: a [M, N] buffer to write (row stride free). ``block_m``: force another
@@ -458,12 +429,6 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     the next kernel's programs then do not wait on the SMs through the whole K loop; ``DeterministicOps``
     releases the down projection after the fused gate_up's loop that way). Persistent tiles release at
     the top either way. No effect on any bit.
-    ``norm_weight`` ([K]; with ``eps``): the product of RMSNorm(x) with that weight, the norm folded into the
-    K loop (``TritonOps.norm_gate_up_silu``, the default mode's decode steps): each x tile times the weight's
-    slice, rounded once to x's dtype, feeds the MMA, the rows' sums of squares accumulate beside it, and the
-    sums are scaled by each row's 1 / rms in fp32 before the epilogue. Not the bits of ``rms_norm`` followed by
-    the product (that rounds the normalised row, then its product by the weight):
-    ``reference.rms_norm_matmul_folded`` is this path's reference. Rows stay independent of each other.
     No host syncs, the grid from shapes alone: safe to capture in a CUDA graph."""
     M, N, K = check_linear(x, w, bias, "w")
     if pdl_release not in PDL_RELEASES:
@@ -474,10 +439,6 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
         if N % 2:
             raise ValueError(f"silu_mul: w must stack gate and up rows (an even row count), got {N}")
         N //= 2
-    if norm_weight is not None:
-        check("norm_weight", norm_weight, shape=(K,))
-        if norm_weight.device != x.device:
-            raise ValueError(f"norm_weight is on {norm_weight.device}, x on {x.device}")
     out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
     check("out", out, shape=(M, N), dtype=x.dtype)
     if M == 0 or N == 0:
@@ -488,38 +449,33 @@ def matmul_invariant(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
                                      mma=mma_dot_for(x))
     if silu_mul:
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2))
-    if norm_weight is not None and cfg.swap_ab:
-        cfg = dataclasses.replace(cfg, swap_ab=False)  # the folded norm is in the x-side K loop only
     if specialize is None:
         specialize = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize, pdl_release == "after_loop", norm_weight, eps)
+    _launch(x, w, bias, out, cfg, pdl, silu_mul, specialize, pdl_release == "after_loop")
     return out
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
             cfg: InvariantMatmulConfig, pdl: bool | None, silu_mul: bool = False, specialize: bool = False,
-            late_release: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0):
+            late_release: bool = False):
     """One launch over checked arguments (``silu_mul``: w holds gate then up rows, out the up
     rows' count of columns); returns Triton's compiled kernel (the lab reads its PTX to see which
     MMA instruction a config got). ``specialize``: ``_two_compiles``; ``late_release``: ``pdl_release``
-    "after_loop"; ``norm_weight`` / ``eps``: ``matmul_invariant``'s."""
+    "after_loop"."""
     M, N, K = x.shape[0], out.shape[1], w.shape[1]
     pick = 0 if specialize else 1
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n),)
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   GROUP_M=cfg.group_m, PREC=dot_precision(x.dtype), UPCAST=dot_upcast(x.dtype, ordered=True),
-                  SILU_MUL=silu_mul, LATE_RELEASE=late_release, NORM=norm_weight is not None, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages, **pdl_args(x, M, pdl))
+                  SILU_MUL=silu_mul, LATE_RELEASE=late_release, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl_args(x, M, pdl))
     b = bias if bias is not None else w
-    g = norm_weight if norm_weight is not None else w  # never read without NORM
-    norm = (g, float(eps))
     if cfg.tma and _tma_ok(x, w):
         descs = (TensorDescriptor(x, [M, K], [x.stride(0), 1], [cfg.block_m, cfg.block_k]),
                  TensorDescriptor(w, [w.shape[0], K], [w.stride(0), 1], [cfg.block_n, cfg.block_k]))
         if cfg.persistent:
             programs = min(grid[0], sm_count_for(x))
-            return _PERSISTENT_KERNELS[pick][(programs,)](*descs, b, out, *norm, M, N, K, out.stride(0), programs,
-                                                          **consts)
-        return _TMA_KERNELS[pick][grid](*descs, b, out, *norm, M, N, K, out.stride(0), **consts)
-    return _POINTER_KERNELS[pick][grid](x, w, b, out, *norm, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+            return _PERSISTENT_KERNELS[pick][(programs,)](*descs, b, out, M, N, K, out.stride(0), programs, **consts)
+        return _TMA_KERNELS[pick][grid](*descs, b, out, M, N, K, out.stride(0), **consts)
+    return _POINTER_KERNELS[pick][grid](x, w, b, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
                                         SWAP_AB=cfg.swap_ab, **consts)

@@ -163,26 +163,6 @@ def gate_up_silu_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
-def rms_norm_matmul_folded(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
-                           silu_mul: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``matmul_invariant(x, w, bias, norm_weight=, eps=, silu_mul=)``: the product of RMSNorm(x) (weight
-    ``norm_weight``) with w, the norm folded into the product: x times the norm weight rounded once to x's dtype,
-    the product summed in at least fp32 and scaled by each row's 1 / rms (from x itself, in fp32), the bias added,
-    then rounded (and with ``silu_mul``, SiLU·mul of the rounded gate and up halves, as ``gate_up_silu_reference``).
-    x: [T, K], norm_weight: [K], w: [N, K], bias: [N] -> [T, N] ([T, N / 2] with ``silu_mul``). Close to, not
-    bitwise, ``rms_norm`` followed by the product."""
-    acc_dtype = torch.promote_types(x.dtype, torch.float32)
-    xf = x.to(acc_dtype)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    scaled = (xf * norm_weight.to(acc_dtype)).to(x.dtype)
-    acc = (scaled.to(acc_dtype) @ w.to(acc_dtype).T) * rstd
-    out = (acc if bias is None else acc + bias.to(acc_dtype)).to(x.dtype)
-    if not silu_mul:
-        return out
-    gate, up = out.to(acc_dtype).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
-
-
 def all_reduce_sum(parts: list[torch.Tensor]) -> torch.Tensor:
     """The one-shot all-reduce's result: every rank's tensor summed in rank order in fp32,
     rounded once to the storage dtype (so every rank gets the same bits)."""

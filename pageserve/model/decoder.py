@@ -50,10 +50,6 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    # whether the layer may add o_proj's product into the residual stream inside the product
-    # (``DecoderLayer.forward``): not where the product is a partial sum reduced across ranks
-    fold_residual = True
-
     def __init__(self, cfg: ModelConfig, layer: int, ops) -> None:
         super().__init__()
         self.layer = layer
@@ -93,8 +89,6 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    fold_residual = True  # as ``Attention.fold_residual``, for the down product
-
     def __init__(self, cfg: ModelConfig, ops) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
@@ -120,26 +114,9 @@ class DecoderLayer(nn.Module):
         self.lora = None  # LoRASlots (model/lora.py) when the engine serves adapters: the unfused path below
 
     def forward(self, x, residual, positions, cos_sin, attn):
-        # x None: the layer before added its output into the residual stream itself (``input_norm_fold_for``),
-        # so the stream is this layer's input with nothing to add (as the first layer's embeddings)
-        if x is None:
-            x, residual = residual, None
         if self.lora is not None:
             return self._forward_lora(x, residual, positions, cos_sin, attn)
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
-        ops, mlp = self.mlp.ops, self.mlp
-        if self.self_attn.fold_residual and ops.post_norm_fold_for(qkv.shape[0], self.self_attn.o_proj.weight,
-                                                                   mlp.gate_up_proj.weight):
-            # the post-attention norm folded away: o_proj adds into the residual stream (the layer's own
-            # tensor), gate_up normalises its input in its K loop (``TorchOps.post_norm_fold_for``)
-            o = self.self_attn.attend(qkv, positions, cos_sin, attn)
-            residual = ops.residual_linear(o, self.self_attn.o_proj.weight, residual)
-            norm = self.post_attention_layernorm
-            h = ops.norm_gate_up_silu(residual, norm.weight, norm.eps, mlp.gate_up_proj.weight)
-            if mlp.fold_residual and ops.input_norm_fold_for(h.shape[0], mlp.down_proj.weight):
-                # down adds into the residual stream too; the next layer's qkv (or the final norm) normalises it
-                return None, ops.residual_linear(h, mlp.down_proj.weight, residual)
-            return mlp(h, silu_done=True), residual
         x = self.self_attn(qkv, positions, cos_sin, attn)
         silu = self.mlp.ops.silu_in_gate_up_for(x.shape[0], self.mlp.gate_up_proj.weight)
         h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_mul=silu)
@@ -230,7 +207,7 @@ class Decoder(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin, attn)
-        x, _ = self.norm(residual) if x is None else self.norm(x, residual)  # None: DecoderLayer.forward
+        x, _ = self.norm(x, residual)
         return x
 
     @property

@@ -160,10 +160,6 @@ class DeterministicOps(TritonOps):
                  paired_rows: tuple[int, int] | str | None = "auto", **triton_options) -> None:
         # the decode fusions read through the GEMV: off, so silu·down is silu_and_mul + the matmul
         triton_options.setdefault("fuse_silu_down", False)
-        # the folded post-attention norm rounds elsewhere than the norm kernel: never in this mode
-        for fold in ("norm_fold_rows", "input_norm_fold_rows"):
-            if triton_options.setdefault(fold, None) is not None:
-                raise ValueError(f"deterministic mode: {fold} is the default mode's fold (other bits)")
         # its attention is kernels/paged_invariant.py, which takes RoPE and the K/V write itself
         # (``rope_in_attention``): the default decode kernel's fusion is not its
         if triton_options.setdefault("fuse_rope_attention", False):

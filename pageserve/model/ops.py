@@ -80,32 +80,6 @@ class TorchOps:
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return reference.silu_and_mul(gate_up)
 
-    # The post-attention norm folded away (``DecoderLayer.forward``): the o projection adds its product into
-    # the residual stream itself (``residual_linear``) and the gate_up product normalises its input inside
-    # its K loop (``norm_gate_up_silu``): one launch fewer a layer. ``TritonOps`` turns it on for some
-    # decode batches; never here, nor in the deterministic mode (its bits are the unfused path's).
-    def post_norm_fold_for(self, rows: int, o_weight, gate_up_weight) -> bool:
-        """Whether a step of ``rows`` rows takes the folded post-attention norm (the layer's two products)."""
-        return False
-
-    def input_norm_fold_for(self, rows: int, down_weight) -> bool:
-        """Whether a step of ``rows`` rows (which took ``post_norm_fold_for``) also folds the next layer's input
-        norm: down adds into the residual stream (``residual_linear``) and qkv normalises the stream inside its
-        product (``add_rms_norm_linear`` with no residual)."""
-        return False
-
-    def residual_linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + x @ weight^T (no bias), summed before one rounding: the new residual stream [T, H]. May
-        write into ``residual`` (the layer's own, read by nothing else)."""
-        acc_dtype = torch.promote_types(x.dtype, torch.float32)
-        return (residual.to(acc_dtype) + x.to(acc_dtype) @ weight.to(acc_dtype).T).to(x.dtype)
-
-    def norm_gate_up_silu(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                          weight: torch.Tensor) -> torch.Tensor:
-        """SiLU·mul of RMSNorm(h) @ gate|up^T with the norm folded into the product
-        (``reference.rms_norm_matmul_folded``): [T, I]."""
-        return reference.rms_norm_matmul_folded(h, norm_weight, eps, weight, silu_mul=True)
-
     # Where the MLP's SiLU·mul runs: False, in the down projection (``silu_mul_linear``, which a
     # backend may fuse into its down GEMV); True, in the gate_up projection's epilogue
     # (``gate_up_silu_mul``, then a plain ``linear`` for down: ``DeterministicOps``).

@@ -212,16 +212,12 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
 class ParallelAttention(Attention):
     """Attention over this rank's heads; o_proj's partial sums are all-reduced."""
 
-    fold_residual = False  # a partial sum: the residual is added after the all-reduce
-
     def forward(self, qkv, positions, cos_sin, attn):
         return all_reduce(super().forward(qkv, positions, cos_sin, attn))
 
 
 class ParallelMLP(MLP):
     """SwiGLU over this rank's slice of the intermediate width; down_proj all-reduced."""
-
-    fold_residual = False  # a partial sum: the residual is added after the all-reduce
 
     def forward(self, h, silu_done: bool | None = None):
         return all_reduce(super().forward(h, silu_done))

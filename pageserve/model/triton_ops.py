@@ -76,12 +76,6 @@ ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 128)
 # (diagnostics/gate_up_silu_probe_c3d080f.*): 2,048 rows 253 vs 269 us, 4,096 487 vs 607, 8,192 974 vs 1,203 (cuBLAS's
 # product alone 943); the non-persistent tile lost at 129-512 rows (..._83d553f.*). Hopper only, where it was measured.
 PAIRED_SILU_ROWS = (2048, 1 << 30)
-# decode steps whose post-attention norm is folded away (``DecoderLayer.forward``): o_proj adds its product into
-# the residual stream in cuBLAS's epilogue (beta = 1) and the gate_up product (``GATE_UP_SILU_ROWS``' invariant
-# matmul) normalises its x tiles in its K loop, so the add + RMSNorm kernel between them does not run. Where the
-# gate_up product runs that kernel (Hopper): a launch of ~1.8 us a layer at 64 rows (H100, profile_steps at
-# b8a2849); NOTES.md, session 56, has the A/B.
-NORM_FOLD_ROWS = GATE_UP_SILU_ROWS
 
 
 def _row_range(name: str, value, auto: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -135,14 +129,6 @@ class TritonOps(TorchOps):
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
     of cuBLAS followed by the SiLU·mul kernel; float weights only. "auto" (default): ``GATE_UP_SILU_ROWS``
     on Hopper GPUs (sm_90+, measured on the H200), None elsewhere (GPUs not measured, the interpreter).
-    ``norm_fold_rows``: (lo, hi) or None: steps of lo..hi rows (within ``gate_up_silu_rows``) fold the
-    post-attention add + RMSNorm into the products around it (``post_norm_fold_for``): o_proj adds into
-    the residual stream (cuBLAS, beta = 1), the gate_up product normalises its x tiles in its K loop
-    (``matmul_invariant(norm_weight=)``). Float weights only. "auto" (default): ``NORM_FOLD_ROWS`` on Hopper.
-    ``input_norm_fold_rows``: (lo, hi) or None: steps of lo..hi rows (within ``norm_fold_rows``) fold the
-    next layer's add + RMSNorm too: down adds into the residual stream (cuBLAS, beta = 1) and qkv runs the
-    invariant matmul with the norm in its K loop (and the bias), in place of the norm kernel + cuBLAS.
-    None (default) until measured.
 
     Launch settings, held by this object and passed to every kernel call (two objects with
     different settings run side by side):
@@ -193,9 +179,7 @@ class TritonOps(TorchOps):
                  chunk_attention: bool | str = "auto", decode_schedule: str = "auto",
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto",
                  paired_silu_rows: tuple[int, int] | str | None = "auto",
-                 paired_silu_config: InvariantMatmulConfig | None = None,
-                 norm_fold_rows: tuple[int, int] | str | None = "auto",
-                 input_norm_fold_rows: tuple[int, int] | str | None = None) -> None:
+                 paired_silu_config: InvariantMatmulConfig | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -250,9 +234,6 @@ class TritonOps(TorchOps):
         hopper = torch.cuda.is_available() and not interpreting() and torch.cuda.get_device_capability()[0] >= 9
         self.gate_up_silu_rows = _row_range("gate_up_silu_rows", gate_up_silu_rows, GATE_UP_SILU_ROWS if hopper else None)
         self.paired_silu_rows = _row_range("paired_silu_rows", paired_silu_rows, PAIRED_SILU_ROWS if hopper else None)
-        self.norm_fold_rows = _row_range("norm_fold_rows", norm_fold_rows, NORM_FOLD_ROWS if hopper else None)
-        self.input_norm_fold_rows = _row_range("input_norm_fold_rows", input_norm_fold_rows,
-                                               NORM_FOLD_ROWS if hopper else None)
         if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
             raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
         self.paired_silu_config = paired_silu_config
@@ -357,34 +338,6 @@ class TritonOps(TorchOps):
 
     def silu_in_gate_up_for(self, rows: int, weight) -> bool:
         return self.silu_in_gate_up or self._gate_up_silu_fits(rows, weight) or self._paired_silu_fits(rows, weight)
-
-    def post_norm_fold_for(self, rows: int, o_weight, gate_up_weight) -> bool:
-        r = self.norm_fold_rows
-        return (r is not None and r[0] <= rows <= r[1] and self._gate_up_silu_fits(rows, gate_up_weight)
-                and not isinstance(o_weight, QuantizedWeight))
-
-    def input_norm_fold_for(self, rows: int, down_weight) -> bool:
-        r = self.input_norm_fold_rows
-        return r is not None and r[0] <= rows <= r[1] and not isinstance(down_weight, QuantizedWeight)
-
-    def add_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias, silu_mul=False):
-        if (residual is None and not silu_mul and self.input_norm_fold_for(x.shape[0], weight)
-                and x.dim() == 2 and x.shape[0] >= 2):
-            # the stream with nothing to add (``input_norm_fold_for``): the norm inside the qkv product
-            x = x if x.stride(-1) == 1 else x.contiguous()
-            return matmul_invariant(x, weight, bias, pdl=self.pdl_for(x.shape[0]), specialize=False,
-                                    norm_weight=norm_weight, eps=eps), x
-        return super().add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias, silu_mul)
-
-    def residual_linear(self, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        # cuBLAS with beta = 1 into the residual itself: the product and the add in one launch, one rounding
-        return residual.addmm_(x, weight.t())
-
-    def norm_gate_up_silu(self, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                          weight: torch.Tensor) -> torch.Tensor:
-        h = h if h.stride(-1) == 1 else h.contiguous()
-        return matmul_invariant(h, weight, None, pdl=self.pdl_for(h.shape[0]), silu_mul=True, specialize=False,
-                                norm_weight=norm_weight, eps=eps)
 
     def gate_up_silu_mul(self, x: torch.Tensor, weight) -> torch.Tensor:
         if not self._gate_up_silu_fits(x.shape[0], weight):
