@@ -190,6 +190,11 @@ for st in $stages; do
     shrinkprobe) # LoRA's shrink kernel per 3B projection and config against the reference (scripts/lora_shrink_probe.py)
         timeout "$t" python3 scripts/lora_shrink_probe.py --out "$RES/diagnostics/lora" ${SHRINK_PROBE_ARGS:-} > "$RES/lora_shrink_probe.log" 2>&1
         echo "shrinkprobe rc=$?"; tail -n 16 "$RES/lora_shrink_probe.log" ;;
+    vllmprof) # vLLM's decode step kernel by kernel (scripts/vllm_step_profile.py; VLLM_PROF_ARGS: --batches, --context)
+        [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
+          || echo "vllmprof: vLLM install failed"
+        VLLM_USE_FLASHINFER_SAMPLER=0 timeout "$t" python3 scripts/vllm_step_profile.py --out "$RES/diagnostics" ${VLLM_PROF_ARGS:-} \
+          > "$RES/vllm_step_profile.log" 2>&1; echo "vllmprof rc=$?"; grep -v -E "^(INFO|WARNING|DEBUG)" "$RES/vllm_step_profile.log" | tail -n 40 ;;
     vllmcost) timeout "$t" python3 scripts/vllm_cost.py --out "$RES/diagnostics" ${VLLM_COST_ARGS:-} > "$RES/vllm_cost.log" 2>&1
               echo "vllmcost rc=$?"; grep -E "Error|error|vllm_" "$RES/vllm_cost.log" | tail -n 20 ;;
     invsweep) timeout "$t" python3 scripts/invariant_sweep.py --out "$RES/diagnostics" --ms "${INV_SWEEP_MS:-1,16,64,128,256,512,1024,4096,8192}" ${INV_SWEEP_SHAPES:+--shapes "$INV_SWEEP_SHAPES"} ${INV_SWEEP_ARGS:-} \

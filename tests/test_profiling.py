@@ -453,3 +453,15 @@ def test_kernels_are_named_by_their_place_after_the_layers_attention_kernel():
     avg = average_chain_shares([one, one])
     assert avg["span_us"] == pytest.approx(one["span_us"])
     assert avg["kernels"]["mm @3"]["share_us"] == pytest.approx(0.02) and avg["kernels"]["mm @3"]["launches"] == 2
+
+
+def test_difference_per_step_keeps_what_the_extra_steps_add():
+    from pageserve.lab.profiling import KernelRow, difference_per_step
+    base = [KernelRow("prefill_gemm", 900.0, 36), KernelRow("attn", 40.0, 36), KernelRow("argmax", 5.0, 1)]
+    full = [KernelRow("prefill_gemm", 900.0, 36), KernelRow("attn", 40.0 + 32 * 20.0, 36 + 32 * 36),
+            KernelRow("decode_gemm", 32 * 100.0, 32 * 72), KernelRow("argmax", 5.0 + 32 * 3.0, 33)]
+    rows = difference_per_step(full, base, 32)
+    assert [(r.name, r.us, r.launches) for r in rows] == [("decode_gemm", 100.0, 72), ("attn", 20.0, 36),
+                                                          ("argmax", 3.0, 1)]
+    with pytest.raises(ValueError, match="steps"):
+        difference_per_step(full, base, 0)

@@ -201,6 +201,22 @@ def profile_kernels(fn: Callable[[], object], repeats: int = 1) -> list[KernelRo
     return sorted(rows, key=lambda r: -r.us)
 
 
+def difference_per_step(full: Iterable[KernelRow], base: Iterable[KernelRow], steps: int) -> list[KernelRow]:
+    """The kernels ``steps`` more steps add: per kernel name, (full - base) device time and launches divided by
+    ``steps``, largest first; names whose time does not grow are left out. For a peer whose steps cannot be
+    profiled one by one (vLLM's ``generate`` of 1 + steps tokens against 1 token: the prefill cancels)."""
+    if steps <= 0:
+        raise ValueError(f"steps must be positive, got {steps}")
+    before = {r.name: r for r in base}
+    rows = []
+    for r in full:
+        b = before.get(r.name)
+        us = r.us - (b.us if b else 0.0)
+        if us > 0:
+            rows.append(KernelRow(r.name, us / steps, round((r.launches - (b.launches if b else 0)) / steps)))
+    return sorted(rows, key=lambda r: -r.us)
+
+
 def by_category(rows: Iterable[KernelRow]) -> dict[str, float]:
     """Microseconds per category (every category present, 0.0 where nothing ran)."""
     out = dict.fromkeys(CATEGORIES, 0.0)
