@@ -41,6 +41,11 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 XDIST=""; python3 -c "import xdist" 2>/dev/null && XDIST="-n ${PYTEST_WORKERS:-4}"
 echo "pytest workers: ${XDIST:-one process}"
 
+install_vllm() {  # install_vllm <stage>: vLLM into /tmp/site from the pieces in /tmp/acc, once per machine
+    [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
+      || echo "$1: vLLM install failed; running without it"  # install.sh: scripts/vllm_resplit.sh's pieces
+}
+
 run_nb() {  # run_nb <seconds> <name> [papermill -p args...]
   local limit=$1 name=$2; shift 2
   local t0=$(date +%s)
@@ -133,8 +138,7 @@ for st in $stages; do
         # 518 s at 3eef1891 (one process per engine); now two per engine for pageserve and vLLM (prefix
         # caching off / on) and per-workload warm-ups, so HF on 32 W1 requests and 12 s per rate: predicted
         # ~560 s. Run it alone (08:585); if it times out, drop hf_generate from ENGINES.
-        [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
-          || echo "08: vLLM install failed; running without it"  # install.sh: scripts/vllm_resplit.sh's pieces
+        install_vllm 08
         [ -d .vllmx ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .vllmx/*.whl  # scripts/vllm_extra_wheels.sh
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 \
           -y 'ENGINES: [pageserve, vllm, hf_generate_batch, hf_generate]' -y 'SERVE_ENGINES: [pageserve, vllm]' \
@@ -191,8 +195,7 @@ for st in $stages; do
         timeout "$t" python3 scripts/lora_shrink_probe.py --out "$RES/diagnostics/lora" ${SHRINK_PROBE_ARGS:-} > "$RES/lora_shrink_probe.log" 2>&1
         echo "shrinkprobe rc=$?"; tail -n 16 "$RES/lora_shrink_probe.log" ;;
     vllmprof) # vLLM's decode step kernel by kernel (scripts/vllm_step_profile.py; VLLM_PROF_ARGS: --batches, --context)
-        [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
-          || echo "vllmprof: vLLM install failed"
+        install_vllm vllmprof
         VLLM_USE_FLASHINFER_SAMPLER=0 timeout "$t" python3 scripts/vllm_step_profile.py --out "$RES/diagnostics" ${VLLM_PROF_ARGS:-} \
           > "$RES/vllm_step_profile.log" 2>&1; echo "vllmprof rc=$?"; grep -v -E "^(INFO|WARNING|DEBUG)" "$RES/vllm_step_profile.log" | tail -n 40 ;;
     vllmcost) timeout "$t" python3 scripts/vllm_cost.py --out "$RES/diagnostics" ${VLLM_COST_ARGS:-} > "$RES/vllm_cost.log" 2>&1
@@ -236,8 +239,7 @@ for st in $stages; do
     08tput) # issue 14's comparison alone (results/h200/08_throughput.*): pageserve and vLLM offline, defaults on
         # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving.
         # One engine, another record name: TPUT08_ENGINES='[vllm]' TPUT08_RECORD=08_throughput_vllm_cold
-        [ -d /tmp/site/vllm ] || (cd /tmp/acc && if [ -f install.sh ]; then bash install.sh; else bash .vllm3/install.sh; fi) \
-          || echo "08tput: vLLM install failed; running without it"  # install.sh: scripts/vllm_resplit.sh's pieces
+        install_vllm 08tput
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME "${TPUT08_RECORD:-08_throughput}" \
           -y "ENGINES: ${TPUT08_ENGINES:-[pageserve, vllm]}" -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
           -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: []' -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \

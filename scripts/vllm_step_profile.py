@@ -7,7 +7,8 @@ vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the profiler
 included), Qwen2.5-3B shape, bf16, dummy weights, its defaults otherwise (``gpu_memory_utilization`` 0.85,
 ``max_model_len`` 4096, as 08's). A step cannot be profiled alone through ``LLM.generate``, so for each batch
 the script profiles ``generate`` of ``batch`` random ``context``-token prompts to 1 token and to 1 + ``steps``
-tokens, and keeps what the extra steps add (``lab.profiling.difference_per_step``): per kernel, device µs and
+tokens (the same prompts each time: after the first call vLLM's prefix cache serves them in both, so their
+prefill cancels all the more), and keeps what the extra steps add (``lab.profiling.difference_per_step``): per kernel, device µs and
 launches a step. The wall time a step (``decode_ms``, by the same subtraction, unprofiled: 08's figure) comes
 with it. Writes ``vllm_step_profile.json`` (``batches.<b>.kernels``: name, category, us, launches;
 ``categories_us``; ``kernel_us``; ``decode_ms``) and prints the top kernels. pageserve's side is
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pageserve.lab.peers import VllmRunner  # noqa: E402
+from pageserve.lab.peers import VllmRunner, workload_vocab  # noqa: E402
 from pageserve.lab.profiling import by_category, difference_per_step, profile_kernels  # noqa: E402
 from pageserve.lab.results import provenance  # noqa: E402
 
@@ -49,7 +50,7 @@ def main() -> None:
     t0 = time.perf_counter()
     runner = VllmRunner(a.model, dtype="bfloat16", gpu_memory_utilization=0.85, max_model_len=4096)
     rec["startup_s"] = time.perf_counter() - t0
-    vocab = 32000
+    vocab = workload_vocab(a.model)
     gen = torch.Generator().manual_seed(0)
     for b in (int(x) for x in a.batches.split(",")):
         prompts = torch.randint(0, vocab, (b, a.context), generator=gen).tolist()
