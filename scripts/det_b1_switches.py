@@ -88,6 +88,12 @@ VARIANTS = {
     # the add + RMSNorm folded into o_proj's beta and gate_up's / qkv's K loop) at 1c6cfef only: slower at every batch
     # session 34: decode steps' RoPE and K/V write as rope_kv's launch before the attention (as before), not
     # inside the decode attention's launch (kernels.paged_decode.rope_decode_attention, the default since)
+    # session 57: o / down as K slices in one batched cuBLAS call, summed by the next add + RMSNorm instead of
+    # cuBLAS's own split-K reduce launch (TritonOps(split_to_norm_rows=, split_to_norm=))
+    "default_split_down2": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 2}}),
+    "default_split_down4": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 4}}),
+    "default_split_down8": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 8}}),
+    "default_split_down4_o2": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 4, "o": 2}}),
     "default_no_rope_attention": (False, {"fuse_rope_attention": False}),
     "int8_no_rope_attention": (False, {"fuse_rope_attention": False}, "int8"),
     "default_rope_attention_9_up": (False, {"fuse_rope_attention": (9, 1 << 30)}),  # not in steps under PDL

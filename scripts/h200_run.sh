@@ -9,7 +9,7 @@
 # or, better, run scripts/stamp_commit.sh here first and carry .run_stamp (no sha typed by hand),
 # with both computed here, where the repository is: `git rev-parse HEAD` and
 # `git status --porcelain | grep -c .` (the copy on the device has no trustworthy .git).
-# Stages: tests pytest replayprobe structured spec beambench specoracle lora shrinkprobe cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
+# Stages: tests pytest splitnorm replayprobe structured spec beambench specoracle lora shrinkprobe cublasbits cublasband cublaslt tp2tests tpsmoke (2 GPUs) tunableop vllmcost dettests detbench detm1 planes detb1 detw1 argmaxab detattn invsweep profile_steps prefill_sweep prefillprobe gusprobe timeline overlap gemmfirst w1prof int8tests skinny 08serve 08tput w1defaults 01 02 03 04 05 06a 06b 06c 07 08 09 w1diag switches sweep_m1 decode_switches profile attn_sweep (no default: name every stage).
 # Each call costs its wall time plus ~60 s (start, transfers, release); a 30-minute session fits
 # about 1,400 s of stages. Seen on the H200: tests 115 s, 01 74, 02 129, 03 78, 04 128, 05 75,
 # 06a 22, cublasbits ~50 (bf16 timings + fp16 bits), 06c (2 GPUs: run on nvidia-h200-x2; ~240 predicted, results to results/h200x2/), 07 (serving, 3 x 60 s of arrivals) ~330 predicted, switches ~60, sweep_m1 ~70, decode_switches ~60, profile ~40, attn_sweep ~30, 09 (real weights) 264 s on a machine
@@ -105,6 +105,9 @@ for st in $stages; do
     replayprobe) # does what runs between two decode graph replays change the next one's time (scripts/replay_after_probe.py)
         timeout "$t" python3 scripts/replay_after_probe.py --out "$RES/diagnostics" ${REPLAY_PROBE_ARGS:-} > "$RES/replay_after_probe.log" 2>&1
         echo "replayprobe rc=$?"; grep -E "^b[0-9]|Error" "$RES/replay_after_probe.log" | tail -n 40 ;;
+    splitnorm) # o / down as K slices summed by the next norm vs cuBLAS + the norm (scripts/split_norm_probe.py; SPLIT_NORM_ARGS)
+        timeout "$t" python3 scripts/split_norm_probe.py --out "$RES/diagnostics" ${SPLIT_NORM_ARGS:-} > "$RES/split_norm_probe.log" 2>&1
+        echo "splitnorm rc=$?"; tail -n 12 "$RES/split_norm_probe.log" ;;
     timeline) timeout "$t" python3 scripts/step_timeline.py --out "$RES/diagnostics" ${TIMELINE_ARGS:-} > "$RES/step_timeline.log" 2>&1
               echo "timeline rc=$?"; tail -n 8 "$RES/step_timeline.log" ;;
     int8tests) # the real-model accuracy test needs the carried GGUF (no package index here to fetch it)

@@ -370,3 +370,119 @@ def test_rope_in_decode_attention_follows_each_modes_switch(gen):
     assert DeterministicOps().rope_in_decode_attention(q, meta)  # 2 rows: inside the invariant launch
     assert not DeterministicOps(rope_in_attention=1).rope_in_decode_attention(q, meta)
     assert not TorchOps().rope_in_decode_attention(q, meta)
+
+
+# ---------------------------------------------------------------- o / down as K slices, summed by the next norm
+SPLIT_DTYPES = DTYPES + [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES)
+@pytest.mark.parametrize("slices", [1, 2, 3])
+@pytest.mark.parametrize("residual", [True, False])
+def test_the_norms_sum_a_split_sum_in_slice_order_and_round_once_before_the_residual_add(slices, residual, dtype, gen):
+    from pageserve.kernels import add_rms_norm, reference, rms_norm
+    from pageserve.kernels.norm import SplitSum
+
+    T, H = 5, 96
+    # slices of very different magnitudes: another summing order or a missing rounding shows in the bits
+    scale = torch.logspace(-3, 3, slices)[:, None, None]
+    parts = (torch.randn(slices, T, H, generator=gen) * scale).to(DEVICE)
+    r = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(H, generator=gen)).to(DEVICE, dtype)
+    summed = reference.split_sum(parts, dtype)  # in slice order, rounded once to dtype
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the interpreter converts fp32 to bf16 by truncation, torch rounds: bits only on the GPU "
+                    "(fp16 and fp32 check them here)")
+    if residual:
+        got, got_res = add_rms_norm(SplitSum(parts, dtype), r, w, 1e-6)
+        want, want_res = add_rms_norm(summed, r, w, 1e-6)
+        assert torch.equal(got_res, want_res)
+        ref = reference.add_rms_norm(summed, r, w, 1e-6)[0]
+    else:
+        got, want = rms_norm(SplitSum(parts, dtype), w, 1e-6), rms_norm(summed, w, 1e-6)
+        ref = reference.rms_norm(summed, w, 1e-6)
+    assert got.dtype == dtype and got.shape == (T, H)
+    assert torch.equal(got, want)
+    _ok(checks.rel_err(got, ref), dtype)
+
+
+def test_a_split_sum_the_norm_cannot_read_is_refused_clearly():
+    from pageserve.kernels import add_rms_norm
+    from pageserve.kernels.norm import SplitSum
+
+    parts = torch.randn(2, 3, 16).to(DEVICE)
+    w, r = torch.ones(16).to(DEVICE), torch.zeros(3, 16).to(DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rms_norm(SplitSum(parts.transpose(1, 2).contiguous().transpose(1, 2), torch.float32), r, w, 1e-6)
+    with pytest.raises(ValueError, match="x.parts"):
+        add_rms_norm(SplitSum(parts.to(torch.bfloat16), torch.float32), r, w, 1e-6)
+    with pytest.raises(ValueError, match="x.dtype"):
+        add_rms_norm(SplitSum(parts, torch.int32), r, w, 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(SplitSum(parts, torch.float32), r[:2], w, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES)
+@pytest.mark.parametrize("slices", [2, 3])
+def test_split_products_are_each_k_slices_product_in_fp32(slices, dtype, gen):
+    from pageserve.kernels import reference
+
+    x = torch.randn(5, 48, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(20, 48, generator=gen).to(DEVICE, dtype)
+    parts = triton_ops.split_products(x, w, slices)
+    assert parts.dtype == dtype and parts.shape == (5, 20) and parts.parts.dtype == torch.float32
+    assert parts.parts.shape == (slices, 5, 20) and parts.parts.is_contiguous()
+    ks = 48 // slices
+    for s in range(slices):
+        want = x[:, s * ks:(s + 1) * ks].double() @ w[:, s * ks:(s + 1) * ks].double().T
+        assert checks.rel_err(parts.parts[s], want) < 1e-5, s
+    # summed, the slices are the product, at the dtype's rounding
+    _ok(checks.rel_err(reference.split_sum(parts.parts, dtype), reference.linear(x, w, None)), dtype)
+
+
+def test_split_to_norm_leaves_o_and_down_as_k_slices_for_the_norms_after_them(monkeypatch):
+    # TritonOps(split_to_norm_rows=(2, 4), split_to_norm={"o": 2, "down": 3}): in 2-4 row steps o's and down's
+    # products come back as K slices (one batched call each) and the norms after them (this layer's, the next
+    # layer's, the final one) sum the slices; 1 row (the GEMV) and 5+ rows as before; int8 weights and the
+    # deterministic ops never; logits as the reference's throughout
+    import copy
+
+    from pageserve.model.deterministic_ops import DeterministicOps
+    from pageserve.model.quant import quantize_model
+
+    cfg, model = _small_decoder(seed=10)
+    calls = []
+    real = triton_ops.split_products
+    monkeypatch.setattr(triton_ops, "split_products",
+                        lambda x, w, s: calls.append((x.shape[0], w.shape[1], s)) or real(x, w, s))
+
+    def run(m, ops, rows):
+        return _decode_logits(m, cfg, ops, rows, cache_seed=11)
+
+    ops = TritonOps(split_to_norm_rows=(2, 4), split_to_norm={"o": 2, "down": 3}, gate_up_silu_rows=(2, 4),
+                    tuned_configs=False)
+    o_k, down_k = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+    for rows in (1, 3, 6):
+        calls.clear()
+        assert checks.rel_err(run(model, ops, rows), run(model, TorchOps(), rows)) < 1e-5, rows
+        assert calls == ([(rows, o_k, 2), (rows, down_k, 3)] * cfg.num_layers if rows == 3 else []), (rows, calls)
+    # a slice count that does not divide K leaves that product whole
+    calls.clear()
+    run(model, TritonOps(split_to_norm_rows=(2, 4), split_to_norm={"o": 5, "down": 3}, gate_up_silu_rows=(2, 4),
+                         tuned_configs=False), 3)
+    assert calls == [(3, down_k, 3)] * cfg.num_layers
+    qmodel = quantize_model(copy.deepcopy(model), "int8")  # int8 weights keep their own kernels
+    calls.clear()
+    assert checks.rel_err(run(qmodel, ops, 3), run(qmodel, TorchOps(), 3)) < 1e-5
+    assert calls == []
+    det = DeterministicOps()  # whatever its split settings say, its products stay whole (and invariant)
+    det.split_to_norm_rows, det.split_to_norm = (1, 64), {"o": 2, "down": 2}
+    x = torch.randn(3, 64).to(DEVICE)
+    assert isinstance(det.linear_to_norm(x, torch.randn(8, 64).to(DEVICE), "down"), torch.Tensor)
+    assert isinstance(TorchOps().linear_to_norm(x, torch.randn(8, 64).to(DEVICE), "down"), torch.Tensor)
+    for bad in ({"q": 2}, {"down": 0}, {"down": 2.0}):
+        with pytest.raises(ValueError, match="split_to_norm"):
+            TritonOps(split_to_norm=bad)
+    with pytest.raises(ValueError, match="split_to_norm_rows"):
+        TritonOps(split_to_norm_rows=(0, 4))
+    assert TritonOps(tuned_configs=False).split_to_norm_rows == triton_ops.SPLIT_TO_NORM_ROWS

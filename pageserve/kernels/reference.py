@@ -29,6 +29,26 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def split_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> torch.Tensor:
+    """x [T, K] @ weight [N, K]^T over ``slices`` equal K slices, each product kept in fp32 ->
+    [slices, T, N] (slice s: columns [s K / slices, (s + 1) K / slices)). In fp32 here; on the GPU one
+    batched cuBLAS call with fp32 outputs (``model.triton_ops.split_products``)."""
+    T, K = x.shape
+    ks = K // slices
+    xs = x.float().reshape(T, slices, ks).transpose(0, 1)  # [slices, T, ks]
+    ws = weight.float().reshape(weight.shape[0], slices, ks).permute(1, 2, 0)  # [slices, ks, N]
+    return torch.bmm(xs, ws)
+
+
+def split_sum(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A product from its K slices' fp32 partials [slices, T, N]: added in slice order, rounded once
+    to ``dtype`` -> [T, N] (what ``norm``'s kernels do with a ``SplitSum`` before the residual add)."""
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc.to(dtype)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     # gate_up: [T, 2I] -> [T, I]
     gate, up = gate_up.chunk(2, dim=-1)

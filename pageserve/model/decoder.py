@@ -65,9 +65,13 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
-        # qkv: [T, (Hq + 2 Hkv) D], the qkv_proj output (the layer fuses that projection with its norm)
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext,
+                defer_sum: bool = False):
+        # qkv: [T, (Hq + 2 Hkv) D], the qkv_proj output (the layer fuses that projection with its norm).
+        # defer_sum: the caller's only use of the output is the next add + RMSNorm (``ops.linear_to_norm``)
         o = self.attend(qkv, positions, cos_sin, attn)
+        if defer_sum:
+            return self.ops.linear_to_norm(o, self.o_proj.weight, "o")
         return self.ops.linear(o, self.o_proj.weight, None)
 
     def attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, attn: AttentionContext):
@@ -95,11 +99,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, h: torch.Tensor, silu_done: bool | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, silu_done: bool | None = None, defer_sum: bool = False) -> torch.Tensor:
         # h: the gate_up_proj output [T, 2I] (the layer fuses that projection with its norm), or,
         # where the ops put SiLU·mul in that projection (``silu_done``; None: ``ops.silu_in_gate_up``),
-        # SiLU(gate) * up [T, I]
+        # SiLU(gate) * up [T, I]. defer_sum: as ``Attention.forward``'s
         if self.ops.silu_in_gate_up if silu_done is None else silu_done:
+            if defer_sum:
+                return self.ops.linear_to_norm(h, self.down_proj.weight, "down")  # [T, H] or its K slices
             return self.ops.linear(h, self.down_proj.weight, None)  # [T, H]
         return self.ops.silu_mul_linear(h, self.down_proj.weight)  # [T, H]
 
@@ -117,10 +123,12 @@ class DecoderLayer(nn.Module):
         if self.lora is not None:
             return self._forward_lora(x, residual, positions, cos_sin, attn)
         qkv, residual = self.input_layernorm.project(x, residual, self.self_attn.qkv_proj)
-        x = self.self_attn(qkv, positions, cos_sin, attn)
+        # o's and down's outputs go only to the next add + RMSNorm (this layer's, the next layer's or the final
+        # one): the ops may leave them as K slices for that norm to sum (``ops.linear_to_norm``)
+        x = self.self_attn(qkv, positions, cos_sin, attn, defer_sum=True)
         silu = self.mlp.ops.silu_in_gate_up_for(x.shape[0], self.mlp.gate_up_proj.weight)
         h, residual = self.post_attention_layernorm.project(x, residual, self.mlp.gate_up_proj, silu_mul=silu)
-        return self.mlp(h, silu_done=silu), residual
+        return self.mlp(h, silu_done=silu, defer_sum=True), residual
 
     def _forward_lora(self, x, residual, positions, cos_sin, attn):
         if self.lora.fused_for(self.mlp.ops):

@@ -226,6 +226,10 @@ class DeterministicOps(TritonOps):
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return TorchOps.head(self, x, weight, out)  # this class's ``linear``, then the copy
 
+    def linear_to_norm(self, x: torch.Tensor, weight, which: str) -> torch.Tensor:
+        # never K slices summed by the norm (``TritonOps(split_to_norm=)``): the product is this class's ``linear``
+        return self.linear(x, weight, None)
+
     def cublas_rows_for(self, device: torch.device) -> tuple[int, int] | None:
         """``cublas_rows`` resolved for a device ("auto": ``CUBLAS_ROWS`` on CUDA)."""
         if self.cublas_rows != "auto":

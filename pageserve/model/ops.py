@@ -45,6 +45,13 @@ class TorchOps:
             return reference.linear_int8(x, weight.qweight, weight.scale, bias)
         return reference.linear(x, weight, bias)
 
+    def linear_to_norm(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, which: str):
+        """``linear(x, weight, None)`` for a caller whose only use of the product is the next
+        ``add_rms_norm`` / ``rms_norm`` (a decoder layer's o and down projections, ``which`` "o" /
+        "down"): a backend may hand it back as its K slices' partials for that norm to sum
+        (``TritonOps(split_to_norm=)``, a ``kernels.norm.SplitSum``). Here: the product."""
+        return self.linear(x, weight, None)
+
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, width: int,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0, silu_mul: bool = False,
                     counters: torch.Tensor | None = None) -> torch.Tensor:

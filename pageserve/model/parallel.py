@@ -212,15 +212,15 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
 class ParallelAttention(Attention):
     """Attention over this rank's heads; o_proj's partial sums are all-reduced."""
 
-    def forward(self, qkv, positions, cos_sin, attn):
-        return all_reduce(super().forward(qkv, positions, cos_sin, attn))
+    def forward(self, qkv, positions, cos_sin, attn, defer_sum: bool = False):
+        return all_reduce(super().forward(qkv, positions, cos_sin, attn))  # the all-reduce needs the sum
 
 
 class ParallelMLP(MLP):
     """SwiGLU over this rank's slice of the intermediate width; down_proj all-reduced."""
 
-    def forward(self, h, silu_done: bool | None = None):
-        return all_reduce(super().forward(h, silu_done))
+    def forward(self, h, silu_done: bool | None = None, defer_sum: bool = False):
+        return all_reduce(super().forward(h, silu_done))  # the all-reduce needs the sum
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -12,14 +12,14 @@ from collections.abc import Mapping
 import torch
 
 from ..kernels import (SPLIT_K_MODES, add_rms_norm, gemv, interpreting, load_device_configs, matmul_invariant,
-                       chunk_prefill_attention, paged_decode_attention, paged_prefill_attention, rms_norm, rotary,
-                       rope_decode_attention, rotary_write_kv,
-                       silu_and_mul, silu_mul_gemv, write_kv)
+                       reference, chunk_prefill_attention, paged_decode_attention, paged_prefill_attention, rms_norm,
+                       rotary, rope_decode_attention, rotary_write_kv, silu_and_mul, silu_mul_gemv, write_kv)
 from ..kernels.gate_up_silu import gate_up_silu
 from ..kernels.matmul_invariant import InvariantMatmulConfig
 from ..kernels.gemv_int8 import dequantize_int8, gemm_int8, gemv_int8, load_int8_device_configs, silu_mul_gemv_int8
 from ..kernels.int8_planes import PLANES_MAX_M, gemv_int8_planes, silu_mul_gemv_int8_planes
 from ..kernels.lora import lora_shrink
+from ..kernels.norm import SplitSum
 from ..kernels.int8_planes import supported as planes_supported
 from ..kernels._util import PDL_MAX_TOKENS, PDL_MODES, mma_dot_for
 from ..kernels.paged_decode import SCHEDULES as _KERNEL_SCHEDULES
@@ -76,6 +76,30 @@ ROPE_ATTENTION_ROWS = (PDL_MAX_TOKENS + 1, 128)
 # (diagnostics/gate_up_silu_probe_c3d080f.*): 2,048 rows 253 vs 269 us, 4,096 487 vs 607, 8,192 974 vs 1,203 (cuBLAS's
 # product alone 943); the non-persistent tile lost at 129-512 rows (..._83d553f.*). Hopper only, where it was measured.
 PAIRED_SILU_ROWS = (2048, 1 << 30)
+# ``split_to_norm``: which of a decoder layer's products (o, down) a step of ``split_to_norm_rows`` rows computes
+# as one batched cuBLAS call over this many K slices with fp32 outputs, left unsummed for the add + RMSNorm
+# after it to sum (``kernels.norm.SplitSum``). cuBLAS splits down's K itself at 2-64 rows and sums the slices in a
+# launch of its own (H200 b64: 14.3 us + 1.9 for that reduce a layer, diagnostics/profile_steps_chain_ce246be.*);
+# here the norm does that sum. Off until measured on a GPU (session 57).
+SPLIT_TO_NORM_ROWS = None
+SPLIT_TO_NORM = {"down": 4}
+
+
+def split_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> SplitSum:
+    """x [T, K] @ weight [N, K]^T as ``slices`` K slices' fp32 products in one batched call: a ``SplitSum``
+    of [slices, T, N] (``reference.split_products``'s values; on CUDA cuBLAS's strided-batched GEMM with
+    fp32 outputs, ``torch.bmm(out_dtype=)``, no copy of x or the weight; elsewhere in fp32)."""
+    T, K = x.shape
+    ks = K // slices
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not x.is_cuda:
+        return SplitSum(reference.split_products(x, weight, slices), x.dtype)
+    xs = x.as_strided((slices, T, ks), (ks, x.stride(0), 1))
+    ws = weight.as_strided((slices, ks, weight.shape[0]), (ks, 1, weight.stride(0)))
+    if x.dtype == torch.float32:
+        return SplitSum(torch.bmm(xs, ws), x.dtype)
+    return SplitSum(torch.bmm(xs, ws, out_dtype=torch.float32), x.dtype)
 
 
 def _row_range(name: str, value, auto: tuple[int, int] | None) -> tuple[int, int] | None:
@@ -125,6 +149,12 @@ class TritonOps(TorchOps):
     in the epilogue, no [T, 2I] intermediate) instead of cuBLAS + the SiLU·mul kernel; float weights only.
     "auto" (default): ``PAIRED_SILU_ROWS`` on Hopper, None elsewhere. ``paired_silu_config``: its tile
     (an ``InvariantMatmulConfig``; None: ``gate_up_silu``'s default).
+    ``split_to_norm_rows``: (lo, hi) or None: in steps of lo..hi rows the products named in ``split_to_norm``
+    ({"o": slices, "down": slices}), whose only reader is the next add + RMSNorm (``linear_to_norm``), run as
+    one batched cuBLAS call over that many equal K slices with fp32 outputs (``split_products``); the norm
+    kernel sums the slices in order and rounds once before its residual add (``kernels.norm.SplitSum``), the
+    work of a split-K reduce launch. Float weights, K a multiple of the slices, and not where the one-row
+    GEMV runs. "auto" (default): ``SPLIT_TO_NORM_ROWS``.
     ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
     of cuBLAS followed by the SiLU·mul kernel; float weights only. "auto" (default): ``GATE_UP_SILU_ROWS``
@@ -179,7 +209,9 @@ class TritonOps(TorchOps):
                  chunk_attention: bool | str = "auto", decode_schedule: str = "auto",
                  decode_short_context: int = DECODE_SHORT_CONTEXT, gate_up_silu_rows: tuple[int, int] | str | None = "auto",
                  paired_silu_rows: tuple[int, int] | str | None = "auto",
-                 paired_silu_config: InvariantMatmulConfig | None = None) -> None:
+                 paired_silu_config: InvariantMatmulConfig | None = None,
+                 split_to_norm_rows: tuple[int, int] | str | None = "auto",
+                 split_to_norm: Mapping[str, int] | None = None) -> None:
         if gemv_split_k not in SPLIT_K_MODES:
             raise ValueError(f"gemv_split_k must be one of {SPLIT_K_MODES}, got {gemv_split_k!r}")
         if int8_gemm not in INT8_GEMM_MODES:
@@ -237,6 +269,11 @@ class TritonOps(TorchOps):
         if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
             raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
         self.paired_silu_config = paired_silu_config
+        self.split_to_norm_rows = _row_range("split_to_norm_rows", split_to_norm_rows, SPLIT_TO_NORM_ROWS)
+        split_to_norm = dict(SPLIT_TO_NORM if split_to_norm is None else split_to_norm)
+        if not all(k in ("o", "down") and isinstance(v, int) and v >= 1 for k, v in split_to_norm.items()):
+            raise ValueError(f"split_to_norm must map 'o' / 'down' to slice counts >= 1, got {split_to_norm!r}")
+        self.split_to_norm = split_to_norm
         if not 0 <= pdl_max_rows <= PDL_MAX_TOKENS:
             raise ValueError(f"pdl_max_rows must be in 0..{PDL_MAX_TOKENS}, got {pdl_max_rows}")
         if pdl not in PDL_MODES:
@@ -280,6 +317,14 @@ class TritonOps(TorchOps):
             return gemv(x, weight, bias, split_k=self.gemv_split_k, configs=self.gemv_configs,
                         pdl=self.pdl_for(x.shape[0]))
         return torch.nn.functional.linear(x, weight, bias)
+
+    def linear_to_norm(self, x: torch.Tensor, weight, which: str):
+        slices, r = self.split_to_norm.get(which, 1), self.split_to_norm_rows
+        if (slices > 1 and r is not None and r[0] <= x.shape[0] <= r[1] and x.dim() == 2
+                and not isinstance(weight, QuantizedWeight) and weight.shape[1] % slices == 0
+                and not self._gemv_fits(x)):
+            return split_products(x, weight, slices)
+        return self.linear(x, weight, None)
 
     def head(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # above the GEMV's rows cuBLAS writes the logits into ``out`` itself (the decode graphs' shared
