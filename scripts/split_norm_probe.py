@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from pageserve.kernels import add_rms_norm, reference
-from pageserve.kernels.norm import SplitSum
 from pageserve.lab.kernel_bench.shapes import GEMV_SHAPES
 from pageserve.lab.kernel_bench.timing import graph_us, weight_copies
 from pageserve.lab.results import provenance
