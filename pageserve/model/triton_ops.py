@@ -154,7 +154,7 @@ class TritonOps(TorchOps):
     one batched cuBLAS call over that many equal K slices with fp32 outputs (``split_products``); the norm
     kernel sums the slices in order and rounds once before its residual add (``kernels.norm.SplitSum``), the
     work of a split-K reduce launch. Float weights, K a multiple of the slices, and not where the one-row
-    GEMV runs. "auto" (default): ``SPLIT_TO_NORM_ROWS``.
+    GEMV runs. "auto" (default): ``SPLIT_TO_NORM_ROWS`` on Hopper (where it was measured), None elsewhere.
     ``gate_up_silu_rows``: (lo, hi) or None: steps of lo..hi rows run the MLP's gate_up product with
     SiLU·mul in its epilogue (``kernels.matmul_invariant(silu_mul=True)``, its generic compile) instead
     of cuBLAS followed by the SiLU·mul kernel; float weights only. "auto" (default): ``GATE_UP_SILU_ROWS``
@@ -269,7 +269,8 @@ class TritonOps(TorchOps):
         if paired_silu_config is not None and not isinstance(paired_silu_config, InvariantMatmulConfig):
             raise ValueError(f"paired_silu_config must be None or an InvariantMatmulConfig, got {paired_silu_config!r}")
         self.paired_silu_config = paired_silu_config
-        self.split_to_norm_rows = _row_range("split_to_norm_rows", split_to_norm_rows, SPLIT_TO_NORM_ROWS)
+        self.split_to_norm_rows = _row_range("split_to_norm_rows", split_to_norm_rows,
+                                             SPLIT_TO_NORM_ROWS if hopper else None)
         split_to_norm = dict(SPLIT_TO_NORM if split_to_norm is None else split_to_norm)
         if not all(k in ("o", "down") and isinstance(v, int) and v >= 1 for k, v in split_to_norm.items()):
             raise ValueError(f"split_to_norm must map 'o' / 'down' to slice counts >= 1, got {split_to_norm!r}")
