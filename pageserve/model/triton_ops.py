@@ -80,9 +80,9 @@ PAIRED_SILU_ROWS = (2048, 1 << 30)
 # as one batched cuBLAS call over this many K slices with fp32 outputs, left unsummed for the add + RMSNorm
 # after it to sum (``kernels.norm.SplitSum``). cuBLAS splits down's K itself at 2-64 rows and sums the slices in a
 # launch of its own (H200 b64: 14.3 us + 1.9 for that reduce a layer, diagnostics/profile_steps_chain_ce246be.*);
-# here the norm does that sum. Off until measured on a GPU (session 57).
-SPLIT_TO_NORM_ROWS = None
-SPLIT_TO_NORM = {"down": 4}
+# here the norm does that sum. Measured in session 57 (NOTES.md): on by default on Hopper at 2-64 rows.
+SPLIT_TO_NORM_ROWS = (2, 64)
+SPLIT_TO_NORM = {"down": 2}
 
 
 def split_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> SplitSum:
