@@ -239,7 +239,7 @@ def norm_launches(mode: str, m: Model, rows: int) -> list[Launch]:
     return [Launch(mode, m.name, f"rms_norm{' + residual' if res else ''} H={H}",
                    "pageserve.kernels.norm:_rms_norm_kernel",
                    dict(x_ptr=f, res_ptr=f, w_ptr=f, out_ptr=f, res_out_ptr=f, H=H, stride_x=H, stride_r=H,
-                        stride_o=H, stride_ro=H, eps=1e-6),
+                        stride_o=H, stride_ro=H, stride_part=0, eps=1e-6),
                    dict(HAS_RESIDUAL=res, BLOCK=block, **_pdl_off()), warps, rows=[rows]) for res in (False, True)]
 
 
