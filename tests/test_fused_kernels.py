@@ -466,6 +466,12 @@ def test_split_to_norm_leaves_o_and_down_as_k_slices_for_the_norms_after_them(mo
         calls.clear()
         assert checks.rel_err(run(model, ops, rows), run(model, TorchOps(), rows)) < 1e-5, rows
         assert calls == ([(rows, o_k, 2), (rows, down_k, 3)] * cfg.num_layers if rows == 3 else []), (rows, calls)
+    # beyond the gate_up epilogue's rows down takes the SiLU·mul kernel first, and still goes to the norm in slices
+    wide = TritonOps(split_to_norm_rows=(2, 8), split_to_norm={"o": 2, "down": 3}, gate_up_silu_rows=(2, 4),
+                     tuned_configs=False)
+    calls.clear()
+    assert checks.rel_err(run(model, wide, 6), run(model, TorchOps(), 6)) < 1e-5
+    assert calls == [(6, o_k, 2), (6, down_k, 3)] * cfg.num_layers, calls
     # a slice count that does not divide K leaves that product whole
     calls.clear()
     run(model, TritonOps(split_to_norm_rows=(2, 4), split_to_norm={"o": 5, "down": 3}, gate_up_silu_rows=(2, 4),

@@ -107,7 +107,7 @@ class MLP(nn.Module):
             if defer_sum:
                 return self.ops.linear_to_norm(h, self.down_proj.weight, "down")  # [T, H] or its K slices
             return self.ops.linear(h, self.down_proj.weight, None)  # [T, H]
-        return self.ops.silu_mul_linear(h, self.down_proj.weight)  # [T, H]
+        return self.ops.silu_mul_linear(h, self.down_proj.weight, defer_sum=defer_sum)  # [T, H] (or its K slices)
 
 
 class DecoderLayer(nn.Module):

@@ -316,8 +316,8 @@ class DeterministicOps(TritonOps):
                                self.silu_and_mul(matmul_invariant(x, weight, None, block_m=self.matmul_block_m,
                                                                   specialize=self.matmul_specialize)))
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight) -> torch.Tensor:
-        return self.linear(self.silu_and_mul(gate_up), weight, None)
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight, defer_sum: bool = False) -> torch.Tensor:
+        return self.linear(self.silu_and_mul(gate_up), weight, None)  # never deferred: see linear_to_norm
 
     # SiLU·mul in the gate_up matmul's epilogue up to ``silu_in_gate_up_max_rows`` rows: no [T, 2I]
     # intermediate and no launch of its own, bit for bit the separate kernel's values

@@ -101,9 +101,11 @@ class TorchOps:
         """silu_and_mul(linear(x, weight)): x [T, K], weight the gate|up matrix [2I, K] -> [T, I]."""
         return self.silu_and_mul(self.linear(x, weight, None))
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """linear(silu_and_mul(gate_up), weight), through this object's own two ops."""
-        return self.linear(self.silu_and_mul(gate_up), weight, None)
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor, defer_sum: bool = False):
+        """linear(silu_and_mul(gate_up), weight), through this object's own two ops; with ``defer_sum`` (the
+        caller's only use is the next norm) the product as ``linear_to_norm(..., "down")`` gives it."""
+        act = self.silu_and_mul(gate_up)
+        return self.linear_to_norm(act, weight, "down") if defer_sum else self.linear(act, weight, None)
 
     def rotary(self, q, k, positions, cos_sin) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.rotary(q, k, positions, cos_sin)

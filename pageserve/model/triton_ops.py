@@ -359,7 +359,7 @@ class TritonOps(TorchOps):
         # a fresh [N, K] buffer from the caching allocator: the same block every call of this shape
         return torch.nn.functional.linear(x, dequantize_int8(w.qweight, w.scale), bias)
 
-    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor | QuantizedWeight, defer_sum: bool = False):
         if isinstance(weight, QuantizedWeight):
             fused = self.fuse_silu_down and gate_up.shape[0] <= self.int8_silu_down_rows
             if fused and self._planes_fit(gate_up):
@@ -368,11 +368,11 @@ class TritonOps(TorchOps):
             if fused and self._gemv_fits(gate_up, INT8_GEMV_ROWS):
                 return silu_mul_gemv_int8(gate_up, weight.qweight, weight.scale, split_k=self.gemv_split_k,
                                           configs=self.int8_configs, pdl=self.pdl_for(gate_up.shape[0]))
-            return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then the int8 linear
+            return super().silu_mul_linear(gate_up, weight, defer_sum)  # silu_and_mul kernel, then the int8 linear
         if self.fuse_silu_down and self._gemv_fits(gate_up):
             return silu_mul_gemv(gate_up, weight, split_k=self.gemv_split_k, configs=self.gemv_configs,
                                  pdl=self.pdl_for(gate_up.shape[0]))
-        return super().silu_mul_linear(gate_up, weight)  # silu_and_mul kernel, then linear
+        return super().silu_mul_linear(gate_up, weight, defer_sum)  # silu_and_mul kernel, then linear_to_norm
 
     def _gate_up_silu_fits(self, rows: int, weight) -> bool:
         r = self.gate_up_silu_rows
