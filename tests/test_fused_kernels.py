@@ -438,6 +438,10 @@ def test_split_products_are_each_k_slices_product_in_fp32(slices, dtype, gen):
         assert checks.rel_err(parts.parts[s], want) < 1e-5, s
     # summed, the slices are the product, at the dtype's rounding
     _ok(checks.rel_err(reference.split_sum(parts.parts, dtype), reference.linear(x, w, None)), dtype)
+    # a weight whose rows are not contiguous (a transposed view) gives the same slices
+    w_view = w.T.contiguous().T
+    assert w_view.stride(-1) != 1
+    assert torch.equal(triton_ops.split_products(x, w_view, slices).parts, parts.parts)
 
 
 def test_split_to_norm_leaves_o_and_down_as_k_slices_for_the_norms_after_them(monkeypatch):

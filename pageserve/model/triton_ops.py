@@ -80,7 +80,9 @@ PAIRED_SILU_ROWS = (2048, 1 << 30)
 # as one batched cuBLAS call over this many K slices with fp32 outputs, left unsummed for the add + RMSNorm
 # after it to sum (``kernels.norm.SplitSum``). cuBLAS splits down's K itself at 2-64 rows and sums the slices in a
 # launch of its own (H200 b64: 14.3 us + 1.9 for that reduce a layer, diagnostics/profile_steps_chain_ce246be.*);
-# here the norm does that sum. Measured in session 57 (NOTES.md): on by default on Hopper at 2-64 rows.
+# here the norm does that sum. H100, graphed 3B steps, two alternating pairs: down in 2 slices b64 3.567 -> 3.480 ms,
+# b16 3.189 -> 3.135, b4 2.881 -> 2.861 (diagnostics/det_b1_switches_split_down2_3decee8.*); in 4 slices b64 -0.053,
+# in 8 slower (..._split_norm_3decee8.*). On by default on Hopper (sm_90+, where it was measured) at 2-64 rows.
 SPLIT_TO_NORM_ROWS = (2, 64)
 SPLIT_TO_NORM = {"down": 2}
 
@@ -93,6 +95,8 @@ def split_products(x: torch.Tensor, weight: torch.Tensor, slices: int) -> SplitS
     ks = K // slices
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if weight.stride(-1) != 1:  # the strided views below read rows of K contiguous columns
+        weight = weight.contiguous()
     if not x.is_cuda:
         return SplitSum(reference.split_products(x, weight, slices), x.dtype)
     xs = x.as_strided((slices, T, ks), (ks, x.stride(0), 1))
