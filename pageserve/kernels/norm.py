@@ -4,10 +4,10 @@ Reference: ``reference.rms_norm`` / ``reference.add_rms_norm``. Rounding follows
 reference: the residual sum is rounded to the storage dtype before it is normalised,
 the normalised row is rounded before the weight multiplies it.
 
-x may also arrive as a product's K-slice partials (``SplitSum``: the down and o projections of 2-64-row
-decode steps as one batched cuBLAS call over K slices, ``TritonOps(split_to_norm=)``), summed here in
-slice order from zero and rounded once to the output dtype before the residual add: the work of a split-K
-reduce launch, done by the kernel that reads the product anyway.
+x may also arrive as a product's K-slice partials (``SplitSum``: a decoder layer's down projection, and
+optionally its o projection, as one batched cuBLAS call over K slices, ``TritonOps(split_to_norm=)``),
+added here in slice order and rounded once to the output dtype before the residual add: the work of a
+split-K reduce launch, done by the kernel that reads the product anyway.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ add_rms_norm_reference = reference.add_rms_norm
 class SplitSum:
     """A product left as its K slices' fp32 partials for the norm that reads it next to sum:
     ``parts`` [slices, T, H] fp32, contiguous; ``dtype``: the product's own (x's). The sum is
-    ``reference.split_sum``: slice order from zero, rounded once to ``dtype``."""
+    ``reference.split_sum``: slices added in order, rounded once to ``dtype``."""
 
     parts: torch.Tensor
     dtype: torch.dtype
