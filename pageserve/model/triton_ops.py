@@ -83,7 +83,7 @@ PAIRED_SILU_ROWS = (2048, 1 << 30)
 # here the norm does that sum. H100, graphed 3B steps, two alternating pairs: down in 2 slices b64 3.567 -> 3.480 ms,
 # b16 3.189 -> 3.135, b4 2.881 -> 2.861 (diagnostics/det_b1_switches_split_down2_3decee8.*); in 4 slices b64 -0.053,
 # in 8 slower (..._split_norm_3decee8.*). On by default on Hopper (sm_90+, where it was measured) at 2-64 rows.
-SPLIT_TO_NORM_ROWS = (2, 64)
+SPLIT_TO_NORM_ROWS = (2, 256)
 SPLIT_TO_NORM = {"down": 2}
 
 
