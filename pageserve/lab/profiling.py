@@ -73,6 +73,9 @@ ENGINE_MODES = {
     "default_paired_silu_persistent": {"triton_options": {"paired_silu_rows": (4096, 1 << 20), "paired_silu_config":
                                                           InvariantMatmulConfig(128, 256, 64, 8, 3, tma=True, persistent=True)}},
     "default_no_paired_silu": {"triton_options": {"paired_silu_rows": None}},
+    # session 58: down's K slices summed by the next norm at 2-64 rows only, as at a1c4746 (the default since
+    # a68d9d7 is 2-256 rows on Hopper)
+    "default_split_to_64": {"triton_options": {"split_to_norm_rows": (2, 64)}},
     # the tile map in sequence order instead of longest tiles first (session 16)
     "default_sequence_order": {"triton_options": {"prefill_tile_order": "sequence"}},
     # eager steps at bucketed row counts, every bucket's GEMMs warmed at start-up (session 17)
