@@ -82,9 +82,9 @@ PAIRED_SILU_ROWS = (2048, 1 << 30)
 # launch of its own (H200 b64: 14.3 us + 1.9 for that reduce a layer, diagnostics/profile_steps_chain_ce246be.*);
 # here the norm does that sum. H100, graphed 3B steps, two alternating pairs: down in 2 slices b64 3.567 -> 3.480 ms,
 # b16 3.189 -> 3.135, b4 2.881 -> 2.861 (diagnostics/det_b1_switches_split_down2_3decee8.*); in 4 slices b64 -0.053,
-# in 8 slower (..._split_norm_3decee8.*). At 65-256 rows 2 slices gain as well (cuBLAS's kernels there not
-# profiled; H100, 3B down + norm at 128 / 200 / 256 rows: 25.6 / 29.5 / 37.3 us, 2 slices 23.3 / 26.9 / 28.9,
-# diagnostics/split_norm_probe_rows_7c55685.*);
+# in 8 slower (..._split_norm_3decee8.*). At 65-256 rows 2 slices gain as well (at 200 rows cuBLAS runs split-K +
+# its reduce too, ..._profile_steps_b200_split_range_c267978.*: -2.7 us a layer; H100, 3B down + norm at 128 / 200 /
+# 256 rows: 25.6 / 29.5 / 37.3 us, 2 slices 23.3 / 26.9 / 28.9, diagnostics/split_norm_probe_rows_7c55685.*);
 # graphed steps, two pairs, 2 slices to 256 rows: b128 4.51 -> 4.43 ms, b200 5.93 / 5.80 -> 5.49 / 5.48, b256
 # 6.18 / 6.11 -> 5.99 / 5.96, b64 level (det_b1_switches_split_range_7c55685.*). On by default on Hopper (sm_90+,
 # where it was measured) at 2-256 rows.
