@@ -242,11 +242,13 @@ for st in $stages; do
     08tput) # issue 14's comparison alone (results/h200/08_throughput.*): pageserve and vLLM offline, defaults on
         # both sides (pageserve's max_num_seqs sized from its pool), W1 / nano-vllm / chat, decode b1/b64; no HF, no serving.
         # One engine, another record name: TPUT08_ENGINES='[vllm]' TPUT08_RECORD=08_throughput_vllm_cold
+        # Decode steps only, at other batches (nano-vllm's 129-256-row band): TPUT08_WORKLOADS='{}'
+        # TPUT08_DECODE='{batches: [64, 128, 200, 256], context_len: 512, steps: 64, repeats: 3}' TPUT08_RECORD=08_decode_band
         install_vllm 08tput
         VLLM_USE_FLASHINFER_SAMPLER=0 run_nb "$t" 08_benchmarks $Q3B -p DTYPE bfloat16 -p RECORD_NAME "${TPUT08_RECORD:-08_throughput}" \
-          -y "ENGINES: ${TPUT08_ENGINES:-[pageserve, vllm]}" -y 'SERVE_ENGINES: []' -y 'WORKLOADS: {w1: {}, nanovllm: {}, chat: {}}' \
+          -y "ENGINES: ${TPUT08_ENGINES:-[pageserve, vllm]}" -y 'SERVE_ENGINES: []' -y "WORKLOADS: ${TPUT08_WORKLOADS:-{w1: {\}, nanovllm: {\}, chat: {\}\}}" \
           -y 'PAGESERVE_ARGS: {}' -y 'CACHED_WORKLOADS: []' -y 'VLLM_ARGS: {gpu_memory_utilization: 0.85, max_model_len: 4096}' \
-          -y 'DECODE: {batches: [1, 64], context_len: 512, steps: 64, repeats: 3}' -p WARMUP_REQUESTS 16 \
+          -y "DECODE: ${TPUT08_DECODE:-{batches: [1, 64], context_len: 512, steps: 64, repeats: 3\}}" -p WARMUP_REQUESTS 16 \
           -p PASSES "${TPUT08_PASSES:-3}"  # three timed passes a workload in each engine, the median the figure (+~100 s)
         rec=${TPUT08_RECORD:-08_throughput}
         mv "$RES/08_benchmarks.ipynb" "$RES/$rec.ipynb"; mv "$RES/08_benchmarks.log" "$RES/$rec.log" ;;
