@@ -94,12 +94,16 @@ VARIANTS = {
     "default_split_down4": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 4}}),
     "default_split_down8": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 8}}),
     "default_split_down4_o2": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 4, "o": 2}}),
-    # not run yet (next GPU session): o in slices too with down's adopted 2, and wider row ranges (above 64 rows down
-    # takes the SiLU·mul kernel first, then its slices to the norm; nano-vllm's decode band is 129-256 rows)
+    # session 58 at 7c55685 (diagnostics/det_b1_switches_split_range_7c55685.*): o in slices too with down's 2, and
+    # wider row ranges (above 64 rows down takes the SiLU·mul kernel first, then its slices to the norm)
     "default_split_down2_o2": (False, {"split_to_norm_rows": (2, 64), "split_to_norm": {"down": 2, "o": 2}}),
     "default_split_down2_to_128": (False, {"split_to_norm_rows": (2, 128), "split_to_norm": {"down": 2}}),
     "default_split_down2_to_256": (False, {"split_to_norm_rows": (2, 256), "split_to_norm": {"down": 2}}),
     "default_split_down4_to_256": (False, {"split_to_norm_rows": (2, 256), "split_to_norm": {"down": 4}}),
+    # session 58 (after the range became 2-256 rows at a68d9d7): "default" is down in 2 slices at 2-256 rows; these
+    # are the range as before it, and o in 2 slices on top (the probe: -1.7 us at 200 rows, +1.0 at 256)
+    "default_split_to_64": (False, {"split_to_norm_rows": (2, 64)}),
+    "default_split_down2_o2_to_256": (False, {"split_to_norm_rows": (2, 256), "split_to_norm": {"down": 2, "o": 2}}),
     "default_no_rope_attention": (False, {"fuse_rope_attention": False}),
     "int8_no_rope_attention": (False, {"fuse_rope_attention": False}, "int8"),
     "default_rope_attention_9_up": (False, {"fuse_rope_attention": (9, 1 << 30)}),  # not in steps under PDL
